@@ -1,0 +1,102 @@
+"""Reference GLA in plain jnp, float32 math: the spec every fast path is tested against.
+
+Two forms of the same function (spec section 1 and 2):
+
+* :func:`recurrent_gla` walks the tokens one by one with ``lax.scan``. It is the
+  definition and nothing else; it keeps a ``[K, V]`` state per token for autodiff, so
+  use it on short sequences only.
+* :func:`chunk_gla_reference` is the chunked form written the obvious way: inside a
+  chunk every pair ``(r, i)`` gets its exact decay ``exp(b_r - b_i)`` in log space
+  (a ``[C, C, K]`` tensor per chunk), between chunks a ``lax.scan`` carries the state.
+  It is stable under any decay, and slow and memory-hungry on purpose.
+
+Neither is meant to be fast; :func:`zeco_jax.chunk_gla` is.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from zeco_jax import _checks
+
+_HI = lax.Precision.HIGHEST
+
+
+def recurrent_gla(q, k, v, g=None, *, scale=None, initial_state=None,
+                  output_final_state=False, chunk_size=64):
+  """Token-by-token GLA: ``S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T``, ``o_t = scale S_t^T q_t``.
+
+  Args:
+    q, k: ``[B, T, H, K]``.  v: ``[B, T, H, V]``.
+    g: log-decay, ``[B, T, H, K]`` (per dimension), ``[B, T, H]`` (scalar per head) or
+      None (no decay). Must be <= 0.
+    scale: defaults to ``K ** -0.5``.
+    initial_state: ``[B, H, K, V]`` or None (zeros).
+    output_final_state: also return the state after the last token.
+    chunk_size: accepted for signature parity with the chunked ops; unused.
+
+  Returns:
+    ``(o, final_state)``: o ``[B, T, H, V]`` in v's dtype; final_state ``[B, H, K, V]``
+    float32, or None unless ``output_final_state``.
+  """
+  del chunk_size
+  args = _checks.check_gla_inputs(q, k, v, g, initial_state, scale, name="recurrent_gla")
+  B, T, H, K, V, scale = args.B, args.T, args.H, args.K, args.V, args.scale
+  f32 = jnp.float32
+  q_, k_, v_ = (x.astype(f32) for x in (q, k, v))
+  g_ = _checks.full_log_decay(g, B, T, H, K)
+  h0 = (jnp.zeros((B, H, K, V), f32) if initial_state is None
+        else initial_state.astype(f32))
+
+  def step(S_BxHxKxV, xs):
+    q_t, k_t, v_t, g_t = xs
+    S_BxHxKxV = (jnp.exp(g_t)[..., None] * S_BxHxKxV
+                 + k_t[..., :, None] * v_t[..., None, :])
+    o_t = scale * jnp.einsum("bhk,bhkv->bhv", q_t, S_BxHxKxV, precision=_HI)
+    return S_BxHxKxV, o_t
+
+  time_major = lambda x: jnp.moveaxis(x, 1, 0)
+  S, o_TxBxHxV = lax.scan(step, h0, tuple(map(time_major, (q_, k_, v_, g_))))
+  o = jnp.moveaxis(o_TxBxHxV, 0, 1).astype(v.dtype)
+  return o, (S if output_final_state else None)
+
+
+def chunk_gla_reference(q, k, v, g=None, *, scale=None, initial_state=None,
+                        output_final_state=False, chunk_size=64):
+  """Chunked GLA with exact log-space decays inside each chunk (spec section 2).
+
+  Same signature and result as :func:`recurrent_gla`; any ``T`` (padded internally with
+  ``k = v = 0`` and ``g = 0``, which leaves the state unchanged).
+  """
+  args = _checks.check_gla_inputs(q, k, v, g, initial_state, scale, name="chunk_gla_reference",
+                                  chunk_size=chunk_size)
+  B, T, H, K, V, scale, C = args.B, args.T, args.H, args.K, args.V, args.scale, chunk_size
+  f32 = jnp.float32
+  g_ = _checks.full_log_decay(g, B, T, H, K)
+  q_, k_, v_, g_ = (_checks.pad_time(x.astype(f32), C) for x in (q, k, v, g_))
+  N = q_.shape[1] // C
+  # [B, T, H, D] -> [N, B, H, C, D]: chunk-major so lax.scan walks the chunks.
+  to_chunks = lambda x: x.reshape(B, N, C, H, -1).transpose(1, 0, 3, 2, 4)
+  qc, kc, vc, gc = map(to_chunks, (q_, k_, v_, g_))
+  bc = jnp.cumsum(gc, axis=-2)                     # chunk-local cumulative log-decay
+  causal = jnp.tril(jnp.ones((C, C), bool))
+  h0 = (jnp.zeros((B, H, K, V), f32) if initial_state is None
+        else initial_state.astype(f32))
+
+  def chunk(h_BxHxKxV, xs):
+    q_c, k_c, v_c, b_c = xs                       # [B, H, C, D]
+    # Exact pairwise decay exp(b_r - b_i), masked to i <= r before exp (no overflow).
+    diff = b_c[..., :, None, :] - b_c[..., None, :, :]          # [B, H, C, C, K]
+    decay = jnp.exp(jnp.where(causal[:, :, None], diff, -jnp.inf))
+    scores = jnp.einsum("bhrk,bhik,bhrik->bhri", q_c, k_c, decay, precision=_HI)
+    o = scale * (jnp.einsum("bhrk,bhkv->bhrv", q_c * jnp.exp(b_c), h_BxHxKxV, precision=_HI)
+                 + jnp.einsum("bhri,bhiv->bhrv", scores, v_c, precision=_HI))
+    b_last = b_c[..., -1:, :]
+    h_next = (jnp.exp(b_last[..., 0, :])[..., None] * h_BxHxKxV
+              + jnp.einsum("bhik,bhiv->bhkv", k_c * jnp.exp(b_last - b_c), v_c, precision=_HI))
+    return h_next, o
+
+  S, oc = lax.scan(chunk, h0, (qc, kc, vc, bc))
+  o = oc.transpose(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T].astype(v.dtype)
+  return o, (S if output_final_state else None)
