@@ -1,0 +1,100 @@
+"""Shared helpers for the GLA Pallas kernels: dots, decay masks, launch options.
+
+Every kernel here takes whole-array refs (no BlockSpecs) and indexes them itself with
+``program_id``: the public layout ``[B, T, H, D]`` is read in place (strided tiles of
+``[C, D]`` rows), so no transpose of q, k, v, g or do is ever materialised.
+
+Triton-lowering constraints this code respects (see /work/shared/jax_notes.md): tile
+sizes are powers of two and at least 16 where they feed a dot; a loaded value is never
+sliced (sub-chunks are loaded from the ref); no reverse cumsum (``rev = total - cumsum
++ x``); float32 dots ask for ``precision=HIGHEST`` (IEEE, not TF32).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+SUB = 16                     # sub-chunk rows: the unit of the exact log-space diagonal
+F32 = jnp.float32
+
+
+def interpret_mode() -> bool:
+  """True when kernels must run in the Pallas interpreter.
+
+  ``ZECO_PALLAS_INTERPRET=1`` forces it, ``=0`` forbids it; otherwise it is on whenever
+  the default backend is neither GPU nor TPU (CPU tests).
+  """
+  env = os.environ.get("ZECO_PALLAS_INTERPRET")
+  if env is not None and env != "":
+    return env not in ("0", "false", "False")
+  return jax.default_backend() not in ("gpu", "cuda", "rocm", "tpu")
+
+
+def compiler_params(num_warps: int = 4, num_stages: int = 2):
+  if interpret_mode():
+    return None
+  from jax.experimental.pallas import triton as pltriton
+  return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def call(kernel, out_shape, grid, *, num_warps=4, num_stages=2, name=None):
+  """pallas_call over whole-array refs with this package's launch options."""
+  return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, interpret=interpret_mode(),
+                        compiler_params=compiler_params(num_warps, num_stages), name=name)
+
+
+def dot(a, b, dtype, *, ta=False, tb=False):
+  """a @ b (a^T when ``ta``, b^T when ``tb``) with float32 accumulation.
+
+  ``dtype`` is the operand dtype: bfloat16/float16 operands use the tensor cores at full
+  rate; float32 operands use IEEE float32 (precision HIGHEST), never silent TF32.
+  """
+  dims = (((0,) if ta else (1,), (1,) if tb else (0,)), ((), ()))
+  if dtype == F32:
+    return lax.dot_general(a.astype(F32), b.astype(F32), dims, precision=lax.Precision.HIGHEST,
+                           preferred_element_type=F32)
+  return lax.dot_general(a.astype(dtype), b.astype(dtype), dims, preferred_element_type=F32)
+
+
+def iota(shape, axis):
+  return lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def masked_exp(mask, x):
+  """exp(x) where mask, 0 elsewhere; the exponent is masked first, so no inf * 0."""
+  return jnp.exp(jnp.where(mask, x, -jnp.inf))
+
+
+def last_row(x):
+  """x[-1:] of a loaded [R, D] value, as [1, D] (loaded values cannot be sliced).
+
+  Taking the chunk's total log-decay from the same cumsum as the rows keeps
+  ``b_last - b`` exactly 0 on the last row, which matters under strong decay where
+  ``|b|`` reaches hundreds and one ulp of it is a 1e-5 relative error in ``exp``.
+  """
+  return jnp.sum(jnp.where(iota(x.shape, 0) == x.shape[0] - 1, x, 0.0), axis=0, keepdims=True)
+
+
+def rev_cumsum(x):
+  """Reverse cumulative sum along axis 0 (Triton has only the forward scan)."""
+  return jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x
+
+
+def block(n: int, cap: int) -> int:
+  """Largest power of two <= cap dividing n (n itself if n <= cap and a power of two)."""
+  b = 1
+  while b * 2 <= min(n, cap) and n % (b * 2) == 0:
+    b *= 2
+  return b
+
+
+def check_dims(K: int, V: int, C: int) -> None:
+  for name, d in (("K", K), ("V", V), ("chunk_size", C)):
+    if d < 16 or d & (d - 1):
+      raise ValueError(f"pallas_kernels: {name} must be a power of two >= 16 for the Pallas "
+                       f"kernels, got {d}; use backend='jax' for other sizes.")

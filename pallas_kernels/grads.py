@@ -1,0 +1,135 @@
+"""Chunk-parallel backward stages: dv, and dq / dk / dg (chunked.py's formulas).
+
+  dv = scale A^T do + (k e^{b_last - b}) dH[n]
+  dq = scale (do h[n]^T) e^{b} + row_side(dA, k)
+  dk = col_side(dA, q) + (v dH[n]^T) e^{b_last - b}
+  dg = reverse cumsum over the chunk of (q dq - k dk), plus on every row the chunk-total
+       term e^{b_last} sum_v(h dH) + sum_i k dk_state (the state leaving the chunk
+       depends on every gate of the chunk).
+
+The intra-chunk terms are per 16-row sub-chunk with the same references as the scores:
+rows use the row before the sub-chunk, columns use the sub-chunk's last row, and the
+diagonal block is exact in log space. Each program owns one ``BK`` slice of K for one
+chunk, so dg's reverse cumsum runs over the sub-chunks in reverse inside the program.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _common as cm
+
+S = cm.SUB
+
+
+def _dv_kernel(k_ref, g_ref, do_ref, a_ref, dh_ref, dv_ref, *, C, K, BK, BV, dt, scale):
+  b, hd, n, iv = (pl.program_id(i) for i in range(4))
+  tc, vs = pl.ds(n * C, C), pl.ds(iv * BV, BV)
+  dv = scale * cm.dot(a_ref[b, hd, n], do_ref[b, tc, hd, vs], dt, ta=True)
+  for kk in range(K // BK):
+    ks = pl.ds(kk * BK, BK)
+    g = g_ref[b, tc, hd, ks]
+    bc = jnp.cumsum(g, axis=0)
+    k_dec = k_ref[b, tc, hd, ks].astype(cm.F32) * jnp.exp(cm.last_row(bc) - bc)
+    dv = dv + cm.dot(k_dec, dh_ref[b, hd, n, ks, vs], dt)
+  dv_ref[b, tc, hd, vs] = dv.astype(dv_ref.dtype)
+
+
+def dv(k, g, do, A, dH, *, scale, chunk_size):
+  B, T, H, K = k.shape
+  V = do.shape[-1]
+  C = chunk_size
+  BK, BV = cm.block(K, 64), cm.block(V, 64)
+  kern = functools.partial(_dv_kernel, C=C, K=K, BK=BK, BV=BV, dt=k.dtype, scale=scale)
+  return cm.call(kern, jax.ShapeDtypeStruct(do.shape, do.dtype), (B, H, T // C, V // BV),
+                 num_warps=4, num_stages=2, name="gla_dv")(k, g, do, A, dH)
+
+
+def _dqdk_kernel(q_ref, k_ref, v_ref, g_ref, do_ref, h_ref, dh_ref, da_ref,
+                 dq_ref, dk_ref, dg_ref, *, C, V, BK, BV, dt, scale):
+  b, hd, n, ik = (pl.program_id(i) for i in range(4))
+  t0 = n * C
+  tc, ks = pl.ds(t0, C), pl.ds(ik * BK, BK)
+  Ns = C // S
+  rows = [pl.ds(t0 + a * S, S) for a in range(Ns)]
+
+  # Inter-chunk terms, per sub-chunk, accumulated over V tiles.
+  dq_inter = [jnp.zeros((S, BK), cm.F32) for _ in range(Ns)]
+  dk_inter = [jnp.zeros((S, BK), cm.F32) for _ in range(Ns)]
+  h_dh = jnp.zeros((1, BK), cm.F32)
+  for iv in range(V // BV):
+    vs = pl.ds(iv * BV, BV)
+    h = h_ref[b, hd, n, ks, vs]
+    dH = dh_ref[b, hd, n, ks, vs]
+    h_dh = h_dh + jnp.sum(h * dH, axis=1)[None, :]
+    for a in range(Ns):
+      dq_inter[a] = dq_inter[a] + cm.dot(do_ref[b, rows[a], hd, vs], h, dt, tb=True)
+      dk_inter[a] = dk_inter[a] + cm.dot(v_ref[b, rows[a], hd, vs], dH, dt, tb=True)
+
+  g_full = g_ref[b, tc, hd, ks]
+  bc = jnp.cumsum(g_full, axis=0)
+  q_full = q_ref[b, tc, hd, ks].astype(cm.F32)
+  k_full = k_ref[b, tc, hd, ks].astype(cm.F32)
+  row = cm.iota((C, BK), 0)
+
+  sub = []
+  offset = jnp.zeros((1, BK), cm.F32)
+  for a in range(Ns):
+    g_a = g_ref[b, rows[a], hd, ks]
+    bl = jnp.cumsum(g_a, axis=0)
+    b_a = offset + bl
+    q_a = q_ref[b, rows[a], hd, ks].astype(cm.F32)
+    k_a = k_ref[b, rows[a], hd, ks].astype(cm.F32)
+    end = offset + cm.last_row(bl)
+    sub.append((bl, b_a, q_a, k_a, offset, end))
+    offset = end
+  b_last = offset                     # the same sums as every b_a: b_last - b_a <= 0 exactly
+  d_last = jnp.exp(b_last) * h_dh
+  for a in range(Ns):
+    bl, b_a, q_a, k_a, start, end = sub[a]
+    dk_state = dk_inter[a] * jnp.exp(b_last - b_a)
+    d_last = d_last + jnp.sum(k_a * dk_state, axis=0, keepdims=True)
+    sub[a] = sub[a] + (dk_state,)
+
+  carry = d_last
+  shape3 = (S, S, BK)
+  causal3 = cm.iota(shape3, 0) >= cm.iota(shape3, 1)
+  for a in reversed(range(Ns)):
+    bl, b_a, q_a, k_a, start, end, dk_state = sub[a]
+    dq = scale * dq_inter[a] * jnp.exp(b_a)
+    dk = dk_state
+    if a > 0:
+      k_fac = k_full * cm.masked_exp(row < a * S, start - bc)
+      dA_rows = da_ref[b, hd, n, pl.ds(a * S, S), :]
+      dq = dq + jnp.exp(bl) * cm.dot(dA_rows, k_fac, dt)
+    if a < Ns - 1:
+      q_fac = q_full * cm.masked_exp(row >= (a + 1) * S, bc - end)
+      dA_cols = da_ref[b, hd, n, :, pl.ds(a * S, S)]
+      dk = dk + jnp.exp(end - b_a) * cm.dot(dA_cols, q_fac, dt, ta=True)
+    dA_diag = da_ref[b, hd, n, pl.ds(a * S, S), pl.ds(a * S, S)]
+    decay = cm.masked_exp(causal3, bl[:, None, :] - bl[None, :, :])        # [r, j, k]
+    w = dA_diag[:, :, None] * decay
+    dq = dq + jnp.sum(w * k_a[None, :, :], axis=1)
+    dk = dk + jnp.sum(w * q_a[:, None, :], axis=0)
+    db = q_a * dq - k_a * dk
+    dg = carry + cm.rev_cumsum(db)
+    carry = carry + jnp.sum(db, axis=0, keepdims=True)
+    dq_ref[b, rows[a], hd, ks] = dq.astype(dq_ref.dtype)
+    dk_ref[b, rows[a], hd, ks] = dk.astype(dk_ref.dtype)
+    dg_ref[b, rows[a], hd, ks] = dg
+
+
+def dqdk(q, k, v, g, do, h, dH, dA, *, scale, chunk_size):
+  """Returns (dq, dk in q's dtype, dg float32), all [B, T, H, K]."""
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  C = chunk_size
+  BK, BV = cm.block(K, 32), cm.block(V, 64)
+  kern = functools.partial(_dqdk_kernel, C=C, V=V, BK=BK, BV=BV, dt=q.dtype, scale=scale)
+  out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+         jax.ShapeDtypeStruct(q.shape, cm.F32))
+  return cm.call(kern, out, (B, H, T // C, K // BK), num_warps=4, num_stages=1,
+                 name="gla_dqdk")(q, k, v, g, do, h, dH, dA)

@@ -1,0 +1,115 @@
+"""Chunk-parallel forward stages: intra-chunk scores A (and dA for the backward), output.
+
+Grid ``(B, H, N)`` for the scores, ``(B, H, N, V / BV)`` for the output.
+
+Scores ``A[r, i] = sum_k q_rk k_ik exp(b_rk - b_ik)`` for ``i <= r`` (unscaled) are built
+one 16-row sub-chunk ``a`` at a time. Columns before the sub-chunk factor through the
+reference ``ref_a = b`` at the last row before it: ``exp(b_r - ref_a) * exp(ref_a - b_i)``,
+both factors <= 1, one tensor-core dot. The diagonal ``16 x 16`` block takes every pair's
+decay exactly in log space (a ``[16, 16, KD]`` tensor), so strong decay never overflows.
+The diagonal block is placed into the row block with a one-hot float32 dot (exact).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _common as cm
+
+S = cm.SUB
+
+
+def _diag_block(q_a, k_a, bl):
+  """[S, S]: sum_k q_r k_j exp(bl_r - bl_j) for j <= r (bl: sub-chunk-local cumsum)."""
+  shape3 = (S, S, bl.shape[-1])
+  decay = cm.masked_exp(cm.iota(shape3, 0) >= cm.iota(shape3, 1), bl[:, None, :] - bl[None, :, :])
+  return jnp.sum(q_a[:, None, :] * k_a[None, :, :] * decay, axis=2)
+
+
+def _scores_kernel(*refs, C, K, KD, V, BV, dt, scale, with_da):
+  if with_da:
+    q_ref, k_ref, g_ref, do_ref, v_ref, a_ref, da_ref = refs
+  else:
+    q_ref, k_ref, g_ref, a_ref = refs
+  b, hd, n = (pl.program_id(i) for i in range(3))
+  t0 = n * C
+  tc = pl.ds(t0, C)
+  Ns = C // S
+  acc_off = [jnp.zeros((S, C), cm.F32) for _ in range(Ns)]
+  acc_diag = [jnp.zeros((S, S), cm.F32) for _ in range(Ns)]
+  row = cm.iota((C, KD), 0)
+  for kk in range(K // KD):
+    ks = pl.ds(kk * KD, KD)
+    g_full = g_ref[b, tc, hd, ks]
+    bc = jnp.cumsum(g_full, axis=0)
+    k_full = k_ref[b, tc, hd, ks].astype(cm.F32)
+    offset = jnp.zeros((1, KD), cm.F32)          # b at the row before sub-chunk a
+    for a in range(Ns):
+      rows = pl.ds(t0 + a * S, S)
+      g_a = g_ref[b, rows, hd, ks]
+      bl = jnp.cumsum(g_a, axis=0)                 # b_r - offset for the rows of a
+      q_a = q_ref[b, rows, hd, ks].astype(cm.F32)
+      k_a = k_ref[b, rows, hd, ks].astype(cm.F32)
+      if a > 0:
+        q_fac = q_a * jnp.exp(bl)
+        k_fac = k_full * cm.masked_exp(row < a * S, offset - bc)
+        acc_off[a] = acc_off[a] + cm.dot(q_fac, k_fac, dt, tb=True)
+      acc_diag[a] = acc_diag[a] + _diag_block(q_a, k_a, bl)
+      offset = offset + jnp.sum(g_a, axis=0, keepdims=True)
+  place = cm.iota((S, C), 1) - cm.iota((S, C), 0)
+  for a in range(Ns):
+    one_hot = (place == a * S).astype(cm.F32)
+    a_ref[b, hd, n, pl.ds(a * S, S), :] = acc_off[a] + cm.dot(acc_diag[a], one_hot, cm.F32)
+  if with_da:
+    da = jnp.zeros((C, C), cm.F32)
+    for iv in range(V // BV):
+      vs = pl.ds(iv * BV, BV)
+      da = da + cm.dot(do_ref[b, tc, hd, vs], v_ref[b, tc, hd, vs], dt, tb=True)
+    causal = cm.iota((C, C), 0) >= cm.iota((C, C), 1)
+    da_ref[b, hd, n] = jnp.where(causal, scale * da, 0.0)
+
+
+def scores(q, k, g, *, chunk_size, do=None, v=None, scale=1.0):
+  """A [B, H, N, C, C] float32 (unscaled, lower triangular); with do and v also
+  dA = tril(scale * do v^T) [B, H, N, C, C]."""
+  B, T, H, K = q.shape
+  C = chunk_size
+  N = T // C
+  KD = cm.block(K, 32)
+  with_da = do is not None
+  V = v.shape[-1] if with_da else 16
+  BV = cm.block(V, 128)
+  kern = functools.partial(_scores_kernel, C=C, K=K, KD=KD, V=V, BV=BV, dt=q.dtype,
+                           scale=scale, with_da=with_da)
+  a_shape = jax.ShapeDtypeStruct((B, H, N, C, C), cm.F32)
+  if with_da:
+    return cm.call(kern, (a_shape, a_shape), (B, H, N), num_warps=4, num_stages=1,
+                   name="gla_scores_bwd")(q, k, g, do, v)
+  return cm.call(kern, a_shape, (B, H, N), num_warps=4, num_stages=1,
+                 name="gla_scores")(q, k, g)
+
+
+def _output_kernel(q_ref, v_ref, g_ref, h_ref, a_ref, o_ref, *, C, K, BK, BV, dt, scale):
+  b, hd, n, iv = (pl.program_id(i) for i in range(4))
+  tc, vs = pl.ds(n * C, C), pl.ds(iv * BV, BV)
+  o = cm.dot(a_ref[b, hd, n], v_ref[b, tc, hd, vs], dt)
+  for kk in range(K // BK):
+    ks = pl.ds(kk * BK, BK)
+    q_dec = q_ref[b, tc, hd, ks].astype(cm.F32) * jnp.exp(jnp.cumsum(g_ref[b, tc, hd, ks], axis=0))
+    o = o + cm.dot(q_dec, h_ref[b, hd, n, ks, vs], dt)
+  o_ref[b, tc, hd, vs] = (scale * o).astype(o_ref.dtype)
+
+
+def output(q, v, g, h, A, *, scale, chunk_size):
+  """o = scale * ((q e^b) h[n] + A v): [B, T, H, V] in v's dtype."""
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  C = chunk_size
+  N = T // C
+  BK, BV = cm.block(K, 64), cm.block(V, 64)
+  kern = functools.partial(_output_kernel, C=C, K=K, BK=BK, BV=BV, dt=q.dtype, scale=scale)
+  return cm.call(kern, jax.ShapeDtypeStruct(v.shape, v.dtype), (B, H, N, V // BV),
+                 num_warps=4, num_stages=2, name="gla_output")(q, v, g, h, A)
