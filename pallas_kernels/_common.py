@@ -22,6 +22,16 @@ from jax.experimental import pallas as pl
 SUB = 16                     # sub-chunk rows: the unit of the exact log-space diagonal
 F32 = jnp.float32
 
+# Launch parameters, read at trace time (benchmarks/kernels.py sweeps them; re-jit after a
+# change). Block sizes are caps: the kernel takes the largest power of two <= cap dividing D.
+TUNE = {
+    "state_bk": 64, "state_bv": 64, "state_warps": 4, "state_stages": 3,
+    "scores_kd": 32, "scores_bv": 128, "scores_warps": 4,
+    "out_bk": 64, "out_bv": 64, "out_warps": 4, "out_stages": 2,
+    "dv_bk": 64, "dv_bv": 64, "dv_warps": 4, "dv_stages": 2,
+    "dqdk_bk": 32, "dqdk_bv": 64, "dqdk_warps": 4,
+}
+
 
 def interpret_mode() -> bool:
   """True when kernels must run in the Pallas interpreter.

@@ -42,10 +42,10 @@ def dv(k, g, do, A, dH, *, scale, chunk_size):
   B, T, H, K = k.shape
   V = do.shape[-1]
   C = chunk_size
-  BK, BV = cm.block(K, 64), cm.block(V, 64)
+  BK, BV = cm.block(K, cm.TUNE['dv_bk']), cm.block(V, cm.TUNE['dv_bv'])
   kern = functools.partial(_dv_kernel, C=C, K=K, BK=BK, BV=BV, dt=k.dtype, scale=scale)
   return cm.call(kern, jax.ShapeDtypeStruct(do.shape, do.dtype), (B, H, T // C, V // BV),
-                 num_warps=4, num_stages=2, name="gla_dv")(k, g, do, A, dH)
+                 num_warps=cm.TUNE['dv_warps'], num_stages=cm.TUNE['dv_stages'], name="gla_dv")(k, g, do, A, dH)
 
 
 def _dqdk_kernel(q_ref, k_ref, v_ref, g_ref, do_ref, h_ref, dh_ref, da_ref,
@@ -127,9 +127,9 @@ def dqdk(q, k, v, g, do, h, dH, dA, *, scale, chunk_size):
   B, T, H, K = q.shape
   V = v.shape[-1]
   C = chunk_size
-  BK, BV = cm.block(K, 32), cm.block(V, 64)
+  BK, BV = cm.block(K, cm.TUNE['dqdk_bk']), cm.block(V, cm.TUNE['dqdk_bv'])
   kern = functools.partial(_dqdk_kernel, C=C, V=V, BK=BK, BV=BV, dt=q.dtype, scale=scale)
   out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
          jax.ShapeDtypeStruct(q.shape, cm.F32))
-  return cm.call(kern, out, (B, H, T // C, K // BK), num_warps=4, num_stages=1,
+  return cm.call(kern, out, (B, H, T // C, K // BK), num_warps=cm.TUNE['dqdk_warps'], num_stages=1,
                  name="gla_dqdk")(q, k, v, g, do, h, dH, dA)

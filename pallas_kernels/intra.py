@@ -78,17 +78,17 @@ def scores(q, k, g, *, chunk_size, do=None, v=None, scale=1.0):
   B, T, H, K = q.shape
   C = chunk_size
   N = T // C
-  KD = cm.block(K, 32)
+  KD = cm.block(K, cm.TUNE['scores_kd'])
   with_da = do is not None
   V = v.shape[-1] if with_da else 16
-  BV = cm.block(V, 128)
+  BV = cm.block(V, cm.TUNE['scores_bv'])
   kern = functools.partial(_scores_kernel, C=C, K=K, KD=KD, V=V, BV=BV, dt=q.dtype,
                            scale=scale, with_da=with_da)
   a_shape = jax.ShapeDtypeStruct((B, H, N, C, C), cm.F32)
   if with_da:
-    return cm.call(kern, (a_shape, a_shape), (B, H, N), num_warps=4, num_stages=1,
+    return cm.call(kern, (a_shape, a_shape), (B, H, N), num_warps=cm.TUNE['scores_warps'], num_stages=1,
                    name="gla_scores_bwd")(q, k, g, do, v)
-  return cm.call(kern, a_shape, (B, H, N), num_warps=4, num_stages=1,
+  return cm.call(kern, a_shape, (B, H, N), num_warps=cm.TUNE['scores_warps'], num_stages=1,
                  name="gla_scores")(q, k, g)
 
 
@@ -109,7 +109,7 @@ def output(q, v, g, h, A, *, scale, chunk_size):
   V = v.shape[-1]
   C = chunk_size
   N = T // C
-  BK, BV = cm.block(K, 64), cm.block(V, 64)
+  BK, BV = cm.block(K, cm.TUNE['out_bk']), cm.block(V, cm.TUNE['out_bv'])
   kern = functools.partial(_output_kernel, C=C, K=K, BK=BK, BV=BV, dt=q.dtype, scale=scale)
   return cm.call(kern, jax.ShapeDtypeStruct(v.shape, v.dtype), (B, H, N, V // BV),
-                 num_warps=4, num_stages=2, name="gla_output")(q, v, g, h, A)
+                 num_warps=cm.TUNE['out_warps'], num_stages=cm.TUNE['out_stages'], name="gla_output")(q, v, g, h, A)

@@ -42,10 +42,10 @@ def state_pass(k, v, g, h0, *, chunk_size):
   V = v.shape[-1]
   C = chunk_size
   N = T // C
-  BK, BV = cm.block(K, 64), cm.block(V, 64)
+  BK, BV = cm.block(K, cm.TUNE['state_bk']), cm.block(V, cm.TUNE['state_bv'])
   kern = functools.partial(_state_kernel, C=C, N=N, BK=BK, BV=BV, dt=k.dtype)
   out = (jax.ShapeDtypeStruct((B, H, N, K, V), cm.F32), jax.ShapeDtypeStruct((B, H, K, V), cm.F32))
-  return cm.call(kern, out, (B, H, K // BK, V // BV), num_warps=4, num_stages=3,
+  return cm.call(kern, out, (B, H, K // BK, V // BV), num_warps=cm.TUNE['state_warps'], num_stages=cm.TUNE['state_stages'],
                  name="gla_state_pass")(k, v, g, h0)
 
 
@@ -74,8 +74,8 @@ def state_grad_pass(q, do, g, dht, *, scale, chunk_size):
   V = do.shape[-1]
   C = chunk_size
   N = T // C
-  BK, BV = cm.block(K, 64), cm.block(V, 64)
+  BK, BV = cm.block(K, cm.TUNE['state_bk']), cm.block(V, cm.TUNE['state_bv'])
   kern = functools.partial(_state_grad_kernel, C=C, N=N, BK=BK, BV=BV, dt=q.dtype, scale=scale)
   out = (jax.ShapeDtypeStruct((B, H, N, K, V), cm.F32), jax.ShapeDtypeStruct((B, H, K, V), cm.F32))
-  return cm.call(kern, out, (B, H, K // BK, V // BV), num_warps=4, num_stages=3,
+  return cm.call(kern, out, (B, H, K // BK, V // BV), num_warps=cm.TUNE['state_warps'], num_stages=cm.TUNE['state_stages'],
                  name="gla_state_grad_pass")(q, do, g, dht)

@@ -1,0 +1,266 @@
+"""Pallas chunked-GLA kernels vs the plain-jnp chunk path vs flash-linear-attention.
+
+One script, run on the GPU through the device tool: it checks correctness on the GPU first
+(float32 with strong decay against the jnp path; bf16 against FLA), then times, on
+identical bf16 inputs with per-dim decay logsigmoid(x)/16, for each shape: forward and
+forward+backward of our Pallas path, our jnp chunk path and FLA's ``chunk_gla``.
+
+Timing: each number is the median over ``--reps`` repeats of the mean time of ``--iters``
+back-to-back calls after warm-up (device synchronised at the end of each repeat). FLA is
+also timed with ``triton.testing.do_bench`` (median), the figure the issue quotes.
+Peak memory: for JAX, the compiled program's arguments + outputs + temporaries
+(``memory_analysis``); for FLA, ``torch.cuda.max_memory_allocated`` over the call with the
+same inputs and outputs resident.
+
+    python3 benchmarks/kernels.py --out results_dir        # on the H200
+    python3 benchmarks/kernels.py --check-only              # correctness only
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from zeco_jax import chunk_gla  # noqa: E402
+from zeco_jax import chunked  # noqa: E402
+import pallas_kernels  # noqa: E402
+from pallas_kernels import _common as cm  # noqa: E402
+
+SHAPES = [  # (name, B, T, H, K, V)
+    ("paper B1 T16384 H16 K128 V128", 1, 16384, 16, 128, 128),
+    ("GLA-340M B8 T4096 H4 K128 V256", 8, 4096, 4, 128, 256),
+]
+
+
+def rel(a, b):
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def make_inputs(seed, B, T, H, K, V, *, strong=False):
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((B, T, H, K), np.float32)
+  k = rng.standard_normal((B, T, H, K), np.float32)
+  v = rng.standard_normal((B, T, H, V), np.float32)
+  x = rng.standard_normal((B, T, H, K), np.float32)
+  if strong:
+    g = -np.log1p(np.exp(-x)) * 4.0 - rng.uniform(0, 3, x.shape).astype(np.float32)
+  else:
+    g = -np.log1p(np.exp(-x)) / 16.0      # logsigmoid(x) / 16
+  do = rng.standard_normal((B, T, H, V), np.float32)
+  return q, k, v, g.astype(np.float32), do
+
+
+def jax_fns(backend, scale):
+  def fwd(q, k, v, g):
+    return chunk_gla(q, k, v, g, scale=scale, backend=backend)[0]
+
+  def fwd_bwd(q, k, v, g, do):
+    o, vjp = jax.vjp(fwd, q, k, v, g)
+    return vjp(do)
+
+  return jax.jit(fwd), jax.jit(fwd_bwd)
+
+
+def time_loop(fn, sync, iters, reps):
+  out = fn()
+  sync(out)
+  out = fn()
+  sync(out)
+  ts = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for _ in range(iters):
+      out = fn()
+    sync(out)
+    ts.append((time.perf_counter() - t0) / iters * 1e3)
+  return float(np.median(ts))
+
+
+def jax_peak(jfn, *args):
+  try:
+    m = jfn.lower(*args).compile().memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes) / 2**30
+  except Exception:  # noqa: BLE001
+    return float("nan")
+
+
+def check_gpu(log):
+  """float32 + strong decay: Pallas vs the jnp chunk path (HIGHEST), fwd and all grads."""
+  ok = True
+  be = pallas_kernels.backend()
+  for (B, T, H, K, V) in [(2, 256, 2, 64, 128), (1, 512, 2, 128, 256), (1, 192, 3, 256, 64)]:
+    q, k, v, g, do = make_inputs(1, B, T, H, K, V, strong=True)
+    rng = np.random.default_rng(2)
+    h0 = jnp.asarray(rng.standard_normal((B, H, K, V), np.float32))
+    dht = jnp.asarray(rng.standard_normal((B, H, K, V), np.float32))
+    kw = dict(scale=K ** -0.5, initial_state=h0, chunk_size=64)
+    q, k, v, g, do = map(jnp.asarray, (q, k, v, g, do))
+    o1, s1 = jax.jit(lambda *a: be.fwd(*a, **kw))(q, k, v, g)
+    o2, s2 = jax.jit(lambda *a: chunked.fwd(*a, **kw))(q, k, v, g)
+    r1 = jax.jit(lambda *a: be.bwd(*a, **kw))(q, k, v, g, do, dht)
+    r2 = jax.jit(lambda *a: chunked.bwd(*a, **kw))(q, k, v, g, do, dht)
+    errs = {"o": rel(o1, o2), "ht": rel(s1, s2)}
+    errs.update({n: rel(a, b) for n, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), r1, r2)})
+    good = errs["o"] <= 1e-5 and errs["ht"] <= 1e-5 and all(
+        errs[n] <= 1e-4 for n in ("dq", "dk", "dv", "dg", "dh0"))
+    good = good and all(np.isfinite(list(errs.values())))
+    ok &= good
+    log(f"check f32 strong decay B{B} T{T} H{H} K{K} V{V}: "
+        + " ".join(f"{n}={e:.1e}" for n, e in errs.items()) + ("  OK" if good else "  FAIL"))
+  return ok
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  ap.add_argument("--iters", type=int, default=20)
+  ap.add_argument("--reps", type=int, default=7)
+  ap.add_argument("--check-only", action="store_true")
+  ap.add_argument("--no-fla", action="store_true")
+  ap.add_argument("--no-jnp", action="store_true")
+  ap.add_argument("--tune", default="", help="JSON list of TUNE overrides to time (Pallas only)")
+  args = ap.parse_args()
+  lines = []
+
+  def log(s):
+    print(s, flush=True)
+    lines.append(s)
+
+  log(f"jax {jax.__version__}, devices {jax.devices()}")
+  ok = check_gpu(log)
+  if args.check_only:
+    return
+  fla = None
+  if not args.no_fla:
+    try:
+      import torch
+      import triton
+      from fla.ops.gla import chunk_gla as fla_chunk_gla
+      import fla
+      fla = (torch, triton, fla_chunk_gla)
+      log(f"torch {torch.__version__}, triton {triton.__version__}, fla {fla.__version__}, "
+          f"{torch.cuda.get_device_name()}")
+    except Exception as e:  # noqa: BLE001
+      log(f"FLA unavailable: {e!r}")
+  results = []
+  jsync = jax.block_until_ready
+  for name, B, T, H, K, V in SHAPES:
+    scale = K ** -0.5
+    qn, kn, vn, gn, don = make_inputs(0, B, T, H, K, V)
+    bf = jnp.bfloat16
+    q, k, v, do = (jnp.asarray(x, bf) for x in (qn, kn, vn, don))
+    g = jnp.asarray(gn)
+    row = {"shape": name}
+    variants = [("pallas", {})]
+    if args.tune:
+      variants += [(f"pallas{json.dumps(t, separators=(',', ':'))}", t)
+                   for t in json.loads(args.tune)]
+    if not args.no_jnp:
+      variants.append(("jnp", {}))
+    base_tune = dict(cm.TUNE)
+    outs = {}
+    for vname, tune in variants:
+      cm.TUNE.clear()
+      cm.TUNE.update(base_tune, **tune)
+      backend = "jax" if vname == "jnp" else "pallas"
+      try:
+        f, fb = jax_fns(backend, scale)
+        o = f(q, k, v, g)
+        outs[vname] = np.asarray(o.astype(jnp.float32))
+        row[f"{vname} fwd ms"] = time_loop(lambda: f(q, k, v, g), jsync, args.iters, args.reps)
+        row[f"{vname} fwd+bwd ms"] = time_loop(lambda: fb(q, k, v, g, do), jsync, args.iters,
+                                               args.reps)
+        row[f"{vname} fwd GiB"] = jax_peak(f, q, k, v, g)
+        row[f"{vname} fwd+bwd GiB"] = jax_peak(fb, q, k, v, g, do)
+        if vname == "pallas":
+          gp = fb(q, k, v, g, do)
+          outs["pallas_grads"] = [np.asarray(x.astype(jnp.float32)) for x in gp]
+        log(f"{name} {vname}: fwd {row[f'{vname} fwd ms']:.3f} ms, fwd+bwd "
+            f"{row[f'{vname} fwd+bwd ms']:.3f} ms, peak {row[f'{vname} fwd GiB']:.2f} / "
+            f"{row[f'{vname} fwd+bwd GiB']:.2f} GiB")
+      except Exception as e:  # noqa: BLE001
+        log(f"{name} {vname}: FAILED {e!r}")
+        traceback.print_exc()
+    cm.TUNE.clear()
+    cm.TUNE.update(base_tune)
+    if "jnp" in outs and "pallas" in outs:
+      row["pallas vs jnp fwd rel"] = rel(outs["pallas"], outs["jnp"])
+    if fla is not None:
+      torch, triton, fla_fn = fla
+      try:
+        dev = "cuda"
+        tq, tk, tv, tdo = (torch.tensor(x, device=dev).to(torch.bfloat16) for x in (qn, kn, vn, don))
+        tg = torch.tensor(gn, device=dev)
+        for t in (tq, tk, tv, tg):
+          t.requires_grad_(True)
+        ffwd = lambda: fla_fn(tq, tk, tv, tg, scale=scale)[0]
+
+        def ffb():
+          o = fla_fn(tq, tk, tv, tg, scale=scale)[0]
+          return torch.autograd.grad(o, (tq, tk, tv, tg), tdo)
+
+        with torch.no_grad():
+          of = ffwd().float().cpu().numpy()
+        tsync = lambda _: torch.cuda.synchronize()
+        row["fla fwd ms"] = time_loop(lambda: ffwd(), tsync, args.iters, args.reps)
+        row["fla fwd+bwd ms"] = time_loop(ffb, tsync, args.iters, args.reps)
+        row["fla fwd ms (do_bench)"] = triton.testing.do_bench(ffwd, return_mode="median")
+        row["fla fwd+bwd ms (do_bench)"] = triton.testing.do_bench(ffb, return_mode="median")
+        for key, fn in (("fwd", ffwd), ("fwd+bwd", ffb)):
+          torch.cuda.synchronize()
+          torch.cuda.reset_peak_memory_stats()
+          base = torch.cuda.memory_allocated()
+          r = fn()
+          torch.cuda.synchronize()
+          # Inputs (q, k, v, g, do) are resident for both frameworks: count them.
+          inputs = sum(t.numel() * t.element_size() for t in (tq, tk, tv, tg)) + (
+              tdo.numel() * tdo.element_size() if key == "fwd+bwd" else 0)
+          row[f"fla {key} GiB"] = (torch.cuda.max_memory_allocated() - base + inputs) / 2**30
+          del r
+        row["pallas vs fla fwd rel"] = rel(outs.get("pallas", np.nan), of)
+        fg = [x.float().cpu().numpy() for x in ffb()]
+        if "pallas_grads" in outs:
+          row["pallas vs fla grad rel"] = [rel(a, b) for a, b in zip(outs["pallas_grads"], fg)]
+        log(f"{name} fla: fwd {row['fla fwd ms']:.3f} ms (do_bench {row['fla fwd ms (do_bench)']:.3f}),"
+            f" fwd+bwd {row['fla fwd+bwd ms']:.3f} ms (do_bench "
+            f"{row['fla fwd+bwd ms (do_bench)']:.3f}), peak {row['fla fwd GiB']:.2f} / "
+            f"{row['fla fwd+bwd GiB']:.2f} GiB; pallas vs fla fwd rel "
+            f"{row['pallas vs fla fwd rel']:.2e}, grads {row.get('pallas vs fla grad rel')}")
+        del tq, tk, tv, tg, tdo
+        torch.cuda.empty_cache()
+      except Exception as e:  # noqa: BLE001
+        log(f"{name} fla: FAILED {e!r}")
+        traceback.print_exc()
+    results.append(row)
+
+  log("")
+  log("| shape | pass | Pallas (ms) | jnp chunk (ms) | FLA (ms) | FLA / Pallas | peak Pallas / FLA (GiB) |")
+  log("|---|---|---|---|---|---|---|")
+  for r in results:
+    for key in ("fwd", "fwd+bwd"):
+      p, j, f = (r.get(f"{x} {key} ms", float("nan")) for x in ("pallas", "jnp", "fla"))
+      log(f"| {r['shape']} | {key} | {p:.3f} | {j:.3f} | {f:.3f} | {f / p:.2f} | "
+          f"{r.get(f'pallas {key} GiB', float('nan')):.2f} / {r.get(f'fla {key} GiB', float('nan')):.2f} |")
+  log(f"GPU correctness checks: {'all OK' if ok else 'FAILED'}")
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "kernels.json"), "w") as fh:
+    json.dump({"results": results, "tune": cm.TUNE, "checks_ok": ok}, fh, indent=1, default=str)
+  with open(os.path.join(args.out, "kernels.log"), "w") as fh:
+    fh.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+  main()
