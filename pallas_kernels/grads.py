@@ -53,73 +53,69 @@ def _dqdk_kernel(q_ref, k_ref, v_ref, g_ref, do_ref, h_ref, dh_ref, da_ref,
   b, hd, n, ik = (pl.program_id(i) for i in range(4))
   t0 = n * C
   tc, ks = pl.ds(t0, C), pl.ds(ik * BK, BK)
-  Ns = C // S
-  rows = [pl.ds(t0 + a * S, S) for a in range(Ns)]
-
-  # Inter-chunk terms, per sub-chunk, accumulated over V tiles.
-  dq_inter = [jnp.zeros((S, BK), cm.F32) for _ in range(Ns)]
-  dk_inter = [jnp.zeros((S, BK), cm.F32) for _ in range(Ns)]
-  h_dh = jnp.zeros((1, BK), cm.F32)
-  for iv in range(V // BV):
-    vs = pl.ds(iv * BV, BV)
-    h = h_ref[b, hd, n, ks, vs]
-    dH = dh_ref[b, hd, n, ks, vs]
-    h_dh = h_dh + jnp.sum(h * dH, axis=1)[None, :]
-    for a in range(Ns):
-      dq_inter[a] = dq_inter[a] + cm.dot(do_ref[b, rows[a], hd, vs], h, dt, tb=True)
-      dk_inter[a] = dk_inter[a] + cm.dot(v_ref[b, rows[a], hd, vs], dH, dt, tb=True)
-
-  g_full = g_ref[b, tc, hd, ks]
-  bc = jnp.cumsum(g_full, axis=0)
-  q_full = q_ref[b, tc, hd, ks].astype(cm.F32)
-  k_full = k_ref[b, tc, hd, ks].astype(cm.F32)
   row = cm.iota((C, BK), 0)
+  bc = jnp.cumsum(g_ref[b, tc, hd, ks], axis=0)
+  b_last = cm.last_row(bc)
+  k_full = k_ref[b, tc, hd, ks].astype(cm.F32)
 
-  sub = []
-  offset = jnp.zeros((1, BK), cm.F32)
-  for a in range(Ns):
-    g_a = g_ref[b, rows[a], hd, ks]
-    bl = jnp.cumsum(g_a, axis=0)
-    b_a = offset + bl
-    q_a = q_ref[b, rows[a], hd, ks].astype(cm.F32)
-    k_a = k_ref[b, rows[a], hd, ks].astype(cm.F32)
-    end = offset + cm.last_row(bl)
-    sub.append((bl, b_a, q_a, k_a, offset, end))
-    offset = end
-  b_last = offset                     # the same sums as every b_a: b_last - b_a <= 0 exactly
-  d_last = jnp.exp(b_last) * h_dh
-  for a in range(Ns):
-    bl, b_a, q_a, k_a, start, end = sub[a]
-    dk_state = dk_inter[a] * jnp.exp(b_last - b_a)
-    d_last = d_last + jnp.sum(k_a * dk_state, axis=0, keepdims=True)
-    sub[a] = sub[a] + (dk_state,)
+  # Chunk-total gate term: e^{b_last} sum_v(h dH) + sum_i k_i dk_state_i.
+  def v_total(iv, acc):
+    h_dh, v_dh = acc
+    vs = pl.ds(iv * BV, BV)
+    dH = dh_ref[b, hd, n, ks, vs]
+    h_dh = h_dh + jnp.sum(h_ref[b, hd, n, ks, vs] * dH, axis=1)[None, :]
+    return h_dh, v_dh + cm.dot(v_ref[b, tc, hd, vs], dH, dt, tb=True)
 
-  carry = d_last
+  h_dh, v_dh = jax.lax.fori_loop(0, V // BV, v_total, (jnp.zeros((1, BK), cm.F32),
+                                                      jnp.zeros((C, BK), cm.F32)))
+  d_last = jnp.exp(b_last) * h_dh + jnp.sum(k_full * v_dh * jnp.exp(b_last - bc), axis=0,
+                                            keepdims=True)
   shape3 = (S, S, BK)
   causal3 = cm.iota(shape3, 0) >= cm.iota(shape3, 1)
-  for a in reversed(range(Ns)):
-    bl, b_a, q_a, k_a, start, end, dk_state = sub[a]
-    dq = scale * dq_inter[a] * jnp.exp(b_a)
-    dk = dk_state
-    if a > 0:
-      k_fac = k_full * cm.masked_exp(row < a * S, start - bc)
-      dA_rows = da_ref[b, hd, n, pl.ds(a * S, S), :]
-      dq = dq + jnp.exp(bl) * cm.dot(dA_rows, k_fac, dt)
-    if a < Ns - 1:
-      q_fac = q_full * cm.masked_exp(row >= (a + 1) * S, bc - end)
-      dA_cols = da_ref[b, hd, n, :, pl.ds(a * S, S)]
-      dk = dk + jnp.exp(end - b_a) * cm.dot(dA_cols, q_fac, dt, ta=True)
+
+  # Sub-chunks in reverse, carrying dg's reverse cumsum (a loop: unrolled, Triton compiles
+  # this kernel for minutes).
+  def sub_chunk(i, carry):
+    a = C // S - 1 - i
+    rows = pl.ds(t0 + a * S, S)
+    start = jnp.sum(jnp.where(row == a * S - 1, bc, 0.0), axis=0, keepdims=True)
+    end = jnp.sum(jnp.where(row == a * S + S - 1, bc, 0.0), axis=0, keepdims=True)
+    g_a = g_ref[b, rows, hd, ks]
+    bl = jnp.cumsum(g_a, axis=0)
+    b_a = start + bl
+    q_a = q_ref[b, rows, hd, ks].astype(cm.F32)
+    k_a = k_ref[b, rows, hd, ks].astype(cm.F32)
+
+    def v_slice(iv, acc):
+      dq_i, dk_i = acc
+      vs = pl.ds(iv * BV, BV)
+      dq_i = dq_i + cm.dot(do_ref[b, rows, hd, vs], h_ref[b, hd, n, ks, vs], dt, tb=True)
+      dk_i = dk_i + cm.dot(v_ref[b, rows, hd, vs], dh_ref[b, hd, n, ks, vs], dt, tb=True)
+      return dq_i, dk_i
+
+    zero = jnp.zeros((S, BK), cm.F32)
+    dq_i, dk_i = jax.lax.fori_loop(0, V // BV, v_slice, (zero, zero))
+    dq = scale * dq_i * jnp.exp(b_a)
+    dk = dk_i * jnp.exp(b_last - b_a)
+    # Columns before the sub-chunk (reference: the row before it); zero for a = 0.
+    k_fac = k_full * cm.masked_exp(row < a * S, start - bc)
+    dq = dq + jnp.exp(bl) * cm.dot(da_ref[b, hd, n, pl.ds(a * S, S), :], k_fac, dt)
+    # Rows after the sub-chunk (reference: its last row); zero for the last sub-chunk.
+    q_fac = q_ref[b, tc, hd, ks].astype(cm.F32) * cm.masked_exp(row >= a * S + S, bc - end)
+    dk = dk + jnp.exp(end - b_a) * cm.dot(da_ref[b, hd, n, :, pl.ds(a * S, S)], q_fac, dt,
+                                          ta=True)
     dA_diag = da_ref[b, hd, n, pl.ds(a * S, S), pl.ds(a * S, S)]
     decay = cm.masked_exp(causal3, bl[:, None, :] - bl[None, :, :])        # [r, j, k]
     w = dA_diag[:, :, None] * decay
     dq = dq + jnp.sum(w * k_a[None, :, :], axis=1)
     dk = dk + jnp.sum(w * q_a[:, None, :], axis=0)
     db = q_a * dq - k_a * dk
-    dg = carry + cm.rev_cumsum(db)
-    carry = carry + jnp.sum(db, axis=0, keepdims=True)
-    dq_ref[b, rows[a], hd, ks] = dq.astype(dq_ref.dtype)
-    dk_ref[b, rows[a], hd, ks] = dk.astype(dk_ref.dtype)
-    dg_ref[b, rows[a], hd, ks] = dg
+    dq_ref[b, rows, hd, ks] = dq.astype(dq_ref.dtype)
+    dk_ref[b, rows, hd, ks] = dk.astype(dk_ref.dtype)
+    dg_ref[b, rows, hd, ks] = carry + cm.rev_cumsum(db)
+    return carry + jnp.sum(db, axis=0, keepdims=True)
+
+  jax.lax.fori_loop(0, C // S, sub_chunk, d_last)
 
 
 def dqdk(q, k, v, g, do, h, dH, dA, *, scale, chunk_size):

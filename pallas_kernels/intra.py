@@ -37,37 +37,39 @@ def _scores_kernel(*refs, C, K, KD, V, BV, dt, scale, with_da):
   b, hd, n = (pl.program_id(i) for i in range(3))
   t0 = n * C
   tc = pl.ds(t0, C)
-  Ns = C // S
-  acc_off = [jnp.zeros((S, C), cm.F32) for _ in range(Ns)]
-  acc_diag = [jnp.zeros((S, S), cm.F32) for _ in range(Ns)]
   row = cm.iota((C, KD), 0)
-  for kk in range(K // KD):
-    ks = pl.ds(kk * KD, KD)
-    g_full = g_ref[b, tc, hd, ks]
-    bc = jnp.cumsum(g_full, axis=0)
-    k_full = k_ref[b, tc, hd, ks].astype(cm.F32)
-    offset = jnp.zeros((1, KD), cm.F32)          # b at the row before sub-chunk a
-    for a in range(Ns):
-      rows = pl.ds(t0 + a * S, S)
+  place = cm.iota((S, C), 1) - cm.iota((S, C), 0)
+
+  # Loops, not Python unrolling: the unrolled kernel took ~50 s to compile in Triton.
+  def sub_chunk(a, carry):
+    rows = pl.ds(t0 + a * S, S)
+
+    def k_slice(kk, acc):
+      acc_off, acc_diag = acc
+      ks = pl.ds(kk * KD, KD)
+      bc = jnp.cumsum(g_ref[b, tc, hd, ks], axis=0)
+      offset = jnp.sum(jnp.where(row == a * S - 1, bc, 0.0), axis=0, keepdims=True)
       g_a = g_ref[b, rows, hd, ks]
       bl = jnp.cumsum(g_a, axis=0)                 # b_r - offset for the rows of a
       q_a = q_ref[b, rows, hd, ks].astype(cm.F32)
       k_a = k_ref[b, rows, hd, ks].astype(cm.F32)
-      if a > 0:
-        q_fac = q_a * jnp.exp(bl)
-        k_fac = k_full * cm.masked_exp(row < a * S, offset - bc)
-        acc_off[a] = acc_off[a] + cm.dot(q_fac, k_fac, dt, tb=True)
-      acc_diag[a] = acc_diag[a] + _diag_block(q_a, k_a, bl)
-      offset = offset + jnp.sum(g_a, axis=0, keepdims=True)
-  place = cm.iota((S, C), 1) - cm.iota((S, C), 0)
-  for a in range(Ns):
+      k_fac = k_ref[b, tc, hd, ks].astype(cm.F32) * cm.masked_exp(row < a * S, offset - bc)
+      acc_off = acc_off + cm.dot(q_a * jnp.exp(bl), k_fac, dt, tb=True)
+      return acc_off, acc_diag + _diag_block(q_a, k_a, bl)
+
+    acc_off, acc_diag = jax.lax.fori_loop(
+        0, K // KD, k_slice, (jnp.zeros((S, C), cm.F32), jnp.zeros((S, S), cm.F32)))
     one_hot = (place == a * S).astype(cm.F32)
-    a_ref[b, hd, n, pl.ds(a * S, S), :] = acc_off[a] + cm.dot(acc_diag[a], one_hot, cm.F32)
+    a_ref[b, hd, n, pl.ds(a * S, S), :] = acc_off + cm.dot(acc_diag, one_hot, cm.F32)
+    return carry
+
+  jax.lax.fori_loop(0, C // S, sub_chunk, 0)
   if with_da:
-    da = jnp.zeros((C, C), cm.F32)
-    for iv in range(V // BV):
+    def v_slice(iv, da):
       vs = pl.ds(iv * BV, BV)
-      da = da + cm.dot(do_ref[b, tc, hd, vs], v_ref[b, tc, hd, vs], dt, tb=True)
+      return da + cm.dot(do_ref[b, tc, hd, vs], v_ref[b, tc, hd, vs], dt, tb=True)
+
+    da = jax.lax.fori_loop(0, V // BV, v_slice, jnp.zeros((C, C), cm.F32))
     causal = cm.iota((C, C), 0) >= cm.iota((C, C), 1)
     da_ref[b, hd, n] = jnp.where(causal, scale * da, 0.0)
 
