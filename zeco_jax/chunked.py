@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from zeco_jax._vma import match_varying
+
 _HI = lax.Precision.HIGHEST
 SUB_CHUNK = 16
 
@@ -121,6 +123,7 @@ def state_pass(kc, vc, b, h0):
     dec, inc = xs
     return dec[..., None] * h + inc, h
 
+  h0 = match_varying(h0, increment, decay)
   final, h = lax.scan(step, h0, (jnp.moveaxis(decay, 2, 0), jnp.moveaxis(increment, 2, 0)))
   return jnp.moveaxis(h, 0, 2), final
 
@@ -138,6 +141,7 @@ def state_grad_pass(qc, doc, b, dht, scale):
     dec, loc = xs
     return dec[..., None] * dh + loc, dh
 
+  dht = match_varying(dht, local, decay)
   dh0, dH = lax.scan(step, dht, (jnp.moveaxis(decay, 2, 0), jnp.moveaxis(local, 2, 0)),
                      reverse=True)
   return jnp.moveaxis(dH, 0, 2), dh0

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from zeco_jax import _checks
 from zeco_jax import chunked
+from zeco_jax._vma import match_varying
 
 BACKENDS = ("auto", "jax", "pallas")
 
@@ -106,5 +107,8 @@ def chunk_gla(q, k, v, g=None, *, scale=None, initial_state=None, output_final_s
   h0 = (jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None
         else initial_state.astype(jnp.float32))
   padded = [_checks.pad_time(x, chunk_size) for x in (q, k, v, g_full)]
-  o, final = _chunk_gla_core(*padded, h0, args.scale, chunk_size, backend)
+  # Inside shard_map, give every operand the same varying axes, so the custom_vjp's
+  # cotangents match their primals (autodiff of the cast inserts the needed psum).
+  padded_h0 = [match_varying(x, *padded, h0) for x in (*padded, h0)]
+  o, final = _chunk_gla_core(*padded_h0, args.scale, chunk_size, backend)
   return o[:, :T], (final if output_final_state else None)

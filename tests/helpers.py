@@ -1,0 +1,48 @@
+"""Shared test helpers: random GLA inputs (never zeros) and the relative-norm error."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def rel_err(a, b):
+  """||a - b|| / ||b||, in float64 on the host: the tolerance measure every test states."""
+  a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+  b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+  denom = np.linalg.norm(b)
+  assert denom > 0, "reference is all zeros: the comparison would prove nothing"
+  assert np.all(np.isfinite(a)), "result has NaN or Inf"
+  return float(np.linalg.norm(a - b) / denom)
+
+
+def gla_inputs(seed, B=2, T=64, H=2, K=8, V=16, decay="dim", dtype=jnp.float32,
+               initial_state=True, low=0.6):
+  """q, k, v, g, h0 drawn at random; g = log of a decay uniform in (low, 1)."""
+  r = np.random.default_rng(seed)
+  q = jnp.asarray(r.standard_normal((B, T, H, K)), dtype)
+  k = jnp.asarray(r.standard_normal((B, T, H, K)), dtype)
+  v = jnp.asarray(r.standard_normal((B, T, H, V)), dtype)
+  g_shape = {"dim": (B, T, H, K), "scalar": (B, T, H), None: None}[decay]
+  g = None if g_shape is None else jnp.asarray(np.log(r.uniform(low, 1.0, g_shape)), jnp.float32)
+  h0 = jnp.asarray(r.standard_normal((B, H, K, V)), jnp.float32) if initial_state else None
+  return q, k, v, g, h0
+
+
+def cotangents(seed, B, T, H, K, V):
+  """Random weights for a scalar loss sum(o * w_o) + sum(final * w_s)."""
+  r = np.random.default_rng(seed + 1000)
+  return (jnp.asarray(r.standard_normal((B, T, H, V)), jnp.float32),
+          jnp.asarray(r.standard_normal((B, H, K, V)), jnp.float32))
+
+
+def loss_and_grads(op, q, k, v, g, h0, w_o, w_s, **kwargs):
+  """Value and gradients of sum(o * w_o) + sum(final * w_s) w.r.t. every array input."""
+  def loss(q, k, v, g, h0):
+    o, final = op(q, k, v, g, initial_state=h0, output_final_state=True, **kwargs)
+    return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(final * w_s), (o, final)
+
+  argnums = tuple(i for i, x in enumerate((q, k, v, g, h0)) if x is not None)
+  grad_fn = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))
+  (_, (o, final)), grads = grad_fn(q, k, v, g, h0)
+  names = [n for n, x in zip("q k v g h0".split(), (q, k, v, g, h0)) if x is not None]
+  return o, final, dict(zip(names, grads))
+

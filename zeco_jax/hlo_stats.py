@@ -1,0 +1,88 @@
+"""Bytes each rank sends in the collectives of a compiled XLA program, read from its HLO.
+
+Used by the communication-volume test and ``benchmarks/comm_volume.py``: the numbers
+come from what XLA actually compiled, not from a model. For a collective-permute, each
+``{source, target}`` pair moves the operand once from source; an all-gather over G ranks
+has each rank send its shard to G - 1 others (ring) and receive (G - 1) shards; a
+reduce-scatter or all-reduce is counted the same way, by its per-rank input.
+"""
+from __future__ import annotations
+
+import collections
+import re
+
+import numpy as np
+
+_DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s64": 8,
+                "u64": 8, "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2}
+_SHAPE = re.compile(r"\b(f64|f32|bf16|f16|s32|u32|s64|u64|pred|s8|u8|s16|u16)\[([0-9,]*)\]")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_GROUPS = re.compile(r"replica_groups=(\{[^=]*?\}\})|replica_groups=\[(\d+),(\d+)\]")
+
+
+def _bytes_of(text: str) -> int:
+  total = 0
+  for dt, dims in _SHAPE.findall(text):
+    n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+    total += n * _DTYPE_BYTES[dt]
+  return total
+
+
+def _result_shapes(line: str) -> str:
+  """The text between '=' and the op name: the instruction's result type."""
+  lhs, _, rhs = line.partition("=")
+  return rhs.split("(", 1)[0] if "(" in rhs else rhs
+
+
+def collective_bytes(hlo_text: str, num_devices: int) -> dict:
+  """Per-kind bytes sent by each device: ``{kind: np.array([bytes per device])}``.
+
+  Kinds: ``collective-permute``, ``all-gather``, ``all-reduce``, ``reduce-scatter``,
+  ``all-to-all``. Async pairs (``-start`` / ``-done``) are counted once, at the start.
+  """
+  sent = collections.defaultdict(lambda: np.zeros(num_devices))
+  for raw in hlo_text.splitlines():
+    line = raw.strip()
+    m = re.search(r"\s(collective-permute|all-gather|all-reduce|reduce-scatter|all-to-all)"
+                  r"(-start)?\(", line)
+    if not m or "-done" in line.split("(")[0]:
+      continue
+    kind = m.group(1)
+    result = _result_shapes(line)
+    if kind == "collective-permute":
+      pairs = _PAIRS.search(line)
+      if not pairs:
+        continue
+      # Result of a -start is a tuple (operand, result, ...): count one buffer.
+      shapes = _SHAPE.findall(result)
+      dt, dims = shapes[0]
+      n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+      nbytes = n * _DTYPE_BYTES[dt]
+      for src, _ in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1)):
+        sent[kind][int(src)] += nbytes
+    else:
+      group_size = _group_size(line, num_devices)
+      shapes = _SHAPE.findall(result)
+      if not shapes:
+        continue
+      dt, dims = shapes[-1]
+      n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+      nbytes = n * _DTYPE_BYTES[dt]
+      if kind == "all-gather":          # result holds G shards; each rank sends its one G-1 times
+        per_rank = nbytes / group_size * (group_size - 1)
+      elif kind == "reduce-scatter":    # result is one shard; ring sends G-1 shards
+        per_rank = nbytes * (group_size - 1)
+      else:                             # all-reduce (ring: 2 (G-1)/G of the buffer), all-to-all
+        per_rank = nbytes * 2 * (group_size - 1) / group_size
+      sent[kind] += per_rank
+  return dict(sent)
+
+
+def _group_size(line: str, num_devices: int) -> int:
+  m = _GROUPS.search(line)
+  if not m:
+    return num_devices
+  if m.group(1):
+    first = re.search(r"\{([\d,]+)\}", m.group(1))
+    return len(first.group(1).split(",")) if first else num_devices
+  return int(m.group(3))
