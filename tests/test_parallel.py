@@ -1,0 +1,158 @@
+"""zeco_gla on 8 simulated CPU devices against the token-by-token reference."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from helpers import cotangents, gla_inputs, loss_and_grads, rel_err
+from zeco_jax import recurrent_gla, zeco_gla, zeco_gla_local
+from zeco_jax.hlo_stats import collective_bytes
+
+B, H, K, V = 2, 2, 8, 16
+
+
+def seq_mesh(n):
+  return Mesh(np.array(jax.devices()[:n]), ("seq",))
+
+
+def check_against_reference(op, T, decay="dim", initial=True, seed=0, fwd_tol=1e-5,
+                            grad_tol=1e-4, dtype=jnp.float32):
+  q, k, v, g, h0 = gla_inputs(seed, B, T, H, K, V, decay=decay, initial_state=initial,
+                              dtype=dtype)
+  w_o, w_s = cotangents(seed, B, T, H, K, V)
+  o_r, s_r, g_r = loss_and_grads(recurrent_gla, q, k, v, g, h0, w_o, w_s)
+  o_z, s_z, g_z = loss_and_grads(op, q, k, v, g, h0, w_o, w_s)
+  assert o_z.dtype == v.dtype and o_z.shape == o_r.shape
+  assert rel_err(o_z, o_r) <= fwd_tol
+  assert rel_err(s_z, s_r) <= fwd_tol
+  assert set(g_z) == set(g_r)
+  for name in g_r:
+    assert rel_err(g_z[name], g_r[name]) <= grad_tol, name
+
+
+# (P, method, num_blocks, T): every method, P in {1, 2, 4, 8}, num_blocks 1, 2 and V.
+# T = 160 on 8 devices gives segments of 20 tokens: not a multiple of the chunk size.
+@pytest.mark.parametrize("n,method,num_blocks,T", [
+    (1, "all_scan", 1, 64), (2, "all_scan", 1, 64), (4, "all_scan", 2, 64),
+    (8, "all_scan", V, 128), (8, "all_scan", None, 160), (8, "all_gather", None, 128),
+    (4, "ring", None, 64), (8, "tree", None, 128),
+])
+def test_zeco_gla_matches_recurrence(n, method, num_blocks, T):
+  op = functools.partial(zeco_gla, mesh=seq_mesh(n), method=method, num_blocks=num_blocks,
+                         chunk_size=16)
+  check_against_reference(op, T, seed=n)
+
+
+@pytest.mark.parametrize("decay,initial", [("scalar", False), (None, True)])
+def test_zeco_gla_decay_kinds(decay, initial):
+  op = functools.partial(zeco_gla, mesh=seq_mesh(4), num_blocks=2, chunk_size=16)
+  check_against_reference(op, 64, decay=decay, initial=initial, seed=3)
+
+
+def test_zeco_gla_bf16():
+  op = functools.partial(zeco_gla, mesh=seq_mesh(4), num_blocks=2, chunk_size=16)
+  check_against_reference(op, 64, seed=4, fwd_tol=2e-2, grad_tol=2e-2, dtype=jnp.bfloat16)
+
+
+def test_data_axis_shards_batch_and_is_kept():
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "seq"))
+  q, k, v, g, h0 = gla_inputs(5, B, 64, H, K, V)
+  placed = [jax.device_put(x, NamedSharding(mesh, P("data", "seq"))) for x in (q, k, v, g)]
+  h0 = jax.device_put(h0, NamedSharding(mesh, P("data")))
+  op = functools.partial(zeco_gla, mesh=mesh, num_blocks=2, chunk_size=16)
+  o, final = jax.jit(lambda *a: op(*a, initial_state=h0, output_final_state=True))(*placed)
+  assert o.sharding.spec[:2] == ("data", "seq")
+  o_r, s_r = recurrent_gla(q, k, v, g, initial_state=h0, output_final_state=True)
+  assert rel_err(o, o_r) <= 1e-5 and rel_err(final, s_r) <= 1e-5
+  check_against_reference(op, 64, seed=5)
+
+
+def test_mesh_from_set_mesh_and_explicit_axes():
+  mesh = jax.make_mesh((4,), ("seq",))
+  q, k, v, g, h0 = gla_inputs(6, B, 64, H, K, V)
+  with jax.set_mesh(mesh):
+    placed = [jax.device_put(x, P(None, "seq")) for x in (q, k, v, g)]
+    o, _ = jax.jit(lambda *a: zeco_gla(*a, chunk_size=16))(*placed)
+  assert rel_err(o, recurrent_gla(q, k, v, g)[0]) <= 1e-5
+
+
+def test_local_inside_user_shard_map():
+  # A user already inside shard_map(check_vma=True) calls the per-shard function.
+  mesh = seq_mesh(4)
+  q, k, v, g, h0 = gla_inputs(7, B, 64, H, K, V)
+  spec = P(None, "seq")
+
+  def body(q, k, v, g, h0):
+    o, after = zeco_gla_local(q, k, v, g, axis_name="seq", chunk_size=16, initial_state=h0,
+                              output_final_state=True)
+    return o, after[None]
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4 + (P(),),
+                            out_specs=(spec, P("seq")), check_vma=True))
+  o, after = f(q, k, v, g, h0)
+  o_r, s_r = recurrent_gla(q, k, v, g, initial_state=h0, output_final_state=True)
+  assert rel_err(o, o_r) <= 1e-5
+  assert rel_err(after[-1], s_r) <= 1e-5           # the last rank holds the final state
+  _, s_half = recurrent_gla(q[:, :32], k[:, :32], v[:, :32], g[:, :32], initial_state=h0,
+                            output_final_state=True)
+  assert rel_err(after[1], s_half) <= 1e-5         # rank 1: the state after token 32
+
+
+def test_causal_across_shard_boundaries():
+  # Outputs before t do not change when inputs at and after t do, with t inside shard 1
+  # and inside the last shard.
+  f = jax.jit(functools.partial(zeco_gla, mesh=seq_mesh(4), chunk_size=16))
+  q, k, v, g, _ = gla_inputs(8, B, 64, H, K, V)
+  o = f(q, k, v, g)[0]
+  r = np.random.default_rng(9)
+  for t in (21, 50):
+    bump = lambda x: x.at[:, t:].set(jnp.asarray(r.standard_normal(x[:, t:].shape), x.dtype))
+    o2 = f(bump(q), bump(k), bump(v), jnp.minimum(bump(g), 0.0))[0]
+    np.testing.assert_array_equal(np.asarray(o2[:, :t]), np.asarray(o[:, :t]))
+    assert not np.allclose(np.asarray(o2[:, t:]), np.asarray(o[:, t:]))
+
+
+def _grad_hlo_bytes(n, method):
+  mesh = seq_mesh(n)
+  T = 16 * n
+  shapes = [jax.ShapeDtypeStruct((B, T, H, d), jnp.float32) for d in (K, K, V, K)]
+
+  def loss(q, k, v, g):
+    o, _ = zeco_gla(q, k, v, g, mesh=mesh, method=method, num_blocks=4, chunk_size=16)
+    return jnp.sum(o)
+
+  text = jax.jit(jax.grad(loss, (0, 1, 2, 3))).lower(*shapes).compile().as_text()
+  return collective_bytes(text, n)
+
+
+def test_all_scan_sends_two_states_per_rank_whatever_P():
+  M = B * H * K * V * 4            # one float32 state
+  for n in (4, 8):
+    pipeline = sum(_grad_hlo_bytes(n, "all_scan").values())
+    # forward chain + its reverse in the backward: at most 2 states per rank.
+    assert pipeline.max() == 2 * M, (n, pipeline / M)
+    gathered = sum(_grad_hlo_bytes(n, "all_gather").values())
+    # all-gather forward + reduce-scatter backward: each (P - 1) states.
+    assert gathered.min() >= 2 * (n - 1) * M, (n, gathered / M)
+
+
+def test_zeco_gla_argument_errors():
+  q, k, v, g, h0 = gla_inputs(10, B, 60, H, K, V)
+  mesh = seq_mesh(8)
+  with pytest.raises(ValueError, match="not divisible by the size 8"):
+    zeco_gla(q, k, v, g, mesh=mesh)
+  q, k, v, g, h0 = gla_inputs(10, B, 64, H, K, V)
+  with pytest.raises(ValueError, match="no axis `seq_axis`='sequence'"):
+    zeco_gla(q, k, v, g, mesh=mesh, seq_axis="sequence")
+  with pytest.raises(ValueError, match="num_blocks"):
+    zeco_gla(q, k, v, g, mesh=mesh, num_blocks=3)
+  with pytest.raises(ValueError, match="method"):
+    zeco_gla(q, k, v, g, mesh=mesh, method="lasp3")
+  with pytest.raises(ValueError, match="initial_state"):
+    zeco_gla(q, k, v, g, mesh=mesh, initial_state=h0[..., :4])
+  with pytest.raises(ValueError, match="no mesh"):
+    zeco_gla(q, k, v, g)
