@@ -1,0 +1,124 @@
+"""Bytes each rank sends, per method, read from compiled HLO; beside the alpha-beta model.
+
+    python benchmarks/comm_volume.py [--max-devices 32] [--out benchmarks/results]
+
+Compiles jit(grad(zeco_gla)) (forward + backward) and the forward alone on simulated CPU
+devices for P = 2 .. max-devices, counts the collective bytes per rank in the HLO
+(zeco_jax.hlo_stats), and prints them in units of one state M. Then prints the spec's
+alpha-beta prediction of one exclusive scan of the paper's 1 MiB state for P up to 256,
+next to the paper's measured All-Scan / all-gather times (H100, 8K tokens per GPU,
+d = 4096, H = 32). Writes comm_volume.md and comm_volume.png to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--max-devices", type=int, default=32)
+  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+  args = ap.parse_args()
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + f" --xla_force_host_platform_device_count={args.max_devices}")
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh
+
+  import zeco_jax
+  from zeco_jax import scan as scan_lib
+  from zeco_jax.hlo_stats import collective_bytes
+
+  B, H, K, V, C = 1, 2, 16, 32, 16
+  M = B * H * K * V * 4
+  methods = ("all_scan", "tree", "all_gather", "ring")
+  Ps = [p for p in (2, 4, 8, 16, 32, 64) if p <= args.max_devices]
+  measured = {}
+  for P in Ps:
+    mesh = Mesh(np.array(jax.devices()[:P]), ("seq",))
+    T = C * P
+    shapes = [jax.ShapeDtypeStruct((B, T, H, d), jnp.float32) for d in (K, K, V, K)]
+    for method in methods:
+      op = lambda q, k, v, g: zeco_jax.zeco_gla(q, k, v, g, mesh=mesh, method=method,
+                                                num_blocks=4, chunk_size=C)[0]
+      fwd = jax.jit(op).lower(*shapes).compile().as_text()
+      both = jax.jit(jax.grad(lambda *a: jnp.sum(op(*a)), (0, 1, 2, 3))).lower(*shapes)
+      both = both.compile().as_text()
+      f = sum(collective_bytes(fwd, P).values()).max() / M
+      fb = sum(collective_bytes(both, P).values()).max() / M
+      measured[(P, method)] = (f, fb)
+
+  lines = ["# Communication volume per rank, from compiled HLO", "",
+           "Command: `python benchmarks/comm_volume.py --max-devices "
+           f"{args.max_devices}` (jax {jax.__version__}, simulated CPU devices; bytes are "
+           "read from the compiled program, so they hold on any backend).", "",
+           "Max bytes sent by any rank, in states M (M = B*H*K*V*4 bytes; lam adds K/V of a "
+           "state for tree and all_gather):", "",
+           "| P | " + " | ".join(f"{m} fwd | {m} fwd+bwd" for m in methods) + " |",
+           "|---|" + "---|" * (2 * len(methods))]
+  for P in Ps:
+    cells = [f"{measured[(P, m)][0]:.2f} | {measured[(P, m)][1]:.2f}" for m in methods]
+    lines.append(f"| {P} | " + " | ".join(cells) + " |")
+
+  state = 1 << 20   # the paper's state: d=4096, H=32, head dim 128, bf16 = 1 MiB per layer
+  alpha, beta = scan_lib.DEFAULT_ALPHA_S, scan_lib.DEFAULT_BETA_S_PER_BYTE
+  paper = {8: (0.226, 0.375), 256: (2.165, 8.514)}
+  model_Ps = [2, 4, 8, 16, 32, 64, 128, 256]
+  lines += ["", f"Alpha-beta model of one scan of a 1 MiB state (alpha = {alpha * 1e6:.0f} us, "
+            f"1/beta = {1 / beta / 1e9:.0f} GB/s; spec section 4), ms, with the paper's "
+            "measured H100 times (All-Scan / all-gather):", "",
+            "| P | pipeline nb* | pipeline | tree | all_gather | serial | paper All-Scan | "
+            "paper all-gather |", "|---|---|---|---|---|---|---|---|"]
+  model = {}
+  for P in model_Ps:
+    nb = scan_lib.default_num_blocks(P, state, 128)
+    row = {m: scan_lib.predicted_time(P, nb, state, alpha, beta, m) * 1e3
+           for m in ("pipeline", "tree", "all_gather", "serial")}
+    model[P] = row
+    pa = paper.get(P, ("", ""))
+    lines.append(f"| {P} | {nb} | {row['pipeline']:.3f} | {row['tree']:.3f} | "
+                 f"{row['all_gather']:.3f} | {row['serial']:.3f} | {pa[0]} | {pa[1]} |")
+  text = "\n".join(lines) + "\n"
+  print(text)
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "comm_volume.md"), "w") as fh:
+    fh.write(text)
+
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib not installed: no plot")
+    return
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+  for m, mk in zip(methods, "osd^"):
+    ax1.plot(Ps, [measured[(P, m)][1] for P in Ps], marker=mk, label=f"{m} (HLO, fwd+bwd)")
+  ax1.plot(model_Ps, [2 * scan_lib.bytes_sent_per_rank(P, 1, "all_gather") for P in model_Ps],
+           "k:", label="model all_gather 2(P-1)")
+  ax1.plot(model_Ps, [2.0] * len(model_Ps), "k--", label="model All-Scan 2")
+  ax1.set(xscale="log", yscale="log", xlabel="devices P", ylabel="states sent per rank",
+          title="Bytes per rank (forward + backward)")
+  ax1.legend(fontsize=7)
+  for m, mk in zip(("pipeline", "tree", "all_gather", "serial"), "osd^"):
+    ax2.plot(model_Ps, [model[P][m] for P in model_Ps], marker=mk, label=f"model {m}")
+  ax2.scatter(list(paper), [v[0] for v in paper.values()], c="k", marker="*", s=90,
+              label="paper All-Scan (H100)", zorder=5)
+  ax2.scatter(list(paper), [v[1] for v in paper.values()], c="r", marker="x", s=60,
+              label="paper all-gather (H100)", zorder=5)
+  ax2.set(xscale="log", yscale="log", xlabel="devices P", ylabel="ms per scan (1 MiB state)",
+          title="Alpha-beta model vs paper")
+  ax2.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(os.path.join(args.out, "comm_volume.png"), dpi=110)
+  print("wrote", os.path.join(args.out, "comm_volume.png"))
+
+
+if __name__ == "__main__":
+  main()
