@@ -2,6 +2,7 @@
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -156,3 +157,31 @@ def test_zeco_gla_argument_errors():
     zeco_gla(q, k, v, g, mesh=mesh, initial_state=h0[..., :4])
   with pytest.raises(ValueError, match="no mesh"):
     zeco_gla(q, k, v, g)
+
+
+def _local_pass_depends_on_received_state(method):
+  """Does any input of the local chunked pass depend on a ppermute/all_gather result?"""
+  mesh = seq_mesh(4)
+  q, k, v, g, _ = gla_inputs(11, B, 64, H, K, V)
+  jaxpr = jax.make_jaxpr(lambda *a: zeco_gla(*a, mesh=mesh, method=method, chunk_size=16))(
+      q, k, v, g).jaxpr
+  body = next(e for e in jaxpr.eqns if e.primitive.name == "shard_map").params["jaxpr"]
+  tainted, local_calls, comm = set(), [], 0
+  for eqn in body.eqns:
+    name = eqn.primitive.name
+    ins = [x for x in eqn.invars if isinstance(x, jax.extend.core.Var)]
+    if name.startswith("custom_vjp"):
+      local_calls.append(any(x in tainted for x in ins))
+    if name in ("ppermute", "all_gather") or any(x in tainted for x in ins):
+      comm += name in ("ppermute", "all_gather")
+      tainted.update(eqn.outvars)
+  assert comm > 0 and local_calls, "expected collectives and a chunked local pass"
+  return any(local_calls)
+
+
+def test_local_pass_does_not_wait_for_the_state():
+  # ZeCO and LASP-2: the chunked local pass is free of the received state, so XLA may run
+  # it while the sends are in flight. LASP-1 ("ring") computes only after it receives.
+  assert not _local_pass_depends_on_received_state("all_scan")
+  assert not _local_pass_depends_on_received_state("all_gather")
+  assert _local_pass_depends_on_received_state("ring")
