@@ -1,0 +1,114 @@
+"""Pallas kernels (interpret mode on CPU) against the reference GLA.
+
+Tolerances (issue 3): float32 <= 1e-5 forward, <= 1e-4 gradients; bf16 <= 2e-2. Shapes
+are tiny (the interpreter runs every grid point), but cover K != V, K and V of 64/128/256,
+T not a multiple of 64, strong decay, scalar and no decay, initial and final states.
+"""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import rel_err
+from zeco_jax import chunk_gla, recurrent_gla
+from zeco_jax import ops
+
+pallas_kernels = pytest.importorskip("pallas_kernels")
+
+
+def _inputs(seed, B, T, H, K, V, *, decay="strong", dtype=jnp.float32):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 7)
+  q = jax.random.normal(keys[0], (B, T, H, K), jnp.float32)
+  k = jax.random.normal(keys[1], (B, T, H, K), jnp.float32)
+  v = jax.random.normal(keys[2], (B, T, H, V), jnp.float32)
+  x = jax.random.normal(keys[3], (B, T, H, K), jnp.float32)
+  if decay == "strong":     # up to ~ -9 per token: exp(-b) overflows inside one chunk
+    g = 4.0 * jax.nn.log_sigmoid(x) - 3.0 * jax.random.uniform(keys[4], x.shape)
+  elif decay == "mild":     # the benchmark's logsigmoid / 16
+    g = jax.nn.log_sigmoid(x) / 16
+  elif decay == "scalar":
+    g = jax.nn.log_sigmoid(x[..., 0]) * 2.0
+  else:
+    g = None
+  h0 = jax.random.normal(keys[5], (B, H, K, V), jnp.float32)
+  cast = lambda a: a.astype(dtype)
+  return cast(q), cast(k), cast(v), g, h0, keys[6]
+
+
+def _loss_terms(fn, q, k, v, g, h0, key):
+  """Forward (o, final) and the vjp of a random cotangent w.r.t. q, k, v, g, h0."""
+  def f(q, k, v, g, h0):
+    return fn(q, k, v, g, initial_state=h0, output_final_state=True)
+
+  (o, final), vjp = jax.vjp(f, q, k, v, g, h0)
+  kd, kf = jax.random.split(key)
+  do = jax.random.normal(kd, o.shape, jnp.float32).astype(o.dtype)
+  dfinal = jax.random.normal(kf, final.shape, jnp.float32)
+  return o, final, vjp((do, dfinal))
+
+
+def _pallas(q, k, v, g, **kw):
+  return chunk_gla(q, k, v, g, backend="pallas", **kw)
+
+
+def _reference(q, k, v, g, **kw):
+  return recurrent_gla(q, k, v, g, **kw)
+
+
+@pytest.mark.parametrize("B,T,H,K,V,decay", [
+    (1, 100, 2, 64, 128, "strong"),     # T not a multiple of 64, K != V
+    (2, 80, 1, 128, 64, "strong"),
+    (1, 64, 1, 256, 256, "mild"),
+    (1, 48, 1, 64, 64, "scalar"),
+    (1, 40, 1, 64, 64, None),
+])
+def test_pallas_float32_matches_reference(B, T, H, K, V, decay):
+  q, k, v, g, h0, key = _inputs(0, B, T, H, K, V, decay=decay)
+  o, fin, grads = _loss_terms(_pallas, q, k, v, g, h0, key)
+  o_r, fin_r, grads_r = _loss_terms(_reference, q, k, v, g, h0, key)
+  assert rel_err(o, o_r) <= 1e-5
+  assert rel_err(fin, fin_r) <= 1e-5
+  names = ("dq", "dk", "dv", "dg", "dh0")
+  for name, a, b in zip(names, grads, grads_r):
+    if b is None:
+      continue
+    assert np.all(np.isfinite(np.asarray(a))), name
+    assert rel_err(a, b) <= 1e-4, (name, rel_err(a, b))
+
+
+def test_pallas_bf16_matches_reference():
+  q, k, v, g, h0, key = _inputs(1, 1, 96, 2, 64, 128, decay="mild", dtype=jnp.bfloat16)
+  o, fin, grads = _loss_terms(_pallas, q, k, v, g, h0, key)
+  f32 = lambda a: a.astype(jnp.float32)
+  o_r, fin_r, grads_r = _loss_terms(_reference, f32(q), f32(k), f32(v), g, h0, key)
+  assert o.dtype == jnp.bfloat16
+  assert rel_err(o, o_r) <= 2e-2
+  assert rel_err(fin, fin_r) <= 2e-2
+  for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), grads, grads_r):
+    assert rel_err(a, b) <= 2e-2, (name, rel_err(a, b))
+
+
+def test_backend_contract_and_dispatch():
+  """The backend object has chunked.fwd / bwd's signatures; 'auto' stays on jnp on CPU."""
+  be = pallas_kernels.backend()
+  assert callable(be.fwd) and callable(be.bwd)
+  assert ops.resolve_backend("pallas") == "pallas"
+  assert ops.resolve_backend("auto") == ("jax" if jax.default_backend() == "cpu" else "pallas")
+
+
+def test_interpret_mode_switch(monkeypatch):
+  from pallas_kernels import _common
+  monkeypatch.setenv("ZECO_PALLAS_INTERPRET", "1")
+  assert _common.interpret_mode()
+  monkeypatch.setenv("ZECO_PALLAS_INTERPRET", "0")
+  assert not _common.interpret_mode()
+  monkeypatch.delenv("ZECO_PALLAS_INTERPRET")
+  assert _common.interpret_mode() == (jax.default_backend() == "cpu")
+
+
+def test_rejects_non_power_of_two_dims():
+  q, k, v, g, h0, _ = _inputs(0, 1, 32, 1, 48, 64)
+  with pytest.raises(ValueError, match="power of two"):
+    chunk_gla(q, k, v, g, backend="pallas")
