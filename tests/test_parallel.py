@@ -185,3 +185,19 @@ def test_local_pass_does_not_wait_for_the_state():
   assert not _local_pass_depends_on_received_state("all_scan")
   assert not _local_pass_depends_on_received_state("all_gather")
   assert _local_pass_depends_on_received_state("ring")
+
+
+def test_backward_keeps_inputs_and_a_few_states():
+  # Beyond the inputs, zeco_gla's backward keeps states (independent of T), not T x K
+  # intermediates: the fix-up is rematerialized.
+  mesh = seq_mesh(4)
+  q, k, v, g, h0 = gla_inputs(12, 1, 256, H, K, V)
+  _, vjp_fn = jax.vjp(lambda *a: zeco_gla(*a[:4], initial_state=a[4], mesh=mesh, num_blocks=2,
+                                          chunk_size=16)[0], q, k, v, g, h0)
+  leaves = jax.tree.leaves(vjp_fn)
+  inputs = sum(x.size for x in (q, k, v, g))
+  beyond = sum(x.size for x in leaves) - inputs
+  per_rank_state = 1 * H * K * V
+  assert beyond <= 12 * 4 * per_rank_state, (beyond, per_rank_state)
+  assert not any(x.shape[-3:] == (64, H, K) or x.shape[1:] == (256, H, K)
+                 for x in leaves[4:]), [x.shape for x in leaves]

@@ -75,8 +75,7 @@ def zeco_gla_local(q, k, v, g=None, *, axis_name, method="all_scan", num_blocks=
 
   f32 = jnp.float32
   g_full = _checks.full_log_decay(g, B, L, H, K)
-  c = jnp.cumsum(g_full, axis=1)                    # log-decay from the segment start
-  seg_decay = jnp.exp(c[:, -1])                     # lam_p, [B, H, K]
+  seg_decay = jnp.exp(jnp.sum(g_full, axis=1))      # lam_p, [B, H, K]
   scan = functools.partial(_all_scan.all_scan, axis_name=axis_name, num_blocks=nb,
                            method=_SCAN_METHOD[method], initial=initial_state)
   local = functools.partial(chunk_gla, scale=scale, chunk_size=chunk_size, backend=backend)
@@ -84,6 +83,7 @@ def zeco_gla_local(q, k, v, g=None, *, axis_name, method="all_scan", num_blocks=
   if method == "ring":
     # LASP-1: the segment's state from one GEMM (exp(c_L - c_t) <= 1), the serial chain,
     # then the whole local pass starting from the received state: compute after receive.
+    c = jnp.cumsum(g_full, axis=1)
     seg_state = jnp.einsum("bthk,bthv->bhkv", k.astype(f32) * jnp.exp(c[:, -1:] - c),
                            v.astype(f32), precision=_HI)
     entering, after = scan(seg_state, seg_decay)
@@ -91,10 +91,20 @@ def zeco_gla_local(q, k, v, g=None, *, axis_name, method="all_scan", num_blocks=
   else:
     o_local, seg_state = local(q, k, v, g, output_final_state=True)
     entering, after = scan(seg_state, seg_decay)
-    fix = scale * jnp.einsum("bthk,bhkv->bthv", q.astype(f32) * jnp.exp(c), entering,
-                             precision=_HI)
-    o = (o_local.astype(f32) + fix).astype(v.dtype)
+    o = (o_local.astype(f32) + _fix_up(q, g_full, entering, scale)).astype(v.dtype)
   return o, (after if output_final_state else None)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(3,))
+def _fix_up(q, g_full, entering, scale):
+  """scale * (q * exp(c)) @ X_p, c the log-decay from the segment start (exp(c) <= 1).
+
+  Rematerialized in the backward, so that only X_p (one state) is kept for it beyond the
+  inputs the local pass keeps anyway.
+  """
+  c = jnp.cumsum(g_full, axis=1)
+  return scale * jnp.einsum("bthk,bhkv->bthv", q.astype(jnp.float32) * jnp.exp(c), entering,
+                            precision=_HI)
 
 
 def _mesh_or_context(mesh, *, name):
