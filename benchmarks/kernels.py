@@ -88,13 +88,71 @@ def time_loop(fn, sync, iters, reps):
   return float(np.median(ts))
 
 
-def jax_peak(jfn, *args):
+def compiled(jfn, *args):
+  """AOT-compiles once: the same executable is timed and its memory is read."""
+  return jfn.lower(*args).compile()
+
+
+def jax_peak(exe):
   try:
-    m = jfn.lower(*args).compile().memory_analysis()
+    m = exe.memory_analysis()
     return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
             - m.alias_size_in_bytes) / 2**30
   except Exception:  # noqa: BLE001
     return float("nan")
+
+
+def stage_times(q, k, v, g, do, scale, iters, reps):
+  """Each Pallas kernel alone, on the benchmark inputs (where the time goes)."""
+  from pallas_kernels import grads, intra, state
+  C = 64
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  h0 = jnp.zeros((B, H, K, V), jnp.float32)
+  h, _ = jax.jit(lambda: state.state_pass(k, v, g, h0, chunk_size=C))()
+  dH, _ = jax.jit(lambda: state.state_grad_pass(q, do, g, h0, scale=scale, chunk_size=C))()
+  A, dA = jax.jit(lambda: intra.scores(q, k, g, chunk_size=C, do=do, v=v, scale=scale))()
+  stages = {
+      "state_pass": lambda: state.state_pass(k, v, g, h0, chunk_size=C),
+      "scores": lambda: intra.scores(q, k, g, chunk_size=C),
+      "output": lambda: intra.output(q, v, g, h, A, scale=scale, chunk_size=C),
+      "state_grad_pass": lambda: state.state_grad_pass(q, do, g, h0, scale=scale, chunk_size=C),
+      "scores+dA": lambda: intra.scores(q, k, g, chunk_size=C, do=do, v=v, scale=scale),
+      "dv": lambda: grads.dv(k, g, do, A, dH, scale=scale, chunk_size=C),
+      "dqdk": lambda: grads.dqdk(q, k, v, g, do, h, dH, dA, scale=scale, chunk_size=C),
+  }
+  return {n: time_loop(jax.jit(fn), jax.block_until_ready, iters, reps) for n, fn in stages.items()}
+
+
+def check_truth64(log):
+  """float32 strong decay, Pallas and the jnp path each against a float64 truth (CPU)."""
+  cpu = jax.devices("cpu")[0]
+  B, T, H, K, V = 1, 256, 2, 64, 128
+  q, k, v, g, do = make_inputs(1, B, T, H, K, V, strong=True)
+  dht = np.random.default_rng(3).standard_normal((B, H, K, V)).astype(np.float32)
+  h0 = np.zeros((B, H, K, V), np.float32)
+  jax.config.update("jax_enable_x64", True)
+  try:
+    def rec(q, k, v, g):
+      def step(S, xs):
+        qt, kt, vt, gt = xs
+        S = jnp.exp(gt)[..., None] * S + kt[..., :, None] * vt[..., None, :]
+        return S, K ** -0.5 * jnp.einsum("bhk,bhkv->bhv", qt, S)
+      tm = lambda x: jnp.moveaxis(x, 1, 0)
+      S, o = jax.lax.scan(step, jnp.zeros((B, H, K, V), jnp.float64), tuple(map(tm, (q, k, v, g))))
+      return jnp.moveaxis(o, 0, 1), S
+    x64 = [jax.device_put(np.asarray(a, np.float64), cpu) for a in (q, k, v, g)]
+    _, vjp = jax.vjp(rec, *x64)
+    truth = [np.asarray(t) for t in vjp((jax.device_put(np.asarray(do, np.float64), cpu),
+                                         jax.device_put(np.asarray(dht, np.float64), cpu)))]
+  finally:
+    jax.config.update("jax_enable_x64", False)
+  kw = dict(scale=K ** -0.5, initial_state=jnp.asarray(h0), chunk_size=64)
+  a = [jnp.asarray(x) for x in (q, k, v, g, do)]
+  for label, mod in (("pallas", pallas_kernels.backend()), ("jnp", chunked)):
+    r = jax.jit(lambda *xs: mod.bwd(*xs, **kw))(*a, jnp.asarray(dht))
+    log(f"truth64 check {label}: " + " ".join(
+        f"{n}={rel(x, t):.1e}" for n, x, t in zip(("dq", "dk", "dv", "dg"), r, truth)))
 
 
 def check_gpu(log):
@@ -131,16 +189,24 @@ def main():
   ap.add_argument("--check-only", action="store_true")
   ap.add_argument("--no-fla", action="store_true")
   ap.add_argument("--no-jnp", action="store_true")
+  ap.add_argument("--stages", action="store_true", help="also time each Pallas kernel alone")
   ap.add_argument("--tune", default="", help="JSON list of TUNE overrides to time (Pallas only)")
   args = ap.parse_args()
   lines = []
 
+  t_start = time.perf_counter()
+
   def log(s):
+    s = f"[{time.perf_counter() - t_start:6.1f}s] {s}" if s else s
     print(s, flush=True)
     lines.append(s)
 
   log(f"jax {jax.__version__}, devices {jax.devices()}")
   ok = check_gpu(log)
+  try:
+    check_truth64(log)
+  except Exception as e:  # noqa: BLE001
+    log(f"truth64 check: FAILED {e!r}")
   if args.check_only:
     return
   fla = None
@@ -149,10 +215,10 @@ def main():
       import torch
       import triton
       from fla.ops.gla import chunk_gla as fla_chunk_gla
-      import fla
+      import fla as fla_pkg
       fla = (torch, triton, fla_chunk_gla)
-      log(f"torch {torch.__version__}, triton {triton.__version__}, fla {fla.__version__}, "
-          f"{torch.cuda.get_device_name()}")
+      log(f"torch {torch.__version__}, triton {triton.__version__}, "
+          f"fla {getattr(fla_pkg, '__version__', '?')}, {torch.cuda.get_device_name()}")
     except Exception as e:  # noqa: BLE001
       log(f"FLA unavailable: {e!r}")
   results = []
@@ -178,13 +244,15 @@ def main():
       backend = "jax" if vname == "jnp" else "pallas"
       try:
         f, fb = jax_fns(backend, scale)
+        f = compiled(f, q, k, v, g)
+        fb = compiled(fb, q, k, v, g, do)
         o = f(q, k, v, g)
         outs[vname] = np.asarray(o.astype(jnp.float32))
         row[f"{vname} fwd ms"] = time_loop(lambda: f(q, k, v, g), jsync, args.iters, args.reps)
         row[f"{vname} fwd+bwd ms"] = time_loop(lambda: fb(q, k, v, g, do), jsync, args.iters,
                                                args.reps)
-        row[f"{vname} fwd GiB"] = jax_peak(f, q, k, v, g)
-        row[f"{vname} fwd+bwd GiB"] = jax_peak(fb, q, k, v, g, do)
+        row[f"{vname} fwd GiB"] = jax_peak(f)
+        row[f"{vname} fwd+bwd GiB"] = jax_peak(fb)
         if vname == "pallas":
           gp = fb(q, k, v, g, do)
           outs["pallas_grads"] = [np.asarray(x.astype(jnp.float32)) for x in gp]
@@ -196,6 +264,13 @@ def main():
         traceback.print_exc()
     cm.TUNE.clear()
     cm.TUNE.update(base_tune)
+    if args.stages:
+      try:
+        for sname, ms in stage_times(q, k, v, g, do, scale, args.iters, args.reps).items():
+          row[f"stage {sname} ms"] = ms
+          log(f"{name} stage {sname}: {ms:.3f} ms")
+      except Exception as e:  # noqa: BLE001
+        log(f"{name} stages: FAILED {e!r}")
     if "jnp" in outs and "pallas" in outs:
       row["pallas vs jnp fwd rel"] = rel(outs["pallas"], outs["jnp"])
     if fla is not None:
