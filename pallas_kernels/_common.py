@@ -90,6 +90,19 @@ def last_row(x):
   return jnp.sum(jnp.where(iota(x.shape, 0) == x.shape[0] - 1, x, 0.0), axis=0, keepdims=True)
 
 
+def rows_of(x, a):
+  """Rows ``a*SUB .. a*SUB + SUB - 1`` of a loaded ``[C, D]`` value, exactly (masked sum).
+
+  Sub-chunk log-decays are taken from the chunk's one cumsum this way, so every
+  exponent ``b_r - b_i`` in a kernel is a difference of the same float32 values, as in
+  the reference; a separately summed sub-chunk cumsum differs by an ulp of ``|b|``
+  (1e-5 relative in ``exp`` under strong decay).
+  """
+  C, D = x.shape
+  x3 = x.reshape(C // SUB, SUB, D)
+  return jnp.sum(jnp.where(iota(x3.shape, 0) == a, x3, 0.0), axis=0)
+
+
 def rev_cumsum(x):
   """Reverse cumulative sum along axis 0 (Triton has only the forward scan)."""
   return jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x

@@ -80,9 +80,8 @@ def _dqdk_kernel(q_ref, k_ref, v_ref, g_ref, do_ref, h_ref, dh_ref, da_ref,
     rows = pl.ds(t0 + a * S, S)
     start = jnp.sum(jnp.where(row == a * S - 1, bc, 0.0), axis=0, keepdims=True)
     end = jnp.sum(jnp.where(row == a * S + S - 1, bc, 0.0), axis=0, keepdims=True)
-    g_a = g_ref[b, rows, hd, ks]
-    bl = jnp.cumsum(g_a, axis=0)
-    b_a = start + bl
+    b_a = cm.rows_of(bc, a)
+    bl = b_a - start                      # <= 0; exact differences of the one cumsum
     q_a = q_ref[b, rows, hd, ks].astype(cm.F32)
     k_a = k_ref[b, rows, hd, ks].astype(cm.F32)
 

@@ -49,8 +49,7 @@ def _scores_kernel(*refs, C, K, KD, V, BV, dt, scale, with_da):
       ks = pl.ds(kk * KD, KD)
       bc = jnp.cumsum(g_ref[b, tc, hd, ks], axis=0)
       offset = jnp.sum(jnp.where(row == a * S - 1, bc, 0.0), axis=0, keepdims=True)
-      g_a = g_ref[b, rows, hd, ks]
-      bl = jnp.cumsum(g_a, axis=0)                 # b_r - offset for the rows of a
+      bl = cm.rows_of(bc, a) - offset              # b_r - b at the row before a
       q_a = q_ref[b, rows, hd, ks].astype(cm.F32)
       k_a = k_ref[b, rows, hd, ks].astype(cm.F32)
       k_fac = k_ref[b, tc, hd, ks].astype(cm.F32) * cm.masked_exp(row < a * S, offset - bc)
