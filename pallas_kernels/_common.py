@@ -52,10 +52,45 @@ def compiler_params(num_warps: int = 4, num_stages: int = 2):
   return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+def _varying_axes(x):
+  mat = getattr(jax.typeof(x), "manual_axis_type", None)
+  return frozenset(getattr(mat, "varying", ()) or ())
+
+
+def _check_vma_on() -> bool:
+  try:
+    from jax._src import config as jax_config
+    return bool(jax_config._check_vma.value)
+  except (ImportError, AttributeError):
+    return False
+
+
 def call(kernel, out_shape, grid, *, num_warps=4, num_stages=2, name=None):
-  """pallas_call over whole-array refs with this package's launch options."""
-  return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, interpret=interpret_mode(),
-                        compiler_params=compiler_params(num_warps, num_stages), name=name)
+  """pallas_call over whole-array refs with this package's launch options.
+
+  Inside ``shard_map(check_vma=True)`` (zeco_gla's local pass) pallas_call needs to know
+  how its outputs vary over the manual mesh axes: every input is cast to the union of
+  the inputs' varying axes, and the outputs are declared varying over the same axes.
+  """
+  fn = functools.partial(pl.pallas_call, kernel, grid=grid, interpret=interpret_mode(),
+                         compiler_params=compiler_params(num_warps, num_stages), name=name)
+
+  def run(*args):
+    if not _check_vma_on():
+      return fn(out_shape=out_shape)(*args)
+    axes = frozenset().union(*(_varying_axes(a) for a in args))
+    if axes:
+      args = [a if _varying_axes(a) == axes else
+              jax.lax.pcast(a, tuple(sorted(axes - _varying_axes(a))), to="varying")
+              for a in args]
+    mat = jax.typeof(args[0]).manual_axis_type
+    outs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat),
+                        out_shape)
+    # Note: the Pallas *interpreter* still fails here (its dynamic_slice mixes varying refs
+    # with invariant constants); call zeco_gla with check_vma=False to interpret on CPU.
+    return fn(out_shape=outs)(*args)
+
+  return run
 
 
 def dot(a, b, dtype, *, ta=False, tb=False):

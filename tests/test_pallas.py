@@ -112,3 +112,4 @@ def test_rejects_non_power_of_two_dims():
   q, k, v, g, h0, _ = _inputs(0, 1, 32, 1, 48, 64)
   with pytest.raises(ValueError, match="power of two"):
     chunk_gla(q, k, v, g, backend="pallas")
+
