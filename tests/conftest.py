@@ -8,6 +8,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 import pytest  # noqa: E402
 
+from helpers import rel_err  # noqa: E402,F401  (also importable from conftest)
+
 
 @pytest.fixture(scope="session")
 def devices():
