@@ -277,7 +277,8 @@ def main():
       torch, triton, fla_fn = fla
       try:
         dev = "cuda"
-        tq, tk, tv, tdo = (torch.tensor(x, device=dev).to(torch.bfloat16) for x in (qn, kn, vn, don))
+        tq, tk, tv, tdo = (torch.tensor(x, device=dev).to(torch.bfloat16)
+                           for x in (qn, kn, vn, don))
         tg = torch.tensor(gn, device=dev)
         for t in (tq, tk, tv, tg):
           t.requires_grad_(True)
@@ -309,7 +310,8 @@ def main():
         fg = [x.float().cpu().numpy() for x in ffb()]
         if "pallas_grads" in outs:
           row["pallas vs fla grad rel"] = [rel(a, b) for a, b in zip(outs["pallas_grads"], fg)]
-        log(f"{name} fla: fwd {row['fla fwd ms']:.3f} ms (do_bench {row['fla fwd ms (do_bench)']:.3f}),"
+        log(f"{name} fla: fwd {row['fla fwd ms']:.3f} ms "
+            f"(do_bench {row['fla fwd ms (do_bench)']:.3f}),"
             f" fwd+bwd {row['fla fwd+bwd ms']:.3f} ms (do_bench "
             f"{row['fla fwd+bwd ms (do_bench)']:.3f}), peak {row['fla fwd GiB']:.2f} / "
             f"{row['fla fwd+bwd GiB']:.2f} GiB; pallas vs fla fwd rel "
@@ -322,13 +324,15 @@ def main():
     results.append(row)
 
   log("")
-  log("| shape | pass | Pallas (ms) | jnp chunk (ms) | FLA (ms) | FLA / Pallas | peak Pallas / FLA (GiB) |")
+  log("| shape | pass | Pallas (ms) | jnp chunk (ms) | FLA (ms) | FLA / Pallas "
+      "| peak Pallas / FLA (GiB) |")
   log("|---|---|---|---|---|---|---|")
   for r in results:
     for key in ("fwd", "fwd+bwd"):
       p, j, f = (r.get(f"{x} {key} ms", float("nan")) for x in ("pallas", "jnp", "fla"))
       log(f"| {r['shape']} | {key} | {p:.3f} | {j:.3f} | {f:.3f} | {f / p:.2f} | "
-          f"{r.get(f'pallas {key} GiB', float('nan')):.2f} / {r.get(f'fla {key} GiB', float('nan')):.2f} |")
+          f"{r.get(f'pallas {key} GiB', float('nan')):.2f} / "
+          f"{r.get(f'fla {key} GiB', float('nan')):.2f} |")
   log(f"GPU correctness checks: {'all OK' if ok else 'FAILED'}")
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "kernels.json"), "w") as fh:

@@ -6,24 +6,32 @@
 * GPU: :mod:`pallas_kernels.triton_backend`, pallas_call lowered through Triton.
 * CPU: the same kernels in the Pallas interpreter (tests). ``ZECO_PALLAS_INTERPRET=1``
   forces the interpreter on any platform, ``=0`` forbids it.
-* TPU: no Mosaic TPU variant exists yet, so ``backend()`` raises ImportError there (unless
-  the interpreter is forced) and ``chunk_gla(backend="auto")`` falls back to the jnp path
-  instead of running Triton-specific kernels that cannot lower to Mosaic TPU.
+* TPU: :mod:`pallas_kernels.tpu_backend` (Mosaic TPU) exists, lowers and is tested in the
+  interpreter, but has never run on a TPU, so it is opt-in: ``ZECO_PALLAS_TPU=1``.
+  Without it ``backend()`` raises ImportError on TPU and ``chunk_gla(backend="auto")``
+  stays on the jnp path there.
 
 Modules: ``state`` (sequential state pass and state-gradient pass), ``intra`` (intra-chunk
 scores with 16-token sub-chunks and exact log-space diagonal blocks; output), ``grads``
-(dv; dq, dk, dg), ``triton_backend`` (composition), ``_common`` (helpers, launch params).
+(dv; dq, dk, dg), ``triton_backend`` (composition), ``tpu_backend`` (the Mosaic TPU
+variant), ``_common`` (helpers, launch parameters).
 """
 import os
 
 import jax
 
 
+def _flag(name):
+  return os.environ.get(name, "") not in ("", "0", "false", "False")
+
+
 def backend():
-  forced = os.environ.get("ZECO_PALLAS_INTERPRET", "") not in ("", "0", "false", "False")
-  if jax.default_backend() == "tpu" and not forced:
-    raise ImportError("pallas_kernels: no Mosaic TPU variant yet (the kernels are written for "
-                      "the Triton lowering); use backend='jax', or ZECO_PALLAS_INTERPRET=1.")
+  if jax.default_backend() == "tpu" and not _flag("ZECO_PALLAS_INTERPRET"):
+    if _flag("ZECO_PALLAS_TPU"):
+      from pallas_kernels import tpu_backend
+      return tpu_backend
+    raise ImportError("pallas_kernels: the Mosaic TPU variant has not run on a TPU yet; set "
+                      "ZECO_PALLAS_TPU=1 to use it, or use backend='jax'.")
   from pallas_kernels import triton_backend
   return triton_backend
 

@@ -30,7 +30,14 @@ TUNE = {
     "out_bk": 64, "out_bv": 64, "out_warps": 4, "out_stages": 2,
     "dv_bk": 64, "dv_bv": 64, "dv_warps": 4, "dv_stages": 2,
     "dqdk_bk": 32, "dqdk_bv": 64, "dqdk_warps": 4,
+    # Store the chunk states h[n] and their cotangents dH[n] in the input dtype when that
+    # is bf16 (FLA does; halves their traffic). Off until measured on the GPU.
+    "states_in_input_dtype": False,
 }
+
+
+def state_store_dtype(input_dtype):
+  return input_dtype if TUNE["states_in_input_dtype"] else F32
 
 
 def interpret_mode() -> bool:

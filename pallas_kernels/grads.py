@@ -45,7 +45,8 @@ def dv(k, g, do, A, dH, *, scale, chunk_size):
   BK, BV = cm.block(K, cm.TUNE['dv_bk']), cm.block(V, cm.TUNE['dv_bv'])
   kern = functools.partial(_dv_kernel, C=C, K=K, BK=BK, BV=BV, dt=k.dtype, scale=scale)
   return cm.call(kern, jax.ShapeDtypeStruct(do.shape, do.dtype), (B, H, T // C, V // BV),
-                 num_warps=cm.TUNE['dv_warps'], num_stages=cm.TUNE['dv_stages'], name="gla_dv")(k, g, do, A, dH)
+                 num_warps=cm.TUNE['dv_warps'], num_stages=cm.TUNE['dv_stages'],
+                 name="gla_dv")(k, g, do, A, dH)
 
 
 def _dqdk_kernel(q_ref, k_ref, v_ref, g_ref, do_ref, h_ref, dh_ref, da_ref,
@@ -62,8 +63,8 @@ def _dqdk_kernel(q_ref, k_ref, v_ref, g_ref, do_ref, h_ref, dh_ref, da_ref,
   def v_total(iv, acc):
     h_dh, v_dh = acc
     vs = pl.ds(iv * BV, BV)
-    dH = dh_ref[b, hd, n, ks, vs]
-    h_dh = h_dh + jnp.sum(h_ref[b, hd, n, ks, vs] * dH, axis=1)[None, :]
+    dH = dh_ref[b, hd, n, ks, vs].astype(cm.F32)
+    h_dh = h_dh + jnp.sum(h_ref[b, hd, n, ks, vs].astype(cm.F32) * dH, axis=1)[None, :]
     return h_dh, v_dh + cm.dot(v_ref[b, tc, hd, vs], dH, dt, tb=True)
 
   h_dh, v_dh = jax.lax.fori_loop(0, V // BV, v_total, (jnp.zeros((1, BK), cm.F32),
@@ -126,5 +127,6 @@ def dqdk(q, k, v, g, do, h, dH, dA, *, scale, chunk_size):
   kern = functools.partial(_dqdk_kernel, C=C, V=V, BK=BK, BV=BV, dt=q.dtype, scale=scale)
   out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
          jax.ShapeDtypeStruct(q.shape, cm.F32))
-  return cm.call(kern, out, (B, H, T // C, K // BK), num_warps=cm.TUNE['dqdk_warps'], num_stages=1,
+  return cm.call(kern, out, (B, H, T // C, K // BK),
+                 num_warps=cm.TUNE['dqdk_warps'], num_stages=1,
                  name="gla_dqdk")(q, k, v, g, do, h, dH, dA)

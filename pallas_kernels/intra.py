@@ -87,9 +87,11 @@ def scores(q, k, g, *, chunk_size, do=None, v=None, scale=1.0):
                            scale=scale, with_da=with_da)
   a_shape = jax.ShapeDtypeStruct((B, H, N, C, C), cm.F32)
   if with_da:
-    return cm.call(kern, (a_shape, a_shape), (B, H, N), num_warps=cm.TUNE['scores_warps'], num_stages=1,
+    return cm.call(kern, (a_shape, a_shape), (B, H, N),
+                   num_warps=cm.TUNE['scores_warps'], num_stages=1,
                    name="gla_scores_bwd")(q, k, g, do, v)
-  return cm.call(kern, a_shape, (B, H, N), num_warps=cm.TUNE['scores_warps'], num_stages=1,
+  return cm.call(kern, a_shape, (B, H, N),
+                   num_warps=cm.TUNE['scores_warps'], num_stages=1,
                  name="gla_scores")(q, k, g)
 
 
@@ -113,4 +115,5 @@ def output(q, v, g, h, A, *, scale, chunk_size):
   BK, BV = cm.block(K, cm.TUNE['out_bk']), cm.block(V, cm.TUNE['out_bv'])
   kern = functools.partial(_output_kernel, C=C, K=K, BK=BK, BV=BV, dt=q.dtype, scale=scale)
   return cm.call(kern, jax.ShapeDtypeStruct(v.shape, v.dtype), (B, H, N, V // BV),
-                 num_warps=cm.TUNE['out_warps'], num_stages=cm.TUNE['out_stages'], name="gla_output")(q, v, g, h, A)
+                 num_warps=cm.TUNE['out_warps'], num_stages=cm.TUNE['out_stages'],
+                 name="gla_output")(q, v, g, h, A)

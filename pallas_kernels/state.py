@@ -24,7 +24,7 @@ def _state_kernel(k_ref, v_ref, g_ref, h0_ref, h_ref, ht_ref, *, C, N, BK, BV, d
   ks, vs = pl.ds(ik * BK, BK), pl.ds(iv * BV, BV)
 
   def body(n, state):
-    h_ref[b, hd, n, ks, vs] = state
+    h_ref[b, hd, n, ks, vs] = state.astype(h_ref.dtype)
     t = pl.ds(n * C, C)
     g = g_ref[b, t, hd, ks]
     bc = jnp.cumsum(g, axis=0)
@@ -44,9 +44,10 @@ def state_pass(k, v, g, h0, *, chunk_size):
   N = T // C
   BK, BV = cm.block(K, cm.TUNE['state_bk']), cm.block(V, cm.TUNE['state_bv'])
   kern = functools.partial(_state_kernel, C=C, N=N, BK=BK, BV=BV, dt=k.dtype)
-  out = (jax.ShapeDtypeStruct((B, H, N, K, V), cm.F32), jax.ShapeDtypeStruct((B, H, K, V), cm.F32))
-  return cm.call(kern, out, (B, H, K // BK, V // BV), num_warps=cm.TUNE['state_warps'], num_stages=cm.TUNE['state_stages'],
-                 name="gla_state_pass")(k, v, g, h0)
+  out = (jax.ShapeDtypeStruct((B, H, N, K, V), cm.state_store_dtype(k.dtype)),
+         jax.ShapeDtypeStruct((B, H, K, V), cm.F32))
+  return cm.call(kern, out, (B, H, K // BK, V // BV), num_warps=cm.TUNE['state_warps'],
+                 num_stages=cm.TUNE['state_stages'], name="gla_state_pass")(k, v, g, h0)
 
 
 def _state_grad_kernel(q_ref, do_ref, g_ref, dht_ref, dh_ref, dh0_ref, *, C, N, BK, BV, dt,
@@ -56,7 +57,7 @@ def _state_grad_kernel(q_ref, do_ref, g_ref, dht_ref, dh_ref, dh0_ref, *, C, N, 
 
   def body(i, dstate):
     n = N - 1 - i
-    dh_ref[b, hd, n, ks, vs] = dstate
+    dh_ref[b, hd, n, ks, vs] = dstate.astype(dh_ref.dtype)
     t = pl.ds(n * C, C)
     g = g_ref[b, t, hd, ks]
     bc = jnp.cumsum(g, axis=0)
@@ -76,6 +77,7 @@ def state_grad_pass(q, do, g, dht, *, scale, chunk_size):
   N = T // C
   BK, BV = cm.block(K, cm.TUNE['state_bk']), cm.block(V, cm.TUNE['state_bv'])
   kern = functools.partial(_state_grad_kernel, C=C, N=N, BK=BK, BV=BV, dt=q.dtype, scale=scale)
-  out = (jax.ShapeDtypeStruct((B, H, N, K, V), cm.F32), jax.ShapeDtypeStruct((B, H, K, V), cm.F32))
-  return cm.call(kern, out, (B, H, K // BK, V // BV), num_warps=cm.TUNE['state_warps'], num_stages=cm.TUNE['state_stages'],
-                 name="gla_state_grad_pass")(q, do, g, dht)
+  out = (jax.ShapeDtypeStruct((B, H, N, K, V), cm.state_store_dtype(q.dtype)),
+         jax.ShapeDtypeStruct((B, H, K, V), cm.F32))
+  return cm.call(kern, out, (B, H, K // BK, V // BV), num_warps=cm.TUNE['state_warps'],
+                 num_stages=cm.TUNE['state_stages'], name="gla_state_grad_pass")(q, do, g, dht)
