@@ -33,6 +33,8 @@ TUNE = {
     # Store the chunk states h[n] and their cotangents dH[n] in the input dtype when that
     # is bf16 (FLA does; halves their traffic). Off until measured on the GPU.
     "states_in_input_dtype": False,
+    # Forward: scores and output in one kernel (A stays on chip). Off until measured.
+    "fuse_scores_output": False,
 }
 
 

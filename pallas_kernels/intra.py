@@ -29,6 +29,32 @@ def _diag_block(q_a, k_a, bl):
   return jnp.sum(q_a[:, None, :] * k_a[None, :, :] * decay, axis=2)
 
 
+def _score_rows(q_ref, k_ref, g_ref, b, hd, t0, a, *, C, K, KD, dt):
+  """Rows of sub-chunk ``a`` of the unscaled scores A: [S, C] float32, zero above the
+  diagonal. ``a`` may be traced (the caller loops over sub-chunks)."""
+  tc = pl.ds(t0, C)
+  rows = pl.ds(t0 + a * S, S)
+  row = cm.iota((C, KD), 0)
+
+  def k_slice(kk, acc):
+    acc_off, acc_diag = acc
+    ks = pl.ds(kk * KD, KD)
+    bc = jnp.cumsum(g_ref[b, tc, hd, ks], axis=0)
+    offset = jnp.sum(jnp.where(row == a * S - 1, bc, 0.0), axis=0, keepdims=True)
+    bl = cm.rows_of(bc, a) - offset              # b_r - b at the row before a
+    q_a = q_ref[b, rows, hd, ks].astype(cm.F32)
+    k_a = k_ref[b, rows, hd, ks].astype(cm.F32)
+    k_fac = k_ref[b, tc, hd, ks].astype(cm.F32) * cm.masked_exp(row < a * S, offset - bc)
+    acc_off = acc_off + cm.dot(q_a * jnp.exp(bl), k_fac, dt, tb=True)
+    return acc_off, acc_diag + _diag_block(q_a, k_a, bl)
+
+  # Loops, not Python unrolling: the unrolled kernel took ~50 s to compile in Triton.
+  acc_off, acc_diag = jax.lax.fori_loop(
+      0, K // KD, k_slice, (jnp.zeros((S, C), cm.F32), jnp.zeros((S, S), cm.F32)))
+  one_hot = ((cm.iota((S, C), 1) - cm.iota((S, C), 0)) == a * S).astype(cm.F32)
+  return acc_off + cm.dot(acc_diag, one_hot, cm.F32)
+
+
 def _scores_kernel(*refs, C, K, KD, V, BV, dt, scale, with_da):
   if with_da:
     q_ref, k_ref, g_ref, do_ref, v_ref, a_ref, da_ref = refs
@@ -37,29 +63,10 @@ def _scores_kernel(*refs, C, K, KD, V, BV, dt, scale, with_da):
   b, hd, n = (pl.program_id(i) for i in range(3))
   t0 = n * C
   tc = pl.ds(t0, C)
-  row = cm.iota((C, KD), 0)
-  place = cm.iota((S, C), 1) - cm.iota((S, C), 0)
 
-  # Loops, not Python unrolling: the unrolled kernel took ~50 s to compile in Triton.
   def sub_chunk(a, carry):
-    rows = pl.ds(t0 + a * S, S)
-
-    def k_slice(kk, acc):
-      acc_off, acc_diag = acc
-      ks = pl.ds(kk * KD, KD)
-      bc = jnp.cumsum(g_ref[b, tc, hd, ks], axis=0)
-      offset = jnp.sum(jnp.where(row == a * S - 1, bc, 0.0), axis=0, keepdims=True)
-      bl = cm.rows_of(bc, a) - offset              # b_r - b at the row before a
-      q_a = q_ref[b, rows, hd, ks].astype(cm.F32)
-      k_a = k_ref[b, rows, hd, ks].astype(cm.F32)
-      k_fac = k_ref[b, tc, hd, ks].astype(cm.F32) * cm.masked_exp(row < a * S, offset - bc)
-      acc_off = acc_off + cm.dot(q_a * jnp.exp(bl), k_fac, dt, tb=True)
-      return acc_off, acc_diag + _diag_block(q_a, k_a, bl)
-
-    acc_off, acc_diag = jax.lax.fori_loop(
-        0, K // KD, k_slice, (jnp.zeros((S, C), cm.F32), jnp.zeros((S, S), cm.F32)))
-    one_hot = (place == a * S).astype(cm.F32)
-    a_ref[b, hd, n, pl.ds(a * S, S), :] = acc_off + cm.dot(acc_diag, one_hot, cm.F32)
+    a_ref[b, hd, n, pl.ds(a * S, S), :] = _score_rows(q_ref, k_ref, g_ref, b, hd, t0, a, C=C,
+                                                      K=K, KD=KD, dt=dt)
     return carry
 
   jax.lax.fori_loop(0, C // S, sub_chunk, 0)
@@ -117,3 +124,45 @@ def output(q, v, g, h, A, *, scale, chunk_size):
   return cm.call(kern, jax.ShapeDtypeStruct(v.shape, v.dtype), (B, H, N, V // BV),
                  num_warps=cm.TUNE['out_warps'], num_stages=cm.TUNE['out_stages'],
                  name="gla_output")(q, v, g, h, A)
+
+
+def _fused_output_kernel(q_ref, k_ref, v_ref, g_ref, h_ref, o_ref, *, C, K, KD, BK, BV, dt,
+                         scale):
+  b, hd, n, iv = (pl.program_id(i) for i in range(4))
+  t0 = n * C
+  tc, vs = pl.ds(t0, C), pl.ds(iv * BV, BV)
+  v_tile = v_ref[b, tc, hd, vs]
+
+  def sub_chunk(a, carry):
+    rows = pl.ds(t0 + a * S, S)
+    A_rows = _score_rows(q_ref, k_ref, g_ref, b, hd, t0, a, C=C, K=K, KD=KD, dt=dt)
+
+    def k_block(kk, o):
+      ks = pl.ds(kk * BK, BK)
+      b_a = cm.rows_of(jnp.cumsum(g_ref[b, tc, hd, ks], axis=0), a)
+      q_dec = q_ref[b, rows, hd, ks].astype(cm.F32) * jnp.exp(b_a)
+      return o + cm.dot(q_dec, h_ref[b, hd, n, ks, vs], dt)
+
+    o = jax.lax.fori_loop(0, K // BK, k_block, cm.dot(A_rows, v_tile, dt))
+    o_ref[b, rows, hd, vs] = (scale * o).astype(o_ref.dtype)
+    return carry
+
+  jax.lax.fori_loop(0, C // S, sub_chunk, 0)
+
+
+def fused_output(q, k, v, g, h, *, scale, chunk_size):
+  """Scores and output in one kernel (A never written): the ``fuse_scores_output`` option.
+
+  A is recomputed for each V tile; with V <= ``out_bv`` there is one tile and no recompute.
+  """
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  C = chunk_size
+  N = T // C
+  KD = cm.block(K, cm.TUNE['scores_kd'])
+  BK, BV = cm.block(K, cm.TUNE['out_bk']), cm.block(V, cm.TUNE['out_bv'])
+  kern = functools.partial(_fused_output_kernel, C=C, K=K, KD=KD, BK=BK, BV=BV, dt=q.dtype,
+                           scale=scale)
+  return cm.call(kern, jax.ShapeDtypeStruct(v.shape, v.dtype), (B, H, N, V // BV),
+                 num_warps=cm.TUNE['out_warps'], num_stages=cm.TUNE['out_stages'],
+                 name="gla_scores_output")(q, k, v, g, h)

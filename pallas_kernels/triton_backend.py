@@ -19,8 +19,11 @@ from pallas_kernels import state
 def fwd(q, k, v, g, *, scale, initial_state, chunk_size):
   cm.check_dims(q.shape[-1], v.shape[-1], chunk_size)
   h, final = state.state_pass(k, v, g, initial_state, chunk_size=chunk_size)
-  A = intra.scores(q, k, g, chunk_size=chunk_size)
-  o = intra.output(q, v, g, h, A, scale=scale, chunk_size=chunk_size)
+  if cm.TUNE["fuse_scores_output"]:
+    o = intra.fused_output(q, k, v, g, h, scale=scale, chunk_size=chunk_size)
+  else:
+    A = intra.scores(q, k, g, chunk_size=chunk_size)
+    o = intra.output(q, v, g, h, A, scale=scale, chunk_size=chunk_size)
   return o, final
 
 

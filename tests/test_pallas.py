@@ -165,3 +165,21 @@ def test_tpu_variant_lowers_to_mosaic(monkeypatch):
 
   text = jax.jit(both).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
   assert "tpu_custom_call" in text
+
+
+def test_prepared_gpu_options_keep_results(monkeypatch):
+  """The launch options the next GPU run measures (fused scores+output, states stored in
+  the input dtype) compute the same function."""
+  from pallas_kernels import _common
+  from zeco_jax import chunked
+  monkeypatch.setitem(_common.TUNE, "fuse_scores_output", True)
+  monkeypatch.setitem(_common.TUNE, "states_in_input_dtype", True)
+  monkeypatch.setitem(_common.TUNE, "state_bk", 32)
+  monkeypatch.setitem(_common.TUNE, "state_bv", 32)
+  q, k, v, g, h0, key = _inputs(3, 1, 128, 1, 64, 128, decay="strong")
+  o, fin, grads = _backend_terms(pallas_kernels.backend(), q, k, v, g, h0, key, 64)
+  o_r, fin_r, grads_r = _backend_terms(chunked, q, k, v, g, h0, key, 64)
+  assert rel_err(o, o_r) <= 1e-5
+  assert rel_err(fin, fin_r) <= 1e-5
+  for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), grads, grads_r):
+    assert rel_err(a, b) <= 1e-4, (name, rel_err(a, b))
