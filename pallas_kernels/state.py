@@ -37,7 +37,8 @@ def _state_kernel(k_ref, v_ref, g_ref, h0_ref, h_ref, ht_ref, *, C, N, BK, BV, d
 
 
 def state_pass(k, v, g, h0, *, chunk_size):
-  """Returns (h [B, H, N, K, V] float32 state entering each chunk, final [B, H, K, V])."""
+  """Returns (h [B, H, N, K, V] state entering each chunk (float32, or the input dtype with
+  ``TUNE["states_in_input_dtype"]``), final [B, H, K, V] float32)."""
   B, T, H, K = k.shape
   V = v.shape[-1]
   C = chunk_size
