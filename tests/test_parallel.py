@@ -202,3 +202,17 @@ def test_backward_keeps_inputs_and_a_few_states():
   assert beyond <= 12 * 4 * per_rank_state, (beyond, per_rank_state)
   assert not any(x.shape[-3:] == (64, H, K) or x.shape[1:] == (256, H, K)
                  for x in leaves[4:]), [x.shape for x in leaves]
+
+
+def test_zeco_gla_with_pallas_local_pass():
+  # The local pass through the Pallas kernels (interpret mode on CPU) inside zeco_gla.
+  pytest.importorskip("pallas_kernels")
+  op = functools.partial(zeco_gla, mesh=seq_mesh(2), num_blocks=2, chunk_size=16,
+                         backend="pallas")
+  q, k, v, g, h0 = gla_inputs(13, 1, 64, 2, 16, 16)
+  w_o, w_s = cotangents(13, 1, 64, 2, 16, 16)
+  o_r, s_r, g_r = loss_and_grads(recurrent_gla, q, k, v, g, h0, w_o, w_s)
+  o_z, s_z, g_z = loss_and_grads(op, q, k, v, g, h0, w_o, w_s)
+  assert rel_err(o_z, o_r) <= 1e-5 and rel_err(s_z, s_r) <= 1e-5
+  for name in g_r:
+    assert rel_err(g_z[name], g_r[name]) <= 1e-4, name

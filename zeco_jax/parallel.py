@@ -143,7 +143,7 @@ def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
   args = _checks.check_gla_inputs(q, k, v, g, initial_state, scale, name=name)
   _checks.check_chunk_size(chunk_size, name=name, multiple_of=chunked.SUB_CHUNK)
   _checks.check_choice(method, METHODS, arg="method", name=name)
-  resolve_backend(backend, name=name)
+  backend = resolve_backend(backend, name=name)
   mesh = _mesh_or_context(mesh, name=name)
   if seq_axis not in mesh.axis_names:
     raise ValueError(f"{name}: the mesh has no axis `seq_axis`={seq_axis!r}; its axes are "
@@ -164,7 +164,11 @@ def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
                               initial_state=h0, output_final_state=True, backend=backend)
     return o, after[None]
 
+  # Pallas calls (and the Pallas interpreter on CPU) do not carry shard_map's varying-axes
+  # types through their bodies, so that check is off around them; JAX then inserts the
+  # psums for replicated inputs itself.
   run = jax.shard_map(body, mesh=mesh, in_specs=(seq4, seq4, seq4, g_spec, h0_spec),
-                      out_specs=(seq4, P(seq_axis)), axis_names={seq_axis})
+                      out_specs=(seq4, P(seq_axis)), axis_names={seq_axis},
+                      check_vma=(backend != "pallas"))
   o, after_each = run(q, k, v, g, initial_state)
   return o, (after_each[-1] if output_final_state else None)
