@@ -66,7 +66,8 @@ def masked_loss(logits, batch):
   correct = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
   return jnp.sum(nll * mask) / count, {"accuracy": jnp.sum(correct * mask) / count,
                                         "nll_sum": jnp.sum(nll * mask),
-                                        "correct": jnp.sum(correct * mask), "count": count}
+                                        "correct": jnp.sum(correct * mask), "count": count,
+                                        "logits": logits}
 
 
 class Experiment:
@@ -125,6 +126,7 @@ class Experiment:
 
     def loss_and_grad(params, batch):
       (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+      aux.pop("logits")
       return loss, aux, grads
 
     def train_step(state, batch):
@@ -136,7 +138,12 @@ class Experiment:
       return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     def eval_step(params, batch):
-      return loss_fn(params, batch)[1]
+      aux = loss_fn(params, batch)[1]
+      logits = aux.pop("logits")
+      correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
+      aux["cross_correct"] = jnp.sum(correct * batch["cross"])
+      aux["cross_count"] = jnp.sum(batch["cross"])
+      return aux
 
     self.loss_and_grad = jax.jit(loss_and_grad,
                                  in_shardings=(self.param_shardings, batch_shardings),
@@ -145,8 +152,9 @@ class Experiment:
     self.train_step = jax.jit(train_step, in_shardings=(self.state_shardings, batch_shardings),
                               out_shardings=(self.state_shardings, self.replicated),
                               donate_argnums=0)
-    self.eval_step = jax.jit(eval_step, in_shardings=(self.param_shardings, batch_shardings),
-                             out_shardings=self.replicated)
+    self.eval_step = jax.jit(eval_step, in_shardings=(
+        self.param_shardings, {**batch_shardings, "cross": self.batch_sharding}),
+        out_shardings=self.replicated)
 
   def put_batch(self, batch: dict) -> dict:
     """Host batch -> global arrays with B over ``data`` and T over ``seq``."""
@@ -215,11 +223,17 @@ class Progress:
 def evaluate(exp: Experiment, dataset: Dataset, params, num_batches: int) -> dict:
   totals = None
   for i in range(num_batches):
-    out = exp.eval_step(params, exp.put_batch(dataset.eval_batch(i)))
+    batch = dataset.eval_batch(i, num_shards=exp.mesh.shape["seq"])
+    out = exp.eval_step(params, exp.put_batch(batch))
     out = {k: float(v) for k, v in jax.device_get(out).items()}
     totals = out if totals is None else {k: totals[k] + out[k] for k in out}
-  return {"eval_loss": totals["nll_sum"] / totals["count"],
-          "eval_accuracy": totals["correct"] / totals["count"]}
+  result = {"eval_loss": totals["nll_sum"] / totals["count"],
+            "eval_accuracy": totals["correct"] / totals["count"],
+            "eval_queries": int(totals["count"])}
+  if totals["cross_count"]:
+    result["eval_cross_shard_accuracy"] = totals["cross_correct"] / totals["cross_count"]
+    result["eval_cross_shard_queries"] = int(totals["cross_count"])
+  return result
 
 
 def plot_metrics(metrics_path: str, png_path: str) -> None:
@@ -296,7 +310,9 @@ def run(cfg: dict, *, progress: bool = True, verbose: bool = True, bar: bool = T
     ev = evaluate(exp, dataset, state["params"], train["eval_batches"])
     metrics_file.write(json.dumps({"step": step, **ev}) + "\n")
     metrics_file.flush()
-    bar.write(f"step {step}: eval loss {ev['eval_loss']:.4f} accuracy {ev['eval_accuracy']:.4f}")
+    bar.write(f"step {step}: eval loss {ev['eval_loss']:.4f} accuracy {ev['eval_accuracy']:.4f}"
+              + (f" (cross-shard queries: {ev['eval_cross_shard_accuracy']:.4f} of "
+                 f"{ev['eval_cross_shard_queries']})" if "eval_cross_shard_accuracy" in ev else ""))
     return ev
 
   next_batch = dataset.batch(start) if start < stop else None
@@ -342,7 +358,7 @@ def run(cfg: dict, *, progress: bool = True, verbose: bool = True, bar: bool = T
     mngr.wait_until_finished()
     mngr.close()
   final_step = int(jax.device_get(state["step"]))
-  if final_step == train["steps"] or train["stop_after"] is None:
+  if train["eval_batches"] and (final_step == train["steps"] or train["stop_after"] is None):
     summary["final_eval"] = log_eval(final_step)
   metrics_file.close()
   plot_metrics(metrics_path, os.path.join(workdir, "loss.png"))
@@ -355,9 +371,13 @@ def run(cfg: dict, *, progress: bool = True, verbose: bool = True, bar: bool = T
       "params": jax.device_get(state["params"])})
   if "final_eval" in summary:
     ev = summary["final_eval"]
+    cross = (f", on the {ev['eval_cross_shard_queries']} queries whose pair is on an earlier "
+             f"seq shard {ev['eval_cross_shard_accuracy']:.4f}"
+             if "eval_cross_shard_accuracy" in ev else "")
     say(f"final step {final_step}: eval loss {ev['eval_loss']:.4f}, accuracy "
-        f"{ev['eval_accuracy']:.4f} ({train['eval_batches']} x {data_cfg['batch_size']} held-out "
-        f"sequences); wall {summary['wall_s']:.0f}s", flush=True)
+        f"{ev['eval_accuracy']:.4f} over {ev['eval_queries']} queries in "
+        f"{train['eval_batches']} x {data_cfg['batch_size']} held-out sequences{cross}; "
+        f"wall {summary['wall_s']:.0f}s", flush=True)
   return summary
 
 

@@ -27,11 +27,14 @@ DEFAULTS: dict[str, Any] = {
         "seq_len": 2048,
         "batch_size": 8,         # global batch (split over the data axis)
         "seed": 0,
-        # MQAR: key-value pairs at the start, queries of those keys (answer hidden) later.
+        # MQAR (models/data.py): key-value pairs, later queries of those keys (answer hidden).
+        "layout": "boundaries",  # pairs before each segment boundary, queries after; or "start"
+        "num_segments": 4,       # boundaries layout: segments (= seq shards at seq=4)
+        "query_window": 256,     # boundaries layout: queries in a segment's first N tokens
         "num_keys": 64,          # key alphabet; values use another num_keys tokens
-        "num_pairs": 8,          # pairs per sequence
-        "num_queries": 64,       # queried positions per sequence (keys repeat)
-        "query_from": 0.25,      # queries only at positions >= query_from * seq_len
+        "num_pairs": 8,          # pairs per episode
+        "num_queries": 64,       # queried positions per episode (keys repeat)
+        "query_from": 0.25,      # start layout: queries at positions >= query_from * seq_len
     },
     "train": {
         "steps": 1000,
@@ -173,13 +176,21 @@ def validate(cfg: dict, num_devices: int) -> dict:
     if model.vocab_size < 1 + 2 * data["num_keys"]:
       raise ValueError(f"MQAR needs model.vocab_size >= 1 + 2 * data.num_keys = "
                        f"{1 + 2 * data['num_keys']}, got {model.vocab_size}")
-    if not 0 < data["num_pairs"] <= data["num_keys"]:
-      raise ValueError(f"data.num_pairs must be in [1, num_keys={data['num_keys']}], "
-                       f"got {data['num_pairs']}")
-    start = max(2 * data["num_pairs"], int(data["query_from"] * T))
-    if data["num_queries"] > T - start:
-      raise ValueError(f"data.num_queries={data['num_queries']} does not fit in the query "
-                       f"region [{start}, {T}) of seq_len {T}")
+    if data["layout"] == "start":
+      episodes, region = 1, T - max(2 * data["num_pairs"], int(data["query_from"] * T))
+    elif data["layout"] == "boundaries":
+      S = data["num_segments"]
+      if S < 2 or T % S:
+        raise ValueError(f"data.num_segments={S} must be >= 2 and divide seq_len={T}")
+      episodes, region = S - 1, min(data["query_window"], T // S - 2 * data["num_pairs"])
+    else:
+      raise ValueError(f"data.layout must be 'boundaries' or 'start', got {data['layout']!r}")
+    if not 0 < min(episodes, 2) * data["num_pairs"] <= data["num_keys"]:
+      raise ValueError(f"data: two consecutive episodes of num_pairs={data['num_pairs']} "
+                       f"distinct keys do not fit in num_keys={data['num_keys']}")
+    if not 0 < data["num_queries"] <= region:
+      raise ValueError(f"data.num_queries={data['num_queries']} does not fit in a query "
+                       f"region of {region} positions")
   elif data["kind"] == "text":
     if not data["path"] or not os.path.exists(data["path"]):
       raise ValueError(f"data.kind='text' needs data.path, an existing file or folder; got "

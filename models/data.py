@@ -1,12 +1,12 @@
 """Training data, a pure function of (seed, step): a resumed run sees exactly the same batches.
 
 ``mqar``: multi-query associative recall (Arora et al. 2023, "Zoology"), generated.
-Each sequence starts with ``num_pairs`` key-value pairs ``k1 v1 k2 v2 ...``; the rest is a
-pad token (0) except ``num_queries`` positions at or after ``query_from * seq_len`` that
-hold a key whose value must be predicted there (the value itself is never shown again,
-so every answer comes from the pair at the start). With ``query_from = 1 / seq`` the pairs
-sit on the first sequence shard and every query on a later one: the answer crosses at
-least one shard boundary, carried only by the state the All-Scan passes along.
+Key-value pairs ``k1 v1 k2 v2 ...`` are shown once; later positions hold a key alone (the
+query: its value must be predicted there and is never shown again), the rest is a pad
+token 0. In the default ``boundaries`` layout the pairs sit at the end of one sequence
+segment and their queries at the start of the next; with segments = seq shards every
+answer crosses a shard boundary, carried only by the state the All-Scan passes along.
+See :func:`mqar_batch`.
 
 ``text``: byte-level language modelling on any file or folder (read recursively):
 random windows, next-byte targets, vocabulary 256.
@@ -28,24 +28,68 @@ def _rng(seed: int, step: int) -> np.random.Generator:
 
 
 def mqar_batch(seed: int, step: int, *, batch_size: int, seq_len: int, num_keys: int,
-               num_pairs: int, num_queries: int, query_from: float) -> dict:
+               num_pairs: int, num_queries: int, query_from: float = 0.25,
+               layout: str = "boundaries", num_segments: int = 4,
+               query_window: int = 256) -> dict:
+  """One MQAR batch. Pad token 0; keys 1..num_keys; values num_keys+1..2*num_keys.
+
+  ``layout="start"`` (Zoology): ``num_pairs`` pairs at the start, ``num_queries`` queries
+  at positions >= ``query_from * seq_len``.
+  ``layout="boundaries"``: the sequence is ``num_segments`` equal segments (= the seq
+  shards when seq = num_segments). Each of the first ``num_segments - 1`` segments ends
+  with ``num_pairs`` fresh pairs (keys distinct across the whole sequence when the key
+  alphabet allows, else distinct from the previous episode's, with new values); the next
+  segment opens with ``num_queries`` queries of those keys, in its first ``query_window``
+  positions. Every answer is on the other side of a segment boundary from its pair.
+  """
   rng = _rng(seed, step)
   B, T = batch_size, seq_len
   inputs = np.zeros((B, T), np.int32)
   targets = np.zeros((B, T), np.int32)
   mask = np.zeros((B, T), np.float32)
-  start = max(2 * num_pairs, int(query_from * T))
-  for b in range(B):
-    keys = rng.permutation(num_keys)[:num_pairs] + 1
-    values = rng.integers(0, num_keys, num_pairs) + 1 + num_keys
-    inputs[b, 0:2 * num_pairs:2] = keys
-    inputs[b, 1:2 * num_pairs:2] = values
-    positions = rng.permutation(T - start)[:num_queries] + start
+  source = np.full((B, T), -1, np.int32)     # position of the pair a query recalls
+
+  def episode(b, keys, values, kv_start, q_lo, q_hi):
+    inputs[b, kv_start:kv_start + 2 * num_pairs:2] = keys
+    inputs[b, kv_start + 1:kv_start + 2 * num_pairs:2] = values
+    positions = rng.permutation(q_hi - q_lo)[:num_queries] + q_lo
     which = rng.integers(0, num_pairs, num_queries)
     inputs[b, positions] = keys[which]
     targets[b, positions] = values[which]
     mask[b, positions] = 1.0
-  return {"inputs": inputs, "targets": targets, "mask": mask}
+    source[b, positions] = kv_start + 2 * which
+
+  for b in range(B):
+    if layout == "start":
+      keys = rng.permutation(num_keys)[:num_pairs] + 1
+      values = rng.integers(0, num_keys, num_pairs) + 1 + num_keys
+      episode(b, keys, values, 0, max(2 * num_pairs, int(query_from * T)), T)
+    else:
+      L = T // num_segments
+      distinct = (num_segments - 1) * num_pairs <= num_keys
+      all_keys = rng.permutation(num_keys)[:(num_segments - 1) * num_pairs] + 1
+      keys = np.zeros(0, np.int64)
+      for s in range(1, num_segments):
+        if distinct:
+          keys = all_keys[(s - 1) * num_pairs:s * num_pairs]
+        else:   # fresh keys, none from the previous episode (older ones may come back)
+          pool = np.setdiff1d(np.arange(1, num_keys + 1), keys)
+          keys = rng.permutation(pool)[:num_pairs]
+        values = rng.integers(0, num_keys, num_pairs) + 1 + num_keys
+        window = min(query_window, L - 2 * num_pairs)
+        episode(b, keys, values, s * L - 2 * num_pairs, s * L, s * L + window)
+  return {"inputs": inputs, "targets": targets, "mask": mask, "source": source}
+
+
+def cross_shard_mask(batch: dict, num_shards: int) -> np.ndarray:
+  """1.0 where a query's pair lies on an earlier sequence shard than the query itself."""
+  T = batch["mask"].shape[1]
+  shard = np.arange(T) // (T // num_shards)
+  src = batch.get("source")
+  if src is None:
+    return np.zeros_like(batch["mask"])
+  cross = (src >= 0) & (shard[np.maximum(src, 0)] < shard[None, :])
+  return (batch["mask"] * cross).astype(np.float32)
 
 
 class ByteText:
@@ -84,10 +128,17 @@ class Dataset:
       return self.text.batch(seed, step, batch_size=c["batch_size"], seq_len=c["seq_len"])
     return mqar_batch(seed, step, batch_size=c["batch_size"], seq_len=c["seq_len"],
                       num_keys=c["num_keys"], num_pairs=c["num_pairs"],
-                      num_queries=c["num_queries"], query_from=c["query_from"])
+                      num_queries=c["num_queries"], query_from=c["query_from"],
+                      layout=c["layout"], num_segments=c["num_segments"],
+                      query_window=c["query_window"])
 
   def batch(self, step: int) -> dict:
-    return self._make(self.cfg["seed"], step)
+    """Training batch of ``step``: ``inputs``, ``targets``, ``mask``."""
+    out = self._make(self.cfg["seed"], step)
+    return {k: out[k] for k in ("inputs", "targets", "mask")}
 
-  def eval_batch(self, i: int) -> dict:
-    return self._make(self.cfg["seed"] + EVAL_SEED_OFFSET, i)
+  def eval_batch(self, i: int, num_shards: int = 1) -> dict:
+    """Held-out batch ``i``, plus ``cross``: the queries whose answer is on an earlier shard."""
+    out = self._make(self.cfg["seed"] + EVAL_SEED_OFFSET, i)
+    out["cross"] = cross_shard_mask(out, num_shards)
+    return {k: out[k] for k in ("inputs", "targets", "mask", "cross")}

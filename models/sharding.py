@@ -74,9 +74,9 @@ def logical_axes(model: nnx.Module) -> dict:
   for path, node in nnx.iter_graph(model):
     if isinstance(node, nnx.Param):
       axes = node.get_metadata().get(LOGICAL_AXES_KEY)
-      if axes is None or len(axes) != node.value.ndim:
+      if axes is None or len(axes) != len(node.get_value().shape):
         raise ValueError(f"parameter {'/'.join(map(str, path))} has logical axes {axes} "
-                         f"for shape {node.value.shape}")
+                         f"for shape {node.get_value().shape}")
       d = out
       for key in path[:-1]:
         d = d.setdefault(key, {})
