@@ -182,6 +182,10 @@ def validate(cfg: dict, num_devices: int) -> dict:
       S = data["num_segments"]
       if S < 2 or T % S:
         raise ValueError(f"data.num_segments={S} must be >= 2 and divide seq_len={T}")
+      if T // S <= 2 * data["num_pairs"]:
+        raise ValueError(f"data: a segment of seq_len / num_segments = {T // S} tokens cannot "
+                         f"hold num_pairs={data['num_pairs']} pairs and queries; use fewer "
+                         "segments or pairs")
       episodes, region = S - 1, min(data["query_window"], T // S - 2 * data["num_pairs"])
     else:
       raise ValueError(f"data.layout must be 'boundaries' or 'start', got {data['layout']!r}")
