@@ -326,6 +326,8 @@ def run(cfg: dict, *, progress: bool = True, verbose: bool = True, bar: bool = T
     if compile_s is None:
       jax.block_until_ready(metrics)
       compile_s = time.time() - t_window
+      if verbose:
+        bar.write(f"first step (compile included): {compile_s:.1f}s")
       t_window = time.time()
     else:
       window_steps += 1

@@ -65,7 +65,7 @@ def main():
     cfg["train"]["workdir"] = os.path.join("/tmp", "bench_" + cfg["name"])
     t0 = time.time()
     try:
-      summary = train.run(cfg, progress=False, verbose=True)
+      summary = train.run(cfg, progress=True, bar=False, verbose=True)
     except Exception as e:  # noqa: BLE001  (report and try the next backend)
       results.append({"backend": backend, "error": f"{type(e).__name__}: {str(e)[:500]}"})
       print("FAILED", backend, results[-1]["error"], flush=True)

@@ -66,10 +66,20 @@ def test_layer_inside_a_user_jit_and_causal():
   assert not np.allclose(np.asarray(a[:, 30:]), np.asarray(b[:, 30:]))
 
 
-def test_short_conv_variant_runs():
-  cfg = GLAConfig(**{**SMALL.__dict__, "use_short_conv": True})
-  logits = GLALM(cfg, rngs=nnx.Rngs(0))(jnp.zeros((1, 32), jnp.int32))
-  assert logits.shape == (1, 32, cfg.vocab_size) and bool(jnp.all(jnp.isfinite(logits)))
+def test_short_conv_and_remat_variants():
+  """Short convolution and per-block remat: same loss and gradients as without remat."""
+  tokens = jax.random.randint(jax.random.key(2), (1, 32), 0, SMALL.vocab_size)
+
+  def loss_and_grads(remat):
+    cfg = GLAConfig(**{**SMALL.__dict__, "use_short_conv": True, "remat": remat})
+    graphdef, params = nnx.split(GLALM(cfg, rngs=nnx.Rngs(0)))
+    loss = lambda p: jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+  (l0, g0), (l1, g1) = loss_and_grads(False), loss_and_grads(True)
+  assert np.isfinite(float(l0)) and abs(float(l0) - float(l1)) <= 1e-6 * abs(float(l0))
+  for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
 
 
 @pytest.fixture(scope="module")
