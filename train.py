@@ -377,7 +377,7 @@ def run(cfg: dict, *, progress: bool = True, verbose: bool = True, bar: bool = T
              f"seq shard {ev['eval_cross_shard_accuracy']:.4f}"
              if "eval_cross_shard_accuracy" in ev else "")
     say(f"final step {final_step}: eval loss {ev['eval_loss']:.4f}, accuracy "
-        f"{ev['eval_accuracy']:.4f} over {ev['eval_queries']} queries in "
+        f"{ev['eval_accuracy']:.4f} over {ev['eval_queries']} scored positions in "
         f"{train['eval_batches']} x {data_cfg['batch_size']} held-out sequences{cross}; "
         f"wall {summary['wall_s']:.0f}s", flush=True)
   return summary
