@@ -17,8 +17,13 @@ from the latest complete checkpoint; the data of step s is a function of (seed, 
 resumed run continues exactly. Progress bar (loss, tokens/s, ETA), metrics as JSONL and a
 loss plot (PNG) in the workdir.
 
-What it does not do: multi-host data loading (every process builds the global batch;
-``make_array_from_callback`` then takes each device's slice), pipeline or tensor parallelism.
+Several processes (one per host or per GPU): ``--coordinator HOST:PORT --num-processes N
+--process-id I``, or the ``JAX_*`` environment variables, or SLURM / TPU-pod detection
+(``zeco_jax.distributed``); each process builds only its own rows and tokens of every batch,
+only process 0 logs, and orbax writes the checkpoint from all of them. Locally:
+``python -m zeco_jax.launch --processes 2 --devices-per-process 4 -- train.py ...``.
+
+What it does not do: pipeline or tensor parallelism.
 """
 from __future__ import annotations
 
@@ -41,11 +46,13 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import configs  # noqa: E402
 from models import GLALM, GLAConfig, sharding  # noqa: E402
 from models.data import Dataset  # noqa: E402
+from zeco_jax import distributed  # noqa: E402
 
 OPTIMIZER_KEYS = ("steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "b1", "b2",
                   "grad_clip", "compute_dtype", "seed", "sharding_rules")
@@ -156,10 +163,21 @@ class Experiment:
         self.param_shardings, {**batch_shardings, "cross": self.batch_sharding}),
         out_shardings=self.replicated)
 
-  def put_batch(self, batch: dict) -> dict:
-    """Host batch -> global arrays with B over ``data`` and T over ``seq``."""
-    return {k: jax.make_array_from_callback(v.shape, self.batch_sharding, lambda i, v=v: v[i])
-            for k, v in batch.items()}
+  def local_index(self, global_shape) -> tuple:
+    """(rows, tokens): the part of a ``[B, T]`` global batch this process's devices hold."""
+    return distributed.process_local_index(global_shape, self.mesh, self.batch_sharding)
+
+  def put_batch(self, local_rows: dict, global_shape=None) -> dict:
+    """This process's rows (full length) -> global arrays with B over ``data``, T over ``seq``.
+
+    ``global_shape`` ``(B, T)`` defaults to the rows' own shape (one process: the whole batch).
+    """
+    if global_shape is None:
+      global_shape = next(iter(local_rows.values())).shape
+    tokens = self.local_index(global_shape)[1]
+    return distributed.global_batch({k: v[:, tokens] for k, v in local_rows.items()},
+                                    self.mesh, self.batch_sharding,
+                                    global_shape={k: tuple(global_shape) for k in local_rows})
 
 
 _EXPERIMENTS: dict = {}
@@ -223,8 +241,10 @@ class Progress:
 def evaluate(exp: Experiment, dataset: Dataset, params, num_batches: int) -> dict:
   totals = None
   for i in range(num_batches):
-    batch = dataset.eval_batch(i, num_shards=exp.mesh.shape["seq"])
-    out = exp.eval_step(params, exp.put_batch(batch))
+    shape = (dataset.cfg["batch_size"], dataset.cfg["seq_len"])
+    batch = dataset.eval_batch(i, num_shards=exp.mesh.shape["seq"],
+                               rows=exp.local_index(shape)[0])
+    out = exp.eval_step(params, exp.put_batch(batch, shape))
     out = {k: float(v) for k, v in jax.device_get(out).items()}
     totals = out if totals is None else {k: totals[k] + out[k] for k in out}
   result = {"eval_loss": totals["nll_sum"] / totals["count"],
@@ -278,6 +298,8 @@ def run(cfg: dict, *, progress: bool = True, verbose: bool = True, bar: bool = T
   train, data_cfg = cfg["train"], cfg["data"]
   workdir = train["workdir"] or os.path.join("runs", cfg.get("name", "run"))
   os.makedirs(workdir, exist_ok=True)
+  main_process = distributed.is_main_process()   # the one process that logs and plots
+  verbose, progress = verbose and main_process, progress and main_process
   say = print if verbose else (lambda *a, **k: None)
   exp = get_experiment(cfg, mesh_shape)
   dataset = Dataset(data_cfg)
@@ -299,7 +321,7 @@ def run(cfg: dict, *, progress: bool = True, verbose: bool = True, bar: bool = T
       flush=True)
 
   metrics_path = os.path.join(workdir, "metrics.jsonl")
-  metrics_file = open(metrics_path, "a")
+  metrics_file = open(metrics_path if main_process else os.devnull, "a")
   bar = Progress(stop, start, progress, bar)
   losses, pending = {}, []
   t_start = time.time()
@@ -315,12 +337,14 @@ def run(cfg: dict, *, progress: bool = True, verbose: bool = True, bar: bool = T
                  f"{ev['eval_cross_shard_queries']})" if "eval_cross_shard_accuracy" in ev else ""))
     return ev
 
-  next_batch = dataset.batch(start) if start < stop else None
+  global_shape = (data_cfg["batch_size"], data_cfg["seq_len"])
+  my_rows = exp.local_index(global_shape)[0]      # this process builds only these rows
+  next_batch = dataset.batch(start, my_rows) if start < stop else None
   for step in range(start, stop):
-    batch = exp.put_batch(next_batch)
+    batch = exp.put_batch(next_batch, global_shape)
     state, metrics = exp.train_step(state, batch)
     if step + 1 < stop:
-      next_batch = dataset.batch(step + 1)       # host work overlaps the async step
+      next_batch = dataset.batch(step + 1, my_rows)   # host work overlaps the async step
     pending.append((step + 1, metrics))
     done = step + 1
     if compile_s is None:
@@ -363,14 +387,17 @@ def run(cfg: dict, *, progress: bool = True, verbose: bool = True, bar: bool = T
   if train["eval_batches"] and (final_step == train["steps"] or train["stop_after"] is None):
     summary["final_eval"] = log_eval(final_step)
   metrics_file.close()
-  plot_metrics(metrics_path, os.path.join(workdir, "loss.png"))
+  if main_process:
+    plot_metrics(metrics_path, os.path.join(workdir, "loss.png"))
   steps_timed = sum(n for n, _ in steady)
   summary.update({
       "step": final_step, "losses": losses, "wall_s": time.time() - t_start,
       "compile_s": compile_s, "workdir": workdir,
       "tokens_per_s": (tokens_per_step * steps_timed / sum(t for _, t in steady)
                        if steps_timed else None),
-      "params": jax.device_get(state["params"])})
+      # Parameters spread over several processes are gathered to every host first.
+      "params": (jax.device_get(state["params"]) if jax.process_count() == 1 else
+                 multihost_utils.process_allgather(state["params"], tiled=True))})
   if "final_eval" in summary:
     ev = summary["final_eval"]
     cross = (f", on the {ev['eval_cross_shard_queries']} queries whose pair is on an earlier "
@@ -393,11 +420,16 @@ def parse_args(argv=None):
   p.add_argument("--workdir", default=None, help="checkpoints, metrics.jsonl, loss.png")
   p.add_argument("--text", default=None, help="train on the bytes of this file or folder")
   p.add_argument("--no-progress", action="store_true", help="plain log lines, no bar")
+  distributed.add_cli_args(p)
   return p.parse_args(argv)
 
 
 def main(argv=None):
   args = parse_args(argv)
+  try:   # first: before anything starts the jax backend
+    distributed.from_cli(args)
+  except ValueError as e:
+    sys.exit(f"multi-process settings: {e}")
   extra = [f"data.path={args.text!r}", "data.kind='text'"] if args.text else []
   try:
     cfg = configs.load(args.config, extra + args.set)

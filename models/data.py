@@ -23,15 +23,21 @@ import numpy as np
 EVAL_SEED_OFFSET = 1_000_003
 
 
-def _rng(seed: int, step: int) -> np.random.Generator:
-  return np.random.default_rng([int(seed), int(step)])
+def _rng(seed: int, step: int, row: int | None = None) -> np.random.Generator:
+  key = [int(seed), int(step)] + ([] if row is None else [int(row)])
+  return np.random.default_rng(key)
+
+
+def _row_range(rows, batch_size: int) -> range:
+  """The batch rows to build: all, or a slice (a process builds only its own rows)."""
+  return range(batch_size)[rows] if rows is not None else range(batch_size)
 
 
 def mqar_batch(seed: int, step: int, *, batch_size: int, seq_len: int, num_keys: int,
                num_pairs: int, num_queries: int, query_from: float = 0.25,
                layout: str = "boundaries", num_segments: int = 4,
-               query_window: int = 256) -> dict:
-  """One MQAR batch. Pad token 0; keys 1..num_keys; values num_keys+1..2*num_keys.
+               query_window: int = 256, rows=None) -> dict:
+  """One MQAR batch (or only its ``rows``, a slice; each row has its own random stream). Pad token 0; keys 1..num_keys; values num_keys+1..2*num_keys.
 
   ``layout="start"`` (Zoology): ``num_pairs`` pairs at the start, ``num_queries`` queries
   at positions >= ``query_from * seq_len``.
@@ -42,8 +48,8 @@ def mqar_batch(seed: int, step: int, *, batch_size: int, seq_len: int, num_keys:
   segment opens with ``num_queries`` queries of those keys, in its first ``query_window``
   positions. Every answer is on the other side of a segment boundary from its pair.
   """
-  rng = _rng(seed, step)
-  B, T = batch_size, seq_len
+  row_ids = _row_range(rows, batch_size)
+  B, T = len(row_ids), seq_len
   inputs = np.zeros((B, T), np.int32)
   targets = np.zeros((B, T), np.int32)
   mask = np.zeros((B, T), np.float32)
@@ -59,7 +65,8 @@ def mqar_batch(seed: int, step: int, *, batch_size: int, seq_len: int, num_keys:
     mask[b, positions] = 1.0
     source[b, positions] = kv_start + 2 * which
 
-  for b in range(B):
+  for b, row in enumerate(row_ids):
+    rng = _rng(seed, step, row)
     if layout == "start":
       keys = rng.permutation(num_keys)[:num_pairs] + 1
       values = rng.integers(0, num_keys, num_pairs) + 1 + num_keys
@@ -104,15 +111,15 @@ class ByteText:
     self.data = np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)
     self.path = path
 
-  def batch(self, seed: int, step: int, *, batch_size: int, seq_len: int) -> dict:
+  def batch(self, seed: int, step: int, *, batch_size: int, seq_len: int, rows=None) -> dict:
     n = self.data.size - seq_len - 1
     if n <= 0:
       raise ValueError(f"text data {self.path!r} has {self.data.size} bytes, fewer than "
                        f"seq_len + 1 = {seq_len + 1}")
-    offsets = _rng(seed, step).integers(0, n, batch_size)
+    offsets = _rng(seed, step).integers(0, n, batch_size)[_row_range(rows, batch_size)]
     window = np.stack([self.data[o:o + seq_len + 1] for o in offsets]).astype(np.int32)
     return {"inputs": window[:, :-1], "targets": window[:, 1:],
-            "mask": np.ones((batch_size, seq_len), np.float32)}
+            "mask": np.ones((len(offsets), seq_len), np.float32)}
 
 
 class Dataset:
@@ -122,23 +129,25 @@ class Dataset:
     self.cfg = dict(data_cfg)
     self.text = ByteText(data_cfg["path"]) if data_cfg["kind"] == "text" else None
 
-  def _make(self, seed, step):
+  def _make(self, seed, step, rows=None):
     c = self.cfg
     if self.text is not None:
-      return self.text.batch(seed, step, batch_size=c["batch_size"], seq_len=c["seq_len"])
+      return self.text.batch(seed, step, batch_size=c["batch_size"], seq_len=c["seq_len"],
+                             rows=rows)
     return mqar_batch(seed, step, batch_size=c["batch_size"], seq_len=c["seq_len"],
                       num_keys=c["num_keys"], num_pairs=c["num_pairs"],
                       num_queries=c["num_queries"], query_from=c["query_from"],
                       layout=c["layout"], num_segments=c["num_segments"],
-                      query_window=c["query_window"])
+                      query_window=c["query_window"], rows=rows)
 
-  def batch(self, step: int) -> dict:
-    """Training batch of ``step``: ``inputs``, ``targets``, ``mask``."""
-    out = self._make(self.cfg["seed"], step)
+  def batch(self, step: int, rows=None) -> dict:
+    """Training batch of ``step``: ``inputs``, ``targets``, ``mask`` (only ``rows`` if given:
+    what one process of a multi-process run builds)."""
+    out = self._make(self.cfg["seed"], step, rows)
     return {k: out[k] for k in ("inputs", "targets", "mask")}
 
-  def eval_batch(self, i: int, num_shards: int = 1) -> dict:
+  def eval_batch(self, i: int, num_shards: int = 1, rows=None) -> dict:
     """Held-out batch ``i``, plus ``cross``: the queries whose answer is on an earlier shard."""
-    out = self._make(self.cfg["seed"] + EVAL_SEED_OFFSET, i)
+    out = self._make(self.cfg["seed"] + EVAL_SEED_OFFSET, i, rows)
     out["cross"] = cross_shard_mask(out, num_shards)
     return {k: out[k] for k in ("inputs", "targets", "mask", "cross")}

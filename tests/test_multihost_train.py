@@ -33,7 +33,8 @@ SETTINGS = [
     "model.vocab_size=64", "model.hidden_size=32", "model.num_layers=2",
     "model.num_heads=2", "model.intermediate_size=64", "model.chunk_size=16",
     "data.seq_len=128", "data.batch_size=2", "data.num_keys=16", "data.num_pairs=4",
-    "data.num_queries=16", "data.query_from=0.25", "train.steps=5", "train.warmup_steps=2",
+    "data.num_queries=16", "data.query_from=0.25", "data.num_segments=4", "data.query_window=24",
+    "train.steps=5", "train.warmup_steps=2",
     "train.lr=3e-3", "train.log_every=1", "train.eval_every=0", "train.eval_batches=0",
     "train.checkpoint_every=5", "train.async_checkpointing=False",
 ]

@@ -73,12 +73,22 @@ def test_data_axis_shards_batch_and_is_kept():
 
 
 def test_mesh_from_set_mesh_and_explicit_axes():
-  mesh = jax.make_mesh((4,), ("seq",))
+  # jax.make_mesh gives Explicit axes: B stays split over "data" as the caller split it.
+  mesh = jax.make_mesh((2, 4), ("data", "seq"))
   q, k, v, g, h0 = gla_inputs(6, B, 64, H, K, V)
+  w_o, w_s = cotangents(6, B, 64, H, K, V)
+  _, _, g_r = loss_and_grads(recurrent_gla, q, k, v, g, h0, w_o, w_s)
+  o_r, s_r = recurrent_gla(q, k, v, g, initial_state=h0, output_final_state=True)
   with jax.set_mesh(mesh):
-    placed = [jax.device_put(x, P(None, "seq")) for x in (q, k, v, g)]
-    o, _ = jax.jit(lambda *a: zeco_gla(*a, chunk_size=16))(*placed)
-  assert rel_err(o, recurrent_gla(q, k, v, g)[0]) <= 1e-5
+    placed = [jax.device_put(x, P("data", "seq")) for x in (q, k, v, g)]
+    o, final = jax.jit(lambda *a: zeco_gla(*a, chunk_size=16, initial_state=h0,
+                                           output_final_state=True))(*placed)
+    assert o.sharding.spec[:2] == ("data", "seq")
+    _, _, g_z = loss_and_grads(functools.partial(zeco_gla, chunk_size=16), *placed, h0,
+                               w_o, w_s)
+  assert rel_err(o, o_r) <= 1e-5 and rel_err(final, s_r) <= 1e-5
+  for name in g_r:
+    assert rel_err(g_z[name], g_r[name]) <= 1e-4, name
 
 
 def test_local_inside_user_shard_map():

@@ -107,6 +107,22 @@ def _fix_up(q, g_full, entering, scale):
                             precision=_HI)
 
 
+def _axes_in(entry) -> set:
+  if entry is None:
+    return set()
+  return set(entry) if isinstance(entry, tuple) else {entry}
+
+
+def _explicit_batch_head(q, mesh, seq_axis):
+  """How q's B and H axes are split over Explicit mesh axes (None, None when not explicit)."""
+  sharding = getattr(jax.typeof(q), "sharding", None)
+  axis_types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ())))
+  spec = tuple(getattr(sharding, "spec", ())) + (None,) * 4
+  explicit = lambda e: e is not None and e != seq_axis and all(
+      "Explicit" in str(axis_types.get(a)) for a in _axes_in(e))
+  return (spec[0] if explicit(spec[0]) else None), (spec[2] if explicit(spec[2]) else None)
+
+
 def _mesh_or_context(mesh, *, name):
   if mesh is not None:
     return mesh
@@ -154,9 +170,18 @@ def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
                      f"{P_size} of mesh axis {seq_axis!r}; pad T to a multiple of {P_size}.")
   _resolve_num_blocks(num_blocks, method, P_size, args.B, args.H, args.K, args.V, name=name)
 
-  seq4 = P(None, seq_axis, None, None)
-  g_spec = None if g is None else P(None, seq_axis, *([None] * (g.ndim - 2)))
-  h0_spec = None if initial_state is None else P()
+  batch_spec, head_spec = _explicit_batch_head(q, mesh, seq_axis)
+  manual = {seq_axis} | _axes_in(batch_spec) | _axes_in(head_spec)
+  seq4 = P(batch_spec, seq_axis, head_spec, None)
+  g_spec = None if g is None else P(batch_spec, seq_axis, *([head_spec, None][:g.ndim - 2]))
+  h0_spec = None if initial_state is None else P(batch_spec, head_spec, None, None)
+  if manual != {seq_axis}:
+    # Explicit mesh axes: B and H stay split as the caller split them, by making the
+    # shard_map manual over those axes too (each shard then works on its own rows / heads).
+    q, k, v = (jax.sharding.reshard(x, seq4) for x in (q, k, v))
+    g = None if g is None else jax.sharding.reshard(g, g_spec)
+    if initial_state is not None:
+      initial_state = jax.sharding.reshard(initial_state, h0_spec)
 
   def body(q, k, v, g, h0):
     o, after = zeco_gla_local(q, k, v, g, axis_name=seq_axis, method=method,
@@ -168,7 +193,11 @@ def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
   # types through their bodies, so that check is off around them; JAX then inserts the
   # psums for replicated inputs itself.
   run = jax.shard_map(body, mesh=mesh, in_specs=(seq4, seq4, seq4, g_spec, h0_spec),
-                      out_specs=(seq4, P(seq_axis)), axis_names={seq_axis},
+                      out_specs=(seq4, P(seq_axis, batch_spec, head_spec)), axis_names=manual,
                       check_vma=(backend != "pallas"))
   o, after_each = run(q, k, v, g, initial_state)
-  return o, (after_each[-1] if output_final_state else None)
+  if not output_final_state:
+    return o, None
+  if manual != {seq_axis}:   # explicit sharding: slicing one seq shard needs it replicated
+    after_each = jax.sharding.reshard(after_each, P(None, batch_spec, head_spec))
+  return o, after_each[-1]
