@@ -162,7 +162,7 @@ def _pipeline_scan(S, lam, h0, axis_name, P, pos, dev, nb):
 def _tree_scan(S, lam, h0, axis_name, P, pos, dev):
   """Recursive doubling on (a, S) pairs, then a one-hop shift to make it exclusive."""
   acc_S = jnp.where(pos == 0, lam * h0 + S, S)      # fold the initial state into position 0
-  acc_a = jnp.broadcast_to(lam, lam.shape)
+  acc_a = lam
   d = 1
   while d < P:
     perm = [(dev(c), dev(c + d)) for c in range(P - d)]
