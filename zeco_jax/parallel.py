@@ -9,11 +9,11 @@ Forward on the rank holding tokens ``[pL, (p+1)L)`` (spec section 3):
    log-decay from the segment start.
 
 Nothing in step 1's output path depends on ``X_p``, so XLA can run the intra-chunk work
-while the All-Scan's point-to-point sends are in flight. The backward is JAX's transpose
-of this program: the fix-up's transpose gives ``dX_loc``, the transpose of the All-Scan's
-``ppermute`` chain is the reverse All-Scan (spec section 5), and the local chunked
-backward receives the segment's final-state cotangent ``D_p`` through ``S_p``. Only
-``X_p`` (one state per layer) is saved for it beyond the inputs.
+while the All-Scan's point-to-point sends are in flight. The backward composes the parts'
+own backwards (spec section 5): the fix-up's transpose gives ``dX_loc``, the All-Scan's
+custom_vjp runs the reverse All-Scan on it, and the local chunked backward receives the
+segment's final-state cotangent ``D_p`` through ``S_p``. Beyond the inputs, only ``X_p``
+(one state per layer, independent of T and P) is saved for it.
 
 Peers, for measurement: ``method="all_gather"`` (LASP-2) and ``"ring"`` (LASP-1: the
 local output is computed only after the state has arrived, so nothing overlaps).

@@ -10,28 +10,34 @@ and the inclusive value ``lam_p * X_p + S_p`` (the state after rank p; on the la
 the state after the whole sequence). ``reverse=True`` runs the chain from the last rank to
 the first (the backward pass's direction).
 
-Methods, all exact and differentiable (autodiff of ``ppermute`` is the reverse ``ppermute``):
+Methods, all exact and differentiable:
 
 * ``"pipeline"``: ZeCO's All-Scan. The state is split into ``num_blocks`` blocks along V;
   an unrolled chain of ``num_blocks + P - 2`` ``ppermute`` steps in which each step's perm
   lists only the pairs that carry a real block, so every rank sends exactly one state.
+  Its backward (a custom_vjp) is the reverse All-Scan of spec section 5: the same chain run
+  the other way over the cotangents, keeping only ``X_p`` from the forward.
 * ``"tree"``: recursive doubling with the associative combine, ceil(log2 P) rounds plus a
   one-hop shift to make it exclusive; any P.
 * ``"all_gather"``: LASP-2. All-gather every ``(S_p, lam_p)`` and fold locally.
 * ``"serial"``: LASP-1's chain: ``"pipeline"`` with one block.
+
+The tree and all-gather methods are differentiated by JAX (the transpose of a
+``ppermute`` is the reverse ``ppermute``; of an all-gather, a reduce-scatter).
 
 It moves states only; what overlaps with it is up to the caller (see
 :func:`zeco_jax.zeco_gla_local`; the alpha-beta model that picks ``num_blocks`` is here too).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zeco_jax._vma import make_varying
+from zeco_jax._vma import make_varying, match_varying
 
 METHODS = ("pipeline", "tree", "all_gather", "serial")
 
@@ -133,8 +139,50 @@ def all_scan(state, decay, axis_name, *, num_blocks=1, method="pipeline", initia
     exclusive = _tree_scan(S, lam, h0, axis_name, P, pos, dev)
   else:
     nb = 1 if method == "serial" else num_blocks
-    exclusive = _pipeline_scan(S, lam, h0, axis_name, P, pos, dev, nb)
+    # Same varying axes for every operand, so the custom_vjp's cotangents match (autodiff
+    # of the cast adds the psum a replicated initial state needs).
+    S, lam, h0 = (match_varying(x, S, lam, h0) for x in (S, lam, jnp.broadcast_to(h0, S.shape)))
+    exclusive = _pipeline(S, lam, h0, axis_name, nb, reverse)
   return exclusive, lam * exclusive + S
+
+
+def _chain(axis_name, reverse):
+  """(P, this rank's position along the chain, position -> device index)."""
+  P = lax.axis_size(axis_name)
+  idx = lax.axis_index(axis_name)
+  if reverse:
+    return P, P - 1 - idx, lambda c: P - 1 - c
+  return P, idx, lambda c: c
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _pipeline(S, lam, h0, axis_name, nb, reverse):
+  P, pos, dev = _chain(axis_name, reverse)
+  return _pipeline_scan(S, lam, h0, axis_name, P, pos, dev, nb)
+
+
+def _pipeline_fwd(S, lam, h0, axis_name, nb, reverse):
+  X = _pipeline(S, lam, h0, axis_name, nb, reverse)
+  return X, (X, lam)                # one state kept for the backward (spec section 3, 4.)
+
+
+def _pipeline_bwd(axis_name, nb, reverse, residuals, dX):
+  """The reverse All-Scan (spec section 5): the same pipelined chain, run the other way.
+
+  With E_p the cotangent of the state leaving position p (X_{p+1}), E is the exclusive
+  scan of dX in the opposite direction under the same decays; then dS_p = E_p,
+  dlam_p = sum(X_p * E_p) and the initial state's cotangent is dX_0 + lam_0 * E_0.
+  """
+  X, lam = residuals
+  E = _pipeline(dX, lam, jnp.zeros_like(dX), axis_name, nb, not reverse)
+  _, pos, _ = _chain(axis_name, reverse)
+  d_initial = jnp.where(pos == 0, dX + lam * E, 0.0)
+  d_lam = X * E
+  reduce = tuple(i for i, (a, b) in enumerate(zip(lam.shape, d_lam.shape)) if a == 1 and b != 1)
+  return E, jnp.sum(d_lam, axis=reduce, keepdims=True), d_initial
+
+
+_pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)
 
 
 def _pipeline_scan(S, lam, h0, axis_name, P, pos, dev, nb):
