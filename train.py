@@ -332,7 +332,8 @@ def run(cfg: dict, *, progress: bool = True, verbose: bool = True, bar: bool = T
     ev = evaluate(exp, dataset, state["params"], train["eval_batches"])
     metrics_file.write(json.dumps({"step": step, **ev}) + "\n")
     metrics_file.flush()
-    bar.write(f"step {step}: eval loss {ev['eval_loss']:.4f} accuracy {ev['eval_accuracy']:.4f}"
+    if verbose:
+      bar.write(f"step {step}: eval loss {ev['eval_loss']:.4f} accuracy {ev['eval_accuracy']:.4f}"
               + (f" (cross-shard queries: {ev['eval_cross_shard_accuracy']:.4f} of "
                  f"{ev['eval_cross_shard_queries']})" if "eval_cross_shard_accuracy" in ev else ""))
     return ev
