@@ -20,12 +20,10 @@ _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _GROUPS = re.compile(r"replica_groups=(\{[^=]*?\}\})|replica_groups=\[(\d+),(\d+)\]")
 
 
-def _bytes_of(text: str) -> int:
-  total = 0
-  for dt, dims in _SHAPE.findall(text):
-    n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-    total += n * _DTYPE_BYTES[dt]
-  return total
+def _shape_bytes(dtype: str, dims: str) -> int:
+  """Bytes of one HLO array type, e.g. ("f32", "2,16,32")."""
+  n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+  return n * _DTYPE_BYTES[dtype]
 
 
 def _result_shapes(line: str) -> str:
@@ -54,10 +52,7 @@ def collective_bytes(hlo_text: str, num_devices: int) -> dict:
       if not pairs:
         continue
       # Result of a -start is a tuple (operand, result, ...): count one buffer.
-      shapes = _SHAPE.findall(result)
-      dt, dims = shapes[0]
-      n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-      nbytes = n * _DTYPE_BYTES[dt]
+      nbytes = _shape_bytes(*_SHAPE.findall(result)[0])
       for src, _ in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1)):
         sent[kind][int(src)] += nbytes
     else:
@@ -65,9 +60,7 @@ def collective_bytes(hlo_text: str, num_devices: int) -> dict:
       shapes = _SHAPE.findall(result)
       if not shapes:
         continue
-      dt, dims = shapes[-1]
-      n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-      nbytes = n * _DTYPE_BYTES[dt]
+      nbytes = _shape_bytes(*shapes[-1])
       if kind == "all-gather":          # result holds G shards; each rank sends its one G-1 times
         per_rank = nbytes / group_size * (group_size - 1)
       elif kind == "reduce-scatter":    # result is one shard; ring sends G-1 shards

@@ -127,9 +127,7 @@ def all_scan(state, decay, axis_name, *, num_blocks=1, method="pipeline", initia
   lam = lam[..., None] if decay.shape == state.shape[:-1] else lam[..., None, None]
   S = state.astype(f32)
   h0 = make_varying(jnp.zeros_like(S), axis_name) if initial is None else initial.astype(f32)
-  idx = lax.axis_index(axis_name)
-  pos = (P - 1 - idx) if reverse else idx           # position along the chain
-  dev = (lambda c: P - 1 - c) if reverse else (lambda c: c)
+  _, pos, dev = _chain(axis_name, reverse)
 
   if P == 1:
     exclusive = jnp.broadcast_to(h0, S.shape)
