@@ -109,19 +109,65 @@ def stage_times(q, k, v, g, do, scale, iters, reps):
   B, T, H, K = q.shape
   V = v.shape[-1]
   h0 = jnp.zeros((B, H, K, V), jnp.float32)
-  h, _ = jax.jit(lambda: state.state_pass(k, v, g, h0, chunk_size=C))()
-  dH, _ = jax.jit(lambda: state.state_grad_pass(q, do, g, h0, scale=scale, chunk_size=C))()
-  A, dA = jax.jit(lambda: intra.scores(q, k, g, chunk_size=C, do=do, v=v, scale=scale))()
+  bc = jax.jit(lambda g: state.chunk_cumsum(g, chunk_size=C))(g)
+  h, _ = jax.jit(lambda k, v, bc: state.state_pass(k, v, bc, h0, chunk_size=C))(k, v, bc)
+  dH, _ = jax.jit(lambda q, do, bc: state.state_grad_pass(q, do, bc, h0, scale=scale,
+                                                          chunk_size=C))(q, do, bc)
+  A = jax.jit(lambda q, k, bc: intra.scores(q, k, bc, chunk_size=C))(q, k, bc)
+  dA = jax.jit(lambda do, v: intra.score_grad(do, v, scale=scale, chunk_size=C))(do, v)
   stages = {
-      "state_pass": lambda: state.state_pass(k, v, g, h0, chunk_size=C),
-      "scores": lambda: intra.scores(q, k, g, chunk_size=C),
-      "output": lambda: intra.output(q, v, g, h, A, scale=scale, chunk_size=C),
-      "state_grad_pass": lambda: state.state_grad_pass(q, do, g, h0, scale=scale, chunk_size=C),
-      "scores+dA": lambda: intra.scores(q, k, g, chunk_size=C, do=do, v=v, scale=scale),
-      "dv": lambda: grads.dv(k, g, do, A, dH, scale=scale, chunk_size=C),
-      "dqdk": lambda: grads.dqdk(q, k, v, g, do, h, dH, dA, scale=scale, chunk_size=C),
+      "chunk_cumsum": (lambda g: state.chunk_cumsum(g, chunk_size=C), (g,)),
+      "state_pass": (lambda k, v, bc: state.state_pass(k, v, bc, h0, chunk_size=C), (k, v, bc)),
+      "scores": (lambda q, k, bc: intra.scores(q, k, bc, chunk_size=C), (q, k, bc)),
+      "output": (lambda q, v, bc, h, A: intra.output(q, v, bc, h, A, scale=scale, chunk_size=C),
+                 (q, v, bc, h, A)),
+      "state_grad_pass": (lambda q, do, bc: state.state_grad_pass(q, do, bc, h0, scale=scale,
+                                                                  chunk_size=C), (q, do, bc)),
+      "score_grad": (lambda do, v: intra.score_grad(do, v, scale=scale, chunk_size=C), (do, v)),
+      "dv": (lambda k, bc, do, A, dH: grads.dv(k, bc, do, A, dH, scale=scale, chunk_size=C),
+             (k, bc, do, A, dH)),
+      "dqdk": (lambda *a: grads.dqdk(*a, scale=scale, chunk_size=C), (q, k, v, bc, do, h, dH, dA)),
   }
-  return {n: time_loop(jax.jit(fn), jax.block_until_ready, iters, reps) for n, fn in stages.items()}
+  out = {}
+  for name, (fn, args) in stages.items():
+    f = jax.jit(fn)
+    out[name] = time_loop(lambda: f(*args), jax.block_until_ready, iters, reps)
+  return out
+
+
+def fla_stage_times(torch, qn, kn, vn, gn, don, scale, iters, reps):
+  """flash-linear-attention's own kernels one by one (its chunk_gla_fwd / _bwd pieces)."""
+  from fla.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
+  from fla.ops.gla import chunk as fc
+  from fla.ops.utils.constant import RCP_LN2
+  from fla.ops.utils.cumsum import chunk_local_cumsum
+  dev = "cuda"
+  q, k, v, do = (torch.tensor(x, device=dev).to(torch.bfloat16) for x in (qn, kn, vn, don))
+  g = torch.tensor(gn, device=dev)
+  C = 64
+  gc = chunk_local_cumsum(g, C, scale=RCP_LN2)
+  h, _ = chunk_fwd_h(k=k, v=v, gk=gc, h0=None, output_final_state=False, chunk_size=C)
+  A = fc.chunk_gla_fwd_intra_gk(q=q, k=k, g=gc, scale=scale, chunk_size=C)
+  dh, _ = chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=None, scale=scale, gk=gc,
+                       chunk_size=C, states_in_fp32=True)
+  dA = fc.chunk_gla_bwd_dA(v=v, do=do, scale=scale, chunk_size=C)
+  dq, dk = fc.chunk_gla_bwd_dqk_intra(q=q, k=k, g=gc, dA=dA, chunk_size=C)
+  stages = {
+      "cumsum": lambda: chunk_local_cumsum(g, C, scale=RCP_LN2),
+      "fwd_h": lambda: chunk_fwd_h(k=k, v=v, gk=gc, h0=None, output_final_state=False,
+                                   chunk_size=C),
+      "intra A": lambda: fc.chunk_gla_fwd_intra_gk(q=q, k=k, g=gc, scale=scale, chunk_size=C),
+      "o": lambda: fc.chunk_gla_fwd_o_gk(q=q, v=v, g=gc, A=A, h=h, scale=scale, chunk_size=C),
+      "bwd_dh": lambda: chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=None, scale=scale,
+                                     gk=gc, chunk_size=C, states_in_fp32=True),
+      "dA": lambda: fc.chunk_gla_bwd_dA(v=v, do=do, scale=scale, chunk_size=C),
+      "dv": lambda: fc.chunk_gla_bwd_dv(k=k, g=gc, A=A, do=do, dh=dh, chunk_size=C),
+      "dqk_intra": lambda: fc.chunk_gla_bwd_dqk_intra(q=q, k=k, g=gc, dA=dA, chunk_size=C),
+      "dqkg": lambda: fc.chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=h, g=gc, do=do, dh=dh, dq=dq, dk=dk,
+                                            scale=scale, chunk_size=C),
+  }
+  sync = lambda _: torch.cuda.synchronize()
+  return {n: time_loop(fn, sync, iters, reps) for n, fn in stages.items()}
 
 
 def check_truth64(log):
@@ -192,8 +238,20 @@ def main():
   ap.add_argument("--no-jnp", action="store_true")
   ap.add_argument("--stages", action="store_true", help="also time each Pallas kernel alone")
   ap.add_argument("--tune", default="", help="JSON list of TUNE overrides to time (Pallas only)")
+  ap.add_argument("--base-tune", default="", help="JSON TUNE overrides applied to everything")
+  ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU run of the script)")
+  ap.add_argument("--fla-stages", action="store_true", help="also time FLA's kernels one by one")
+  ap.add_argument("--stage-tune", default="[{}]",
+                  help="JSON list of TUNE overrides under which --stages times each kernel")
+  ap.add_argument("--only", default="", help="comma-separated shape indices to run (0, 1)")
+  ap.add_argument("--no-pallas", action="store_true", help="skip the whole-op Pallas timings")
+  ap.add_argument("--triton-cache", default="",
+                  help="Triton cache folder (FLA's compiled kernels and autotune results)")
   args = ap.parse_args()
   lines = []
+  if args.base_tune:
+    cm.TUNE.update(json.loads(args.base_tune))
+  shapes = [("smoke B1 T256 H2 K64 V128", 1, 256, 2, 64, 128)] if args.smoke else SHAPES
 
   t_start = time.perf_counter()
 
@@ -213,6 +271,8 @@ def main():
   if args.check_only:
     return
   fla = None
+  if args.triton_cache:
+    os.environ["TRITON_CACHE_DIR"] = os.path.abspath(args.triton_cache)
   if not args.no_fla:
     try:
       import torch
@@ -226,14 +286,16 @@ def main():
       log(f"FLA unavailable: {e!r}")
   results = []
   jsync = jax.block_until_ready
-  for name, B, T, H, K, V in SHAPES:
+  if args.only:
+    shapes = [shapes[int(i)] for i in args.only.split(",")]
+  for name, B, T, H, K, V in shapes:
     scale = K ** -0.5
     qn, kn, vn, gn, don = make_inputs(0, B, T, H, K, V)
     bf = jnp.bfloat16
     q, k, v, do = (jnp.asarray(x, bf) for x in (qn, kn, vn, don))
     g = jnp.asarray(gn)
     row = {"shape": name}
-    variants = [("pallas", {})]
+    variants = [] if args.no_pallas else [("pallas", {})]
     if args.tune:
       variants += [(f"pallas{json.dumps(t, separators=(',', ':'))}", t)
                    for t in json.loads(args.tune)]
@@ -268,12 +330,18 @@ def main():
     cm.TUNE.clear()
     cm.TUNE.update(base_tune)
     if args.stages:
-      try:
-        for sname, ms in stage_times(q, k, v, g, do, scale, args.iters, args.reps).items():
-          row[f"stage {sname} ms"] = ms
-          log(f"{name} stage {sname}: {ms:.3f} ms")
-      except Exception as e:  # noqa: BLE001
-        log(f"{name} stages: FAILED {e!r}")
+      for stune in json.loads(args.stage_tune):
+        tag = f" {json.dumps(stune, separators=(',', ':'))}" if stune else ""
+        cm.TUNE.clear()
+        cm.TUNE.update(base_tune, **stune)
+        try:
+          for sname, ms in stage_times(q, k, v, g, do, scale, args.iters, args.reps).items():
+            row[f"stage{tag} {sname} ms"] = ms
+            log(f"{name} stage{tag} {sname}: {ms:.3f} ms")
+        except Exception as e:  # noqa: BLE001
+          log(f"{name} stages{tag}: FAILED {e!r}")
+      cm.TUNE.clear()
+      cm.TUNE.update(base_tune)
     if "jnp" in outs and "pallas" in outs:
       row["pallas vs jnp fwd rel"] = rel(outs["pallas"], outs["jnp"])
     if fla is not None:
@@ -321,6 +389,11 @@ def main():
             f"{row['pallas vs fla fwd rel']:.2e}, grads {row.get('pallas vs fla grad rel')}")
         del tq, tk, tv, tg, tdo
         torch.cuda.empty_cache()
+        if args.fla_stages:
+          for sname, ms in fla_stage_times(torch, qn, kn, vn, gn, don, scale, args.iters,
+                                           args.reps).items():
+            row[f"fla stage {sname} ms"] = ms
+            log(f"{name} fla stage {sname}: {ms:.3f} ms")
       except Exception as e:  # noqa: BLE001
         log(f"{name} fla: FAILED {e!r}")
         traceback.print_exc()

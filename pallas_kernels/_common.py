@@ -25,16 +25,18 @@ F32 = jnp.float32
 # Launch parameters, read at trace time (benchmarks/kernels.py sweeps them; re-jit after a
 # change). Block sizes are caps: the kernel takes the largest power of two <= cap dividing D.
 TUNE = {
+    "cumsum_kd": 64, "cumsum_warps": 4,
     "state_bk": 64, "state_bv": 64, "state_warps": 4, "state_stages": 3,
-    "scores_kd": 32, "scores_bv": 128, "scores_warps": 4,
-    "out_bk": 64, "out_bv": 64, "out_warps": 4, "out_stages": 2,
-    "dv_bk": 64, "dv_bv": 64, "dv_warps": 4, "dv_stages": 2,
-    "dqdk_bk": 32, "dqdk_bv": 64, "dqdk_warps": 4,
+    "scores_kd": 64, "scores_warps": 4, "diag_kd": 64, "diag_warps": 2,
+    "da_bv": 128, "da_warps": 4,
+    "out_bk": 64, "out_bv": 128, "out_warps": 4, "out_stages": 2,
+    "dv_bk": 64, "dv_bv": 128, "dv_warps": 4, "dv_stages": 2,
+    "dqdk_bk": 32, "dqdk_bv": 64, "dqdk_warps": 4, "dqdk_diag_bk": 64, "dqdk_diag_warps": 2,
     # Store the chunk states h[n] and their cotangents dH[n] in the input dtype when that
     # is bf16 (FLA does; halves their traffic). Off until measured on the GPU.
     "states_in_input_dtype": False,
-    # Forward: scores and output in one kernel (A stays on chip). Off until measured.
-    "fuse_scores_output": False,
+    # Backward: the state pass and the state-gradient pass in one launch, side by side.
+    "fuse_state_passes": True,
 }
 
 
@@ -74,7 +76,7 @@ def _check_vma_on() -> bool:
     return False
 
 
-def call(kernel, out_shape, grid, *, num_warps=4, num_stages=2, name=None):
+def call(kernel, out_shape, grid, *, num_warps=4, num_stages=2, name=None, aliases=None):
   """pallas_call over whole-array refs with this package's launch options.
 
   Inside ``shard_map(check_vma=True)`` (zeco_gla's local pass) pallas_call needs to know
@@ -82,7 +84,8 @@ def call(kernel, out_shape, grid, *, num_warps=4, num_stages=2, name=None):
   the inputs' varying axes, and the outputs are declared varying over the same axes.
   """
   fn = functools.partial(pl.pallas_call, kernel, grid=grid, interpret=interpret_mode(),
-                         compiler_params=compiler_params(num_warps, num_stages), name=name)
+                         compiler_params=compiler_params(num_warps, num_stages), name=name,
+                         input_output_aliases=aliases or {})
 
   def run(*args):
     if not _check_vma_on():

@@ -1,16 +1,19 @@
 """Chunk-parallel backward stages: dv, and dq / dk / dg (chunked.py's formulas).
 
-  dv = scale A^T do + (k e^{b_last - b}) dH[n]
-  dq = scale (do h[n]^T) e^{b} + row_side(dA, k)
-  dk = col_side(dA, q) + (v dH[n]^T) e^{b_last - b}
+  dv = scale A^T do + (k e^{b_last - bc}) dH[n]
+  dq = scale (do h[n]^T) e^{bc} + row_side(dA, k)
+  dk = col_side(dA, q) + (v dH[n]^T) e^{b_last - bc}
   dg = reverse cumsum over the chunk of (q dq - k dk), plus on every row the chunk-total
-       term e^{b_last} sum_v(h dH) + sum_i k dk_state (the state leaving the chunk
-       depends on every gate of the chunk).
+       term sum_v(h[n+1] * dH[n]): the state leaving the chunk depends on every gate of
+       the chunk. (That is e^{b_last} sum_v(h[n] dH[n]) + sum_i k_i dk_state_i, since
+       h[n+1] = e^{b_last} h[n] + sum_i (k_i e^{b_last - bc_i}) v_i^T.)
 
-The intra-chunk terms are per 16-row sub-chunk with the same references as the scores:
-rows use the row before the sub-chunk, columns use the sub-chunk's last row, and the
-diagonal block is exact in log space. Each program owns one ``BK`` slice of K for one
-chunk, so dg's reverse cumsum runs over the sub-chunks in reverse inside the program.
+The intra-chunk terms use the same references as the scores: blocks below the diagonal
+factor through the row before the sub-chunk (dq) or its last row (dk), one masked
+``[C, C] x [C, BK]`` dot per sub-chunk in ``gla_dqdk`` (grid ``(B, H, N, K / BK)``, which
+also does the state terms and dg's reverse cumsum over the chunk); the diagonal 16 x 16
+blocks are exact in log space, one ``j`` at a time on ``[16, BK]`` tiles in
+``gla_dqdk_diag`` (grid ``(B, H, N, C / 16, K / BK)``, float32 partial dq and dk).
 """
 from __future__ import annotations
 
@@ -25,20 +28,19 @@ from pallas_kernels import _common as cm
 S = cm.SUB
 
 
-def _dv_kernel(k_ref, g_ref, do_ref, a_ref, dh_ref, dv_ref, *, C, K, BK, BV, dt, scale):
+def _dv_kernel(k_ref, bc_ref, do_ref, a_ref, dh_ref, dv_ref, *, C, K, BK, BV, dt, scale):
   b, hd, n, iv = (pl.program_id(i) for i in range(4))
   tc, vs = pl.ds(n * C, C), pl.ds(iv * BV, BV)
   dv = scale * cm.dot(a_ref[b, hd, n], do_ref[b, tc, hd, vs], dt, ta=True)
   for kk in range(K // BK):
     ks = pl.ds(kk * BK, BK)
-    g = g_ref[b, tc, hd, ks]
-    bc = jnp.cumsum(g, axis=0)
-    k_dec = k_ref[b, tc, hd, ks].astype(cm.F32) * jnp.exp(cm.last_row(bc) - bc)
+    b_last = bc_ref[b, n * C + C - 1, hd, ks][None, :]
+    k_dec = k_ref[b, tc, hd, ks].astype(cm.F32) * jnp.exp(b_last - bc_ref[b, tc, hd, ks])
     dv = dv + cm.dot(k_dec, dh_ref[b, hd, n, ks, vs], dt)
   dv_ref[b, tc, hd, vs] = dv.astype(dv_ref.dtype)
 
 
-def dv(k, g, do, A, dH, *, scale, chunk_size):
+def dv(k, bc, do, A, dH, *, scale, chunk_size):
   B, T, H, K = k.shape
   V = do.shape[-1]
   C = chunk_size
@@ -46,87 +48,99 @@ def dv(k, g, do, A, dH, *, scale, chunk_size):
   kern = functools.partial(_dv_kernel, C=C, K=K, BK=BK, BV=BV, dt=k.dtype, scale=scale)
   return cm.call(kern, jax.ShapeDtypeStruct(do.shape, do.dtype), (B, H, T // C, V // BV),
                  num_warps=cm.TUNE['dv_warps'], num_stages=cm.TUNE['dv_stages'],
-                 name="gla_dv")(k, g, do, A, dH)
+                 name="gla_dv")(k, bc, do, A, dH)
 
 
-def _dqdk_kernel(q_ref, k_ref, v_ref, g_ref, do_ref, h_ref, dh_ref, da_ref,
+def _diag_grad_kernel(q_ref, k_ref, bc_ref, da_ref, dqd_ref, dkd_ref, *, C, BK):
+  """Diagonal-block terms of dq and dk for sub-chunk s, exact in log space:
+  dq_r += sum_{j <= r} dA[r, j] k_j e^{bc_r - bc_j},  dk_i += sum_{j >= i} dA[j, i] q_j
+  e^{bc_j - bc_i}, one j at a time on [16, BK] tiles (small: many programs per SM)."""
+  b, hd, n, s, ik = (pl.program_id(i) for i in range(5))
+  r0 = n * C + s * S
+  rows, ks = pl.ds(r0, S), pl.ds(ik * BK, BK)
+  row = cm.iota((S, BK), 0)
+  bc_a = bc_ref[b, rows, hd, ks]
+
+  def step(j, acc):
+    dq, dk = acc
+    t = r0 + j
+    bj = bc_ref[b, t, hd, ks][None, :]
+    kj = k_ref[b, t, hd, ks].astype(cm.F32)[None, :]
+    qj = q_ref[b, t, hd, ks].astype(cm.F32)[None, :]
+    da_col = da_ref[b, hd, n, pl.ds(s * S, S), s * S + j][:, None]       # dA[r, j]
+    da_row = da_ref[b, hd, n, s * S + j, pl.ds(s * S, S)][:, None]       # dA[j, i]
+    dq = dq + da_col * kj * cm.masked_exp(row >= j, bc_a - bj)
+    dk = dk + da_row * qj * cm.masked_exp(row <= j, bj - bc_a)
+    return dq, dk
+
+  zero = jnp.zeros((S, BK), cm.F32)
+  dq, dk = jax.lax.fori_loop(0, S, step, (zero, zero))
+  dqd_ref[b, rows, hd, ks] = dq
+  dkd_ref[b, rows, hd, ks] = dk
+
+
+def _dqdk_kernel(q_ref, k_ref, v_ref, bc_ref, do_ref, h_ref, dh_ref, da_ref, dqd_ref, dkd_ref,
                  dq_ref, dk_ref, dg_ref, *, C, V, BK, BV, dt, scale):
   b, hd, n, ik = (pl.program_id(i) for i in range(4))
   t0 = n * C
   tc, ks = pl.ds(t0, C), pl.ds(ik * BK, BK)
-  row = cm.iota((C, BK), 0)
-  bc = jnp.cumsum(g_ref[b, tc, hd, ks], axis=0)
-  b_last = cm.last_row(bc)
-  k_full = k_ref[b, tc, hd, ks].astype(cm.F32)
+  bc = bc_ref[b, tc, hd, ks]                                        # [C, BK]
+  b_last = bc_ref[b, t0 + C - 1, hd, ks][None, :]
 
-  # Chunk-total gate term: e^{b_last} sum_v(h dH) + sum_i k_i dk_state_i.
-  def v_total(iv, acc):
-    h_dh, v_dh = acc
+  def v_slice(iv, acc):
+    dq_s, dk_s, d_last = acc
     vs = pl.ds(iv * BV, BV)
-    dH = dh_ref[b, hd, n, ks, vs].astype(cm.F32)
-    h_dh = h_dh + jnp.sum(h_ref[b, hd, n, ks, vs].astype(cm.F32) * dH, axis=1)[None, :]
-    return h_dh, v_dh + cm.dot(v_ref[b, tc, hd, vs], dH, dt, tb=True)
+    h = h_ref[b, hd, n, ks, vs]
+    dH = dh_ref[b, hd, n, ks, vs]
+    dq_s = dq_s + cm.dot(do_ref[b, tc, hd, vs], h, dt, tb=True)
+    dk_s = dk_s + cm.dot(v_ref[b, tc, hd, vs], dH, dt, tb=True)
+    # Chunk-total gate term: sum_v h[n+1] * dH[n].
+    d_last = d_last + jnp.sum(h_ref[b, hd, n + 1, ks, vs].astype(cm.F32) * dH.astype(cm.F32),
+                              axis=1)
+    return dq_s, dk_s, d_last
 
-  h_dh, v_dh = jax.lax.fori_loop(0, V // BV, v_total, (jnp.zeros((1, BK), cm.F32),
-                                                      jnp.zeros((C, BK), cm.F32)))
-  d_last = jnp.exp(b_last) * h_dh + jnp.sum(k_full * v_dh * jnp.exp(b_last - bc), axis=0,
-                                            keepdims=True)
-  shape3 = (S, S, BK)
-  causal3 = cm.iota(shape3, 0) >= cm.iota(shape3, 1)
-
-  # Sub-chunks in reverse, carrying dg's reverse cumsum (a loop: unrolled, Triton compiles
-  # this kernel for minutes).
-  def sub_chunk(i, carry):
-    a = C // S - 1 - i
-    rows = pl.ds(t0 + a * S, S)
-    start = jnp.sum(jnp.where(row == a * S - 1, bc, 0.0), axis=0, keepdims=True)
-    end = jnp.sum(jnp.where(row == a * S + S - 1, bc, 0.0), axis=0, keepdims=True)
-    b_a = cm.rows_of(bc, a)
-    bl = b_a - start                      # <= 0; exact differences of the one cumsum
-    q_a = q_ref[b, rows, hd, ks].astype(cm.F32)
-    k_a = k_ref[b, rows, hd, ks].astype(cm.F32)
-
-    def v_slice(iv, acc):
-      dq_i, dk_i = acc
-      vs = pl.ds(iv * BV, BV)
-      dq_i = dq_i + cm.dot(do_ref[b, rows, hd, vs], h_ref[b, hd, n, ks, vs], dt, tb=True)
-      dk_i = dk_i + cm.dot(v_ref[b, rows, hd, vs], dh_ref[b, hd, n, ks, vs], dt, tb=True)
-      return dq_i, dk_i
-
-    zero = jnp.zeros((S, BK), cm.F32)
-    dq_i, dk_i = jax.lax.fori_loop(0, V // BV, v_slice, (zero, zero))
-    dq = scale * dq_i * jnp.exp(b_a)
-    dk = dk_i * jnp.exp(b_last - b_a)
-    # Columns before the sub-chunk (reference: the row before it); zero for a = 0.
-    k_fac = k_full * cm.masked_exp(row < a * S, start - bc)
-    dq = dq + jnp.exp(bl) * cm.dot(da_ref[b, hd, n, pl.ds(a * S, S), :], k_fac, dt)
-    # Rows after the sub-chunk (reference: its last row); zero for the last sub-chunk.
-    q_fac = q_ref[b, tc, hd, ks].astype(cm.F32) * cm.masked_exp(row >= a * S + S, bc - end)
-    dk = dk + jnp.exp(end - b_a) * cm.dot(da_ref[b, hd, n, :, pl.ds(a * S, S)], q_fac, dt,
-                                          ta=True)
-    dA_diag = da_ref[b, hd, n, pl.ds(a * S, S), pl.ds(a * S, S)]
-    decay = cm.masked_exp(causal3, bl[:, None, :] - bl[None, :, :])        # [r, j, k]
-    w = dA_diag[:, :, None] * decay
-    dq = dq + jnp.sum(w * k_a[None, :, :], axis=1)
-    dk = dk + jnp.sum(w * q_a[:, None, :], axis=0)
-    db = q_a * dq - k_a * dk
-    dq_ref[b, rows, hd, ks] = dq.astype(dq_ref.dtype)
-    dk_ref[b, rows, hd, ks] = dk.astype(dk_ref.dtype)
-    dg_ref[b, rows, hd, ks] = carry + cm.rev_cumsum(db)
-    return carry + jnp.sum(db, axis=0, keepdims=True)
-
-  jax.lax.fori_loop(0, C // S, sub_chunk, d_last)
+  zero = jnp.zeros((C, BK), cm.F32)
+  dq_s, dk_s, d_last = jax.lax.fori_loop(0, V // BV, v_slice,
+                                         (zero, zero, jnp.zeros((BK,), cm.F32)))
+  q = q_ref[b, tc, hd, ks].astype(cm.F32)
+  k = k_ref[b, tc, hd, ks].astype(cm.F32)
+  dq = scale * dq_s * jnp.exp(bc) + dqd_ref[b, tc, hd, ks]
+  dk = dk_s * jnp.exp(b_last - bc) + dkd_ref[b, tc, hd, ks]
+  dA = da_ref[b, hd, n]                                             # [C, C]
+  row = cm.iota((C, BK), 0)
+  blk = row // S
+  rc, cc = cm.iota((C, C), 0) // S, cm.iota((C, C), 1) // S
+  for s in range(C // S):
+    if s > 0:     # rows of s, columns before s (reference: the row before s)
+      ref = bc_ref[b, t0 + s * S - 1, hd, ks][None, :]
+      k_fac = k * cm.masked_exp(row < s * S, ref - bc)
+      part = cm.dot(jnp.where((rc == s) & (cc < s), dA, 0.0), k_fac, dt)
+      dq = dq + cm.masked_exp(blk == s, bc - ref) * part
+    if s < C // S - 1:     # columns of s, rows after s (reference: the last row of s)
+      end = bc_ref[b, t0 + s * S + S - 1, hd, ks][None, :]
+      q_fac = q * cm.masked_exp(row >= s * S + S, bc - end)
+      part = cm.dot(jnp.where((cc == s) & (rc > s), dA, 0.0), q_fac, dt, ta=True)
+      dk = dk + cm.masked_exp(blk == s, end - bc) * part
+  dq_ref[b, tc, hd, ks] = dq.astype(dq_ref.dtype)
+  dk_ref[b, tc, hd, ks] = dk.astype(dk_ref.dtype)
+  dg_ref[b, tc, hd, ks] = cm.rev_cumsum(q * dq - k * dk) + d_last[None, :]
 
 
-def dqdk(q, k, v, g, do, h, dH, dA, *, scale, chunk_size):
-  """Returns (dq, dk in q's dtype, dg float32), all [B, T, H, K]."""
+def dqdk(q, k, v, bc, do, h, dH, dA, *, scale, chunk_size):
+  """Returns (dq, dk in q's dtype, dg float32), all [B, T, H, K]. ``h`` has N + 1 states."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   C = chunk_size
+  N = T // C
+  BK = cm.block(K, cm.TUNE['dqdk_diag_bk'])
+  diag = functools.partial(_diag_grad_kernel, C=C, BK=BK)
+  f32 = jax.ShapeDtypeStruct(q.shape, cm.F32)
+  dq_d, dk_d = cm.call(diag, (f32, f32), (B, H, N, C // S, K // BK),
+                       num_warps=cm.TUNE['dqdk_diag_warps'], num_stages=1,
+                       name="gla_dqdk_diag")(q, k, bc, dA)
   BK, BV = cm.block(K, cm.TUNE['dqdk_bk']), cm.block(V, cm.TUNE['dqdk_bv'])
   kern = functools.partial(_dqdk_kernel, C=C, V=V, BK=BK, BV=BV, dt=q.dtype, scale=scale)
-  out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-         jax.ShapeDtypeStruct(q.shape, cm.F32))
-  return cm.call(kern, out, (B, H, T // C, K // BK),
-                 num_warps=cm.TUNE['dqdk_warps'], num_stages=1,
-                 name="gla_dqdk")(q, k, v, g, do, h, dH, dA)
+  out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype), f32)
+  return cm.call(kern, out, (B, H, N, K // BK),
+                 num_warps=cm.TUNE['dqdk_warps'], num_stages=2,
+                 name="gla_dqdk")(q, k, v, bc, do, h, dH, dA, dq_d, dk_d)

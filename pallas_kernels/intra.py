@@ -1,13 +1,16 @@
-"""Chunk-parallel forward stages: intra-chunk scores A (and dA for the backward), output.
+"""Chunk-parallel stages: intra-chunk scores A, their cotangent dA, and the output.
 
-Grid ``(B, H, N)`` for the scores, ``(B, H, N, V / BV)`` for the output.
+Scores ``A[r, i] = sum_k q_rk k_ik exp(bc_rk - bc_ik)`` for ``i <= r`` (unscaled), two
+kernels:
 
-Scores ``A[r, i] = sum_k q_rk k_ik exp(b_rk - b_ik)`` for ``i <= r`` (unscaled) are built
-one 16-row sub-chunk ``a`` at a time. Columns before the sub-chunk factor through the
-reference ``ref_a = b`` at the last row before it: ``exp(b_r - ref_a) * exp(ref_a - b_i)``,
-both factors <= 1, one tensor-core dot. The diagonal ``16 x 16`` block takes every pair's
-decay exactly in log space (a ``[16, 16, KD]`` tensor), so strong decay never overflows.
-The diagonal block is placed into the row block with a one-hot float32 dot (exact).
+* ``gla_scores``, grid ``(B, H, N)``: the blocks below the 16 x 16 diagonal. Rows of
+  sub-chunk ``s`` and the columns before it factor through the reference ``ref = bc`` at
+  the row before ``s``: ``exp(bc_r - ref) * exp(ref - bc_i)``, both factors <= 1; one
+  ``[C, KD] x [KD, C]`` tensor-core dot per sub-chunk.
+* ``gla_scores_diag``, grid ``(B, H, N, C / 16)``: each diagonal block exact in log
+  space, one column ``j`` at a time (``A[r, j] = sum_k q_rk k_jk exp(bc_rk - bc_jk)`` on a
+  ``[16, KD]`` tile, row ``j`` loaded from memory), written in place. Its tiles are small
+  so that many programs fit on an SM: this loop is latency-bound.
 """
 from __future__ import annotations
 
@@ -22,99 +25,108 @@ from pallas_kernels import _common as cm
 S = cm.SUB
 
 
-def _diag_block(q_a, k_a, bl):
-  """[S, S]: sum_k q_r k_j exp(bl_r - bl_j) for j <= r (bl: sub-chunk-local cumsum)."""
-  shape3 = (S, S, bl.shape[-1])
-  decay = cm.masked_exp(cm.iota(shape3, 0) >= cm.iota(shape3, 1), bl[:, None, :] - bl[None, :, :])
-  return jnp.sum(q_a[:, None, :] * k_a[None, :, :] * decay, axis=2)
-
-
-def _score_rows(q_ref, k_ref, g_ref, b, hd, t0, a, *, C, K, KD, dt):
-  """Rows of sub-chunk ``a`` of the unscaled scores A: [S, C] float32, zero above the
-  diagonal. ``a`` may be traced (the caller loops over sub-chunks)."""
-  tc = pl.ds(t0, C)
-  rows = pl.ds(t0 + a * S, S)
-  row = cm.iota((C, KD), 0)
-
-  def k_slice(kk, acc):
-    acc_off, acc_diag = acc
-    ks = pl.ds(kk * KD, KD)
-    bc = jnp.cumsum(g_ref[b, tc, hd, ks], axis=0)
-    offset = jnp.sum(jnp.where(row == a * S - 1, bc, 0.0), axis=0, keepdims=True)
-    bl = cm.rows_of(bc, a) - offset              # b_r - b at the row before a
-    q_a = q_ref[b, rows, hd, ks].astype(cm.F32)
-    k_a = k_ref[b, rows, hd, ks].astype(cm.F32)
-    k_fac = k_ref[b, tc, hd, ks].astype(cm.F32) * cm.masked_exp(row < a * S, offset - bc)
-    acc_off = acc_off + cm.dot(q_a * jnp.exp(bl), k_fac, dt, tb=True)
-    return acc_off, acc_diag + _diag_block(q_a, k_a, bl)
-
-  # Loops, not Python unrolling: the unrolled kernel took ~50 s to compile in Triton.
-  acc_off, acc_diag = jax.lax.fori_loop(
-      0, K // KD, k_slice, (jnp.zeros((S, C), cm.F32), jnp.zeros((S, S), cm.F32)))
-  one_hot = ((cm.iota((S, C), 1) - cm.iota((S, C), 0)) == a * S).astype(cm.F32)
-  return acc_off + cm.dot(acc_diag, one_hot, cm.F32)
-
-
-def _scores_kernel(*refs, C, K, KD, V, BV, dt, scale, with_da):
-  if with_da:
-    q_ref, k_ref, g_ref, do_ref, v_ref, a_ref, da_ref = refs
-  else:
-    q_ref, k_ref, g_ref, a_ref = refs
+def _scores_off_kernel(q_ref, k_ref, bc_ref, a_ref, *, C, K, KD, dt):
+  """A for one chunk with zero diagonal blocks: for each sub-chunk s >= 1, rows of s times
+  columns before s, through the reference row ``16 s - 1`` (both factors <= 1)."""
   b, hd, n = (pl.program_id(i) for i in range(3))
   t0 = n * C
   tc = pl.ds(t0, C)
+  row = cm.iota((C, KD), 0)
+  blk = row // S
 
-  def sub_chunk(a, carry):
-    a_ref[b, hd, n, pl.ds(a * S, S), :] = _score_rows(q_ref, k_ref, g_ref, b, hd, t0, a, C=C,
-                                                      K=K, KD=KD, dt=dt)
-    return carry
+  def k_slice(kk, acc):
+    ks = pl.ds(kk * KD, KD)
+    bc = bc_ref[b, tc, hd, ks]                                     # [C, KD]
+    q = q_ref[b, tc, hd, ks].astype(cm.F32)
+    k = k_ref[b, tc, hd, ks].astype(cm.F32)
+    for s in range(1, C // S):
+      ref = bc_ref[b, t0 + s * S - 1, hd, ks][None, :]             # [1, KD]
+      q_fac = q * cm.masked_exp(blk == s, bc - ref)                # rows of s only
+      k_fac = k * cm.masked_exp(row < s * S, ref - bc)             # columns before s
+      acc = acc + cm.dot(q_fac, k_fac, dt, tb=True)
+    return acc
 
-  jax.lax.fori_loop(0, C // S, sub_chunk, 0)
-  if with_da:
-    def v_slice(iv, da):
-      vs = pl.ds(iv * BV, BV)
-      return da + cm.dot(do_ref[b, tc, hd, vs], v_ref[b, tc, hd, vs], dt, tb=True)
-
-    da = jax.lax.fori_loop(0, V // BV, v_slice, jnp.zeros((C, C), cm.F32))
-    causal = cm.iota((C, C), 0) >= cm.iota((C, C), 1)
-    da_ref[b, hd, n] = jnp.where(causal, scale * da, 0.0)
+  a_ref[b, hd, n] = jax.lax.fori_loop(0, K // KD, k_slice, jnp.zeros((C, C), cm.F32))
 
 
-def scores(q, k, g, *, chunk_size, do=None, v=None, scale=1.0):
-  """A [B, H, N, C, C] float32 (unscaled, lower triangular); with do and v also
-  dA = tril(scale * do v^T) [B, H, N, C, C]."""
+def _diag_kernel(q_ref, k_ref, bc_ref, a_in_ref, a_ref, *, C, K, KD):
+  """The 16 x 16 diagonal block of sub-chunk s, exact in log space, one column j at a
+  time (written in place into A from ``_scores_off_kernel``)."""
+  del a_in_ref                      # aliased to a_ref: the off-diagonal part is kept
+  b, hd, n, s = (pl.program_id(i) for i in range(4))
+  r0 = n * C + s * S
+  rows = pl.ds(r0, S)
+  row = cm.iota((S, KD), 0)
+  col = cm.iota((S, S), 1)
+
+  def k_slice(kk, diag):
+    ks = pl.ds(kk * KD, KD)
+    bc_a = bc_ref[b, rows, hd, ks]                                  # [S, KD]
+    q_a = q_ref[b, rows, hd, ks].astype(cm.F32)
+
+    def column(j, diag):
+      kj = k_ref[b, r0 + j, hd, ks].astype(cm.F32)[None, :]        # [1, KD]
+      bj = bc_ref[b, r0 + j, hd, ks][None, :]
+      val = jnp.sum(q_a * kj * cm.masked_exp(row >= j, bc_a - bj), axis=1)   # [S]
+      return diag + jnp.where(col == j, val[:, None], 0.0)
+
+    return jax.lax.fori_loop(0, S, column, diag)
+
+  a_ref[b, hd, n, pl.ds(s * S, S), pl.ds(s * S, S)] = jax.lax.fori_loop(
+      0, K // KD, k_slice, jnp.zeros((S, S), cm.F32))
+
+
+def scores(q, k, bc, *, chunk_size):
+  """A [B, H, N, C, C] float32: unscaled, zero above the diagonal."""
   B, T, H, K = q.shape
   C = chunk_size
   N = T // C
-  KD = cm.block(K, cm.TUNE['scores_kd'])
-  with_da = do is not None
-  V = v.shape[-1] if with_da else 16
-  BV = cm.block(V, cm.TUNE['scores_bv'])
-  kern = functools.partial(_scores_kernel, C=C, K=K, KD=KD, V=V, BV=BV, dt=q.dtype,
-                           scale=scale, with_da=with_da)
   a_shape = jax.ShapeDtypeStruct((B, H, N, C, C), cm.F32)
-  if with_da:
-    return cm.call(kern, (a_shape, a_shape), (B, H, N),
-                   num_warps=cm.TUNE['scores_warps'], num_stages=1,
-                   name="gla_scores_bwd")(q, k, g, do, v)
-  return cm.call(kern, a_shape, (B, H, N),
-                   num_warps=cm.TUNE['scores_warps'], num_stages=1,
-                 name="gla_scores")(q, k, g)
+  KD = cm.block(K, cm.TUNE['scores_kd'])
+  off = functools.partial(_scores_off_kernel, C=C, K=K, KD=KD, dt=q.dtype)
+  A = cm.call(off, a_shape, (B, H, N), num_warps=cm.TUNE['scores_warps'], num_stages=1,
+              name="gla_scores")(q, k, bc)
+  KD = cm.block(K, cm.TUNE['diag_kd'])
+  diag = functools.partial(_diag_kernel, C=C, K=K, KD=KD)
+  return cm.call(diag, a_shape, (B, H, N, C // S), num_warps=cm.TUNE['diag_warps'],
+                 num_stages=1, name="gla_scores_diag", aliases={3: 0})(q, k, bc, A)
 
 
-def _output_kernel(q_ref, v_ref, g_ref, h_ref, a_ref, o_ref, *, C, K, BK, BV, dt, scale):
+def _da_kernel(do_ref, v_ref, da_ref, *, C, V, BV, dt, scale):
+  b, hd, n = (pl.program_id(i) for i in range(3))
+  tc = pl.ds(n * C, C)
+
+  def v_slice(iv, da):
+    vs = pl.ds(iv * BV, BV)
+    return da + cm.dot(do_ref[b, tc, hd, vs], v_ref[b, tc, hd, vs], dt, tb=True)
+
+  da = jax.lax.fori_loop(0, V // BV, v_slice, jnp.zeros((C, C), cm.F32))
+  da_ref[b, hd, n] = jnp.where(cm.iota((C, C), 0) >= cm.iota((C, C), 1), scale * da, 0.0)
+
+
+def score_grad(do, v, *, scale, chunk_size):
+  """dA = tril(scale * do v^T) [B, H, N, C, C] float32."""
+  B, T, H, V = v.shape
+  C = chunk_size
+  BV = cm.block(V, cm.TUNE['da_bv'])
+  kern = functools.partial(_da_kernel, C=C, V=V, BV=BV, dt=v.dtype, scale=scale)
+  return cm.call(kern, jax.ShapeDtypeStruct((B, H, T // C, C, C), cm.F32), (B, H, T // C),
+                 num_warps=cm.TUNE['da_warps'], num_stages=2, name="gla_score_grad")(do, v)
+
+
+def _output_kernel(q_ref, v_ref, bc_ref, h_ref, a_ref, o_ref, *, C, K, BK, BV, dt, scale):
   b, hd, n, iv = (pl.program_id(i) for i in range(4))
   tc, vs = pl.ds(n * C, C), pl.ds(iv * BV, BV)
   o = cm.dot(a_ref[b, hd, n], v_ref[b, tc, hd, vs], dt)
   for kk in range(K // BK):
     ks = pl.ds(kk * BK, BK)
-    q_dec = q_ref[b, tc, hd, ks].astype(cm.F32) * jnp.exp(jnp.cumsum(g_ref[b, tc, hd, ks], axis=0))
+    q_dec = q_ref[b, tc, hd, ks].astype(cm.F32) * jnp.exp(bc_ref[b, tc, hd, ks])
     o = o + cm.dot(q_dec, h_ref[b, hd, n, ks, vs], dt)
   o_ref[b, tc, hd, vs] = (scale * o).astype(o_ref.dtype)
 
 
-def output(q, v, g, h, A, *, scale, chunk_size):
-  """o = scale * ((q e^b) h[n] + A v): [B, T, H, V] in v's dtype."""
+def output(q, v, bc, h, A, *, scale, chunk_size):
+  """o = scale * ((q e^bc) h[n] + A v): [B, T, H, V] in v's dtype."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   C = chunk_size
@@ -123,46 +135,4 @@ def output(q, v, g, h, A, *, scale, chunk_size):
   kern = functools.partial(_output_kernel, C=C, K=K, BK=BK, BV=BV, dt=q.dtype, scale=scale)
   return cm.call(kern, jax.ShapeDtypeStruct(v.shape, v.dtype), (B, H, N, V // BV),
                  num_warps=cm.TUNE['out_warps'], num_stages=cm.TUNE['out_stages'],
-                 name="gla_output")(q, v, g, h, A)
-
-
-def _fused_output_kernel(q_ref, k_ref, v_ref, g_ref, h_ref, o_ref, *, C, K, KD, BK, BV, dt,
-                         scale):
-  b, hd, n, iv = (pl.program_id(i) for i in range(4))
-  t0 = n * C
-  tc, vs = pl.ds(t0, C), pl.ds(iv * BV, BV)
-  v_tile = v_ref[b, tc, hd, vs]
-
-  def sub_chunk(a, carry):
-    rows = pl.ds(t0 + a * S, S)
-    A_rows = _score_rows(q_ref, k_ref, g_ref, b, hd, t0, a, C=C, K=K, KD=KD, dt=dt)
-
-    def k_block(kk, o):
-      ks = pl.ds(kk * BK, BK)
-      b_a = cm.rows_of(jnp.cumsum(g_ref[b, tc, hd, ks], axis=0), a)
-      q_dec = q_ref[b, rows, hd, ks].astype(cm.F32) * jnp.exp(b_a)
-      return o + cm.dot(q_dec, h_ref[b, hd, n, ks, vs], dt)
-
-    o = jax.lax.fori_loop(0, K // BK, k_block, cm.dot(A_rows, v_tile, dt))
-    o_ref[b, rows, hd, vs] = (scale * o).astype(o_ref.dtype)
-    return carry
-
-  jax.lax.fori_loop(0, C // S, sub_chunk, 0)
-
-
-def fused_output(q, k, v, g, h, *, scale, chunk_size):
-  """Scores and output in one kernel (A never written): the ``fuse_scores_output`` option.
-
-  A is recomputed for each V tile; with V <= ``out_bv`` there is one tile and no recompute.
-  """
-  B, T, H, K = q.shape
-  V = v.shape[-1]
-  C = chunk_size
-  N = T // C
-  KD = cm.block(K, cm.TUNE['scores_kd'])
-  BK, BV = cm.block(K, cm.TUNE['out_bk']), cm.block(V, cm.TUNE['out_bv'])
-  kern = functools.partial(_fused_output_kernel, C=C, K=K, KD=KD, BK=BK, BV=BV, dt=q.dtype,
-                           scale=scale)
-  return cm.call(kern, jax.ShapeDtypeStruct(v.shape, v.dtype), (B, H, N, V // BV),
-                 num_warps=cm.TUNE['out_warps'], num_stages=cm.TUNE['out_stages'],
-                 name="gla_scores_output")(q, k, v, g, h)
+                 name="gla_output")(q, v, bc, h, A)

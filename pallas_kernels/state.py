@@ -1,12 +1,19 @@
-"""Sequential passes over chunks: the chunk states (forward) and their cotangents (backward).
+"""The chunk-local cumulative log-decay, and the sequential passes over chunks.
 
-Grid ``(B, H, K / BK, V / BV)``: each program owns one ``[BK, BV]`` tile of one head's
-state and walks the chunks in order (or in reverse), so the only sequential work in the
-whole algorithm is this ``K x V`` recurrence; everything else is chunk-parallel.
+``chunk_cumsum``: ``bc = cumsum of g within each chunk`` (float32 ``[B, T, H, K]``), grid
+``(B, H, N, K / KD)``, fully parallel. Every later kernel reads its decays from this one
+array, so every exponent ``bc_r - bc_i`` anywhere is a difference of the same float32
+values (as in the reference), and the chunk's total decay is ``bc`` at the chunk's last
+row, loaded as a row, so ``b_last - bc`` is exactly 0 there.
 
-  state pass:  h[n] = state entering chunk n;   state <- e^{b_last} state + (k e^{b_last - b})^T v
+State passes, grid ``(B, H, K / BK, V / BV)``: each program owns one ``[BK, BV]`` tile of
+one head's state and walks the chunks in order (or in reverse); this ``K x V`` recurrence
+is the only sequential work in the algorithm.
+
+  state pass:  h[n] = state entering chunk n, n = 0..N (h[N] = the final state);
+               state <- e^{b_last} state + (k e^{b_last - bc})^T v
   grad pass:   dH[n] = cotangent of the state leaving chunk n;
-               dstate <- e^{b_last} dstate + scale (q e^{b})^T do
+               dstate <- e^{b_last} dstate + scale (q e^{bc})^T do
 """
 from __future__ import annotations
 
@@ -19,58 +26,83 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _common as cm
 
 
-def _state_kernel(k_ref, v_ref, g_ref, h0_ref, h_ref, ht_ref, *, C, N, BK, BV, dt):
-  b, hd, ik, iv = (pl.program_id(i) for i in range(4))
+def _cumsum_kernel(g_ref, bc_ref, *, C, KD):
+  b, hd, n, ik = (pl.program_id(i) for i in range(4))
+  t, ks = pl.ds(n * C, C), pl.ds(ik * KD, KD)
+  bc_ref[b, t, hd, ks] = jnp.cumsum(g_ref[b, t, hd, ks].astype(cm.F32), axis=0)
+
+
+def chunk_cumsum(g, *, chunk_size):
+  """bc [B, T, H, K] float32: cumulative sum of g within each chunk of ``chunk_size``."""
+  B, T, H, K = g.shape
+  C = chunk_size
+  KD = cm.block(K, cm.TUNE["cumsum_kd"])
+  kern = functools.partial(_cumsum_kernel, C=C, KD=KD)
+  return cm.call(kern, jax.ShapeDtypeStruct(g.shape, cm.F32), (B, H, T // C, K // KD),
+                 num_warps=cm.TUNE["cumsum_warps"], num_stages=1,
+                 name="gla_chunk_cumsum")(g)
+
+
+def _state_walk(k_ref, v_ref, bc_ref, h0_ref, h_ref, ht_ref, b, hd, ik, iv, *, C, N, BK, BV,
+                dt):
   ks, vs = pl.ds(ik * BK, BK), pl.ds(iv * BV, BV)
 
   def body(n, state):
     h_ref[b, hd, n, ks, vs] = state.astype(h_ref.dtype)
     t = pl.ds(n * C, C)
-    g = g_ref[b, t, hd, ks]
-    bc = jnp.cumsum(g, axis=0)
-    b_last = cm.last_row(bc)                   # [1, BK]
-    k_dec = k_ref[b, t, hd, ks].astype(cm.F32) * jnp.exp(b_last - bc)
-    inc = cm.dot(k_dec, v_ref[b, t, hd, vs], dt, ta=True)         # [BK, BV]
-    return jnp.exp(b_last).reshape(BK, 1) * state + inc
+    b_last = bc_ref[b, n * C + C - 1, hd, ks]                      # [BK]
+    k_dec = k_ref[b, t, hd, ks].astype(cm.F32) * jnp.exp(b_last[None, :] - bc_ref[b, t, hd, ks])
+    inc = cm.dot(k_dec, v_ref[b, t, hd, vs], dt, ta=True)          # [BK, BV]
+    return jnp.exp(b_last)[:, None] * state + inc
 
-  ht_ref[b, hd, ks, vs] = jax.lax.fori_loop(0, N, body, h0_ref[b, hd, ks, vs])
+  final = jax.lax.fori_loop(0, N, body, h0_ref[b, hd, ks, vs])
+  h_ref[b, hd, N, ks, vs] = final.astype(h_ref.dtype)
+  ht_ref[b, hd, ks, vs] = final
 
 
-def state_pass(k, v, g, h0, *, chunk_size):
-  """Returns (h [B, H, N, K, V] state entering each chunk (float32, or the input dtype with
-  ``TUNE["states_in_input_dtype"]``), final [B, H, K, V] float32)."""
+def _state_kernel(k_ref, v_ref, bc_ref, h0_ref, h_ref, ht_ref, **kw):
+  _state_walk(k_ref, v_ref, bc_ref, h0_ref, h_ref, ht_ref, *(pl.program_id(i) for i in range(4)),
+              **kw)
+
+
+def state_pass(k, v, bc, h0, *, chunk_size):
+  """Returns (h [B, H, N + 1, K, V]: the state entering each chunk, and h[:, :, N] the
+  final one; float32, or the input dtype with ``TUNE["states_in_input_dtype"]``), and the
+  final state [B, H, K, V] in float32."""
   B, T, H, K = k.shape
   V = v.shape[-1]
   C = chunk_size
   N = T // C
   BK, BV = cm.block(K, cm.TUNE['state_bk']), cm.block(V, cm.TUNE['state_bv'])
   kern = functools.partial(_state_kernel, C=C, N=N, BK=BK, BV=BV, dt=k.dtype)
-  out = (jax.ShapeDtypeStruct((B, H, N, K, V), cm.state_store_dtype(k.dtype)),
+  out = (jax.ShapeDtypeStruct((B, H, N + 1, K, V), cm.state_store_dtype(k.dtype)),
          jax.ShapeDtypeStruct((B, H, K, V), cm.F32))
   return cm.call(kern, out, (B, H, K // BK, V // BV), num_warps=cm.TUNE['state_warps'],
-                 num_stages=cm.TUNE['state_stages'], name="gla_state_pass")(k, v, g, h0)
+                 num_stages=cm.TUNE['state_stages'], name="gla_state_pass")(k, v, bc, h0)
 
 
-def _state_grad_kernel(q_ref, do_ref, g_ref, dht_ref, dh_ref, dh0_ref, *, C, N, BK, BV, dt,
-                       scale):
-  b, hd, ik, iv = (pl.program_id(i) for i in range(4))
+def _grad_walk(q_ref, do_ref, bc_ref, dht_ref, dh_ref, dh0_ref, b, hd, ik, iv, *, C, N, BK, BV,
+               dt, scale):
   ks, vs = pl.ds(ik * BK, BK), pl.ds(iv * BV, BV)
 
   def body(i, dstate):
     n = N - 1 - i
     dh_ref[b, hd, n, ks, vs] = dstate.astype(dh_ref.dtype)
     t = pl.ds(n * C, C)
-    g = g_ref[b, t, hd, ks]
-    bc = jnp.cumsum(g, axis=0)
-    b_last = cm.last_row(bc)
-    q_dec = q_ref[b, t, hd, ks].astype(cm.F32) * (scale * jnp.exp(bc))
+    b_last = bc_ref[b, n * C + C - 1, hd, ks]
+    q_dec = q_ref[b, t, hd, ks].astype(cm.F32) * (scale * jnp.exp(bc_ref[b, t, hd, ks]))
     loc = cm.dot(q_dec, do_ref[b, t, hd, vs], dt, ta=True)       # [BK, BV]
-    return jnp.exp(b_last).reshape(BK, 1) * dstate + loc
+    return jnp.exp(b_last)[:, None] * dstate + loc
 
   dh0_ref[b, hd, ks, vs] = jax.lax.fori_loop(0, N, body, dht_ref[b, hd, ks, vs])
 
 
-def state_grad_pass(q, do, g, dht, *, scale, chunk_size):
+def _state_grad_kernel(q_ref, do_ref, bc_ref, dht_ref, dh_ref, dh0_ref, **kw):
+  _grad_walk(q_ref, do_ref, bc_ref, dht_ref, dh_ref, dh0_ref,
+             *(pl.program_id(i) for i in range(4)), **kw)
+
+
+def state_grad_pass(q, do, bc, dht, *, scale, chunk_size):
   """Returns (dH [B, H, N, K, V] cotangent of the state leaving each chunk, dh0 [B, H, K, V])."""
   B, T, H, K = q.shape
   V = do.shape[-1]
@@ -81,4 +113,36 @@ def state_grad_pass(q, do, g, dht, *, scale, chunk_size):
   out = (jax.ShapeDtypeStruct((B, H, N, K, V), cm.state_store_dtype(q.dtype)),
          jax.ShapeDtypeStruct((B, H, K, V), cm.F32))
   return cm.call(kern, out, (B, H, K // BK, V // BV), num_warps=cm.TUNE['state_warps'],
-                 num_stages=cm.TUNE['state_stages'], name="gla_state_grad_pass")(q, do, g, dht)
+                 num_stages=cm.TUNE['state_stages'], name="gla_state_grad_pass")(q, do, bc, dht)
+
+
+def _both_kernel(k_ref, v_ref, q_ref, do_ref, bc_ref, h0_ref, dht_ref, h_ref, ht_ref, dh_ref,
+                 dh0_ref, *, B, scale, **kw):
+  p, hd, ik, iv = (pl.program_id(i) for i in range(4))
+  b = p % B
+  jax.lax.cond(
+      p < B,
+      lambda: _state_walk(k_ref, v_ref, bc_ref, h0_ref, h_ref, ht_ref, b, hd, ik, iv, **kw),
+      lambda: _grad_walk(q_ref, do_ref, bc_ref, dht_ref, dh_ref, dh0_ref, b, hd, ik, iv,
+                         scale=scale, **kw))
+
+
+def both_passes(q, k, v, do, bc, h0, dht, *, scale, chunk_size):
+  """The state pass and the state-gradient pass in one launch (the backward needs both and
+  they are independent): twice the programs of either, so the two sequential walks run
+  side by side on the GPU instead of one after the other. Returns (h, dH, dh0)."""
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  C = chunk_size
+  N = T // C
+  BK, BV = cm.block(K, cm.TUNE['state_bk']), cm.block(V, cm.TUNE['state_bv'])
+  kern = functools.partial(_both_kernel, B=B, C=C, N=N, BK=BK, BV=BV, dt=q.dtype, scale=scale)
+  store = cm.state_store_dtype(q.dtype)
+  out = (jax.ShapeDtypeStruct((B, H, N + 1, K, V), store),
+         jax.ShapeDtypeStruct((B, H, K, V), cm.F32),
+         jax.ShapeDtypeStruct((B, H, N, K, V), store),
+         jax.ShapeDtypeStruct((B, H, K, V), cm.F32))
+  h, _, dH, dh0 = cm.call(kern, out, (2 * B, H, K // BK, V // BV),
+                          num_warps=cm.TUNE['state_warps'], num_stages=cm.TUNE['state_stages'],
+                          name="gla_state_passes")(k, v, q, do, bc, h0, dht)
+  return h, dH, dh0

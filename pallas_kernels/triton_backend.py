@@ -2,11 +2,14 @@
 
 Same contract as :mod:`zeco_jax.chunked` (padded, validated inputs; layout [B, T, H, D]):
 
-  fwd: state pass -> scores A -> output
-  bwd: state pass (recomputed) -> state-gradient pass -> A, dA -> dv -> dq, dk, dg
+  fwd: chunk cumsum -> state pass -> scores A -> output
+  bwd: chunk cumsum -> state pass (recomputed) -> state-gradient pass -> A (recomputed)
+       -> dA -> dv -> dq, dk, dg
 
-Only the inputs live between forward and backward (ops.py saves q, k, v, g, h0); the
-chunk states are recomputed by one cheap sequential kernel.
+``fwd_res`` / ``bwd_res`` are the same with the scores A kept from the forward (float32,
+``B * T * H * C * 4`` bytes, a quarter of q's float32 size at C = 64), so the backward
+skips recomputing them; :func:`zeco_jax.chunk_gla` uses this pair. The chunk states are
+always recomputed: one sequential kernel, cheaper than keeping ``N K V`` floats per head.
 """
 from __future__ import annotations
 
@@ -16,24 +19,38 @@ from pallas_kernels import intra
 from pallas_kernels import state
 
 
-def fwd(q, k, v, g, *, scale, initial_state, chunk_size):
+def fwd_res(q, k, v, g, *, scale, initial_state, chunk_size):
   cm.check_dims(q.shape[-1], v.shape[-1], chunk_size)
-  h, final = state.state_pass(k, v, g, initial_state, chunk_size=chunk_size)
-  if cm.TUNE["fuse_scores_output"]:
-    o = intra.fused_output(q, k, v, g, h, scale=scale, chunk_size=chunk_size)
+  bc = state.chunk_cumsum(g, chunk_size=chunk_size)
+  h, final = state.state_pass(k, v, bc, initial_state, chunk_size=chunk_size)
+  A = intra.scores(q, k, bc, chunk_size=chunk_size)
+  o = intra.output(q, v, bc, h, A, scale=scale, chunk_size=chunk_size)
+  return (o, final), A
+
+
+def fwd(q, k, v, g, *, scale, initial_state, chunk_size):
+  return fwd_res(q, k, v, g, scale=scale, initial_state=initial_state, chunk_size=chunk_size)[0]
+
+
+def bwd_res(A, q, k, v, g, do, dht, *, scale, initial_state, chunk_size):
+  cm.check_dims(q.shape[-1], v.shape[-1], chunk_size)
+  do = do.astype(v.dtype)
+  bc = state.chunk_cumsum(g, chunk_size=chunk_size)
+  if cm.TUNE["fuse_state_passes"]:
+    h, dH, dh0 = state.both_passes(q, k, v, do, bc, initial_state, dht.astype(cm.F32),
+                                   scale=scale, chunk_size=chunk_size)
   else:
-    A = intra.scores(q, k, g, chunk_size=chunk_size)
-    o = intra.output(q, v, g, h, A, scale=scale, chunk_size=chunk_size)
-  return o, final
+    h, _ = state.state_pass(k, v, bc, initial_state, chunk_size=chunk_size)
+    dH, dh0 = state.state_grad_pass(q, do, bc, dht.astype(cm.F32), scale=scale,
+                                    chunk_size=chunk_size)
+  if A is None:
+    A = intra.scores(q, k, bc, chunk_size=chunk_size)
+  dA = intra.score_grad(do, v, scale=scale, chunk_size=chunk_size)
+  dv = grads.dv(k, bc, do, A, dH, scale=scale, chunk_size=chunk_size)
+  dq, dk, dg = grads.dqdk(q, k, v, bc, do, h, dH, dA, scale=scale, chunk_size=chunk_size)
+  return dq, dk, dv, dg, dh0
 
 
 def bwd(q, k, v, g, do, dht, *, scale, initial_state, chunk_size):
-  cm.check_dims(q.shape[-1], v.shape[-1], chunk_size)
-  do = do.astype(v.dtype)
-  h, _ = state.state_pass(k, v, g, initial_state, chunk_size=chunk_size)
-  dH, dh0 = state.state_grad_pass(q, do, g, dht.astype(cm.F32), scale=scale,
-                                  chunk_size=chunk_size)
-  A, dA = intra.scores(q, k, g, chunk_size=chunk_size, do=do, v=v, scale=scale)
-  dv = grads.dv(k, g, do, A, dH, scale=scale, chunk_size=chunk_size)
-  dq, dk, dg = grads.dqdk(q, k, v, g, do, h, dH, dA, scale=scale, chunk_size=chunk_size)
-  return dq, dk, dv, dg, dh0
+  return bwd_res(None, q, k, v, g, do, dht, scale=scale, initial_state=initial_state,
+                 chunk_size=chunk_size)

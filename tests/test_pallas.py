@@ -167,15 +167,14 @@ def test_tpu_variant_lowers_to_mosaic(monkeypatch):
   assert "tpu_custom_call" in text
 
 
-def test_prepared_gpu_options_keep_results(monkeypatch):
-  """The launch options the next GPU run measures (fused scores+output, states stored in
-  the input dtype) compute the same function."""
+def test_gpu_launch_options_keep_results(monkeypatch):
+  """Launch options the benchmark sweeps (states stored in the input dtype, smaller tiles)
+  compute the same function."""
   from pallas_kernels import _common
   from zeco_jax import chunked
-  monkeypatch.setitem(_common.TUNE, "fuse_scores_output", True)
-  monkeypatch.setitem(_common.TUNE, "states_in_input_dtype", True)
-  monkeypatch.setitem(_common.TUNE, "state_bk", 32)
-  monkeypatch.setitem(_common.TUNE, "state_bv", 32)
+  for key, value in {"states_in_input_dtype": True, "state_bk": 32, "state_bv": 32,
+                     "scores_kd": 32, "dqdk_bk": 16, "cumsum_kd": 32, "da_bv": 64}.items():
+    monkeypatch.setitem(_common.TUNE, key, value)
   q, k, v, g, h0, key = _inputs(3, 1, 128, 1, 64, 128, decay="strong")
   o, fin, grads = _backend_terms(pallas_kernels.backend(), q, k, v, g, h0, key, 64)
   o_r, fin_r, grads_r = _backend_terms(chunked, q, k, v, g, h0, key, 64)

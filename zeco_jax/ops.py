@@ -57,15 +57,24 @@ def _chunk_gla_core(q, k, v, g, h0, scale, chunk_size, backend):
 
 
 def _core_fwd(q, k, v, g, h0, scale, chunk_size, backend):
-  out = _chunk_gla_core(q, k, v, g, h0, scale, chunk_size, backend)
-  return out, (q, k, v, g, h0)
+  impl = _impl(backend)
+  kw = dict(scale=scale, initial_state=h0, chunk_size=chunk_size)
+  if hasattr(impl, "fwd_res"):      # a backend may keep intermediates for its backward
+    out, extra = impl.fwd_res(q, k, v, g, **kw)
+  else:
+    out, extra = impl.fwd(q, k, v, g, **kw), None
+  return out, (q, k, v, g, h0, extra)
 
 
 def _core_bwd(scale, chunk_size, backend, res, cotangents):
-  q, k, v, g, h0 = res
+  q, k, v, g, h0, extra = res
   do, dht = cotangents
-  dq, dk, dv, dg, dh0 = _impl(backend).bwd(q, k, v, g, do, dht, scale=scale,
-                                           initial_state=h0, chunk_size=chunk_size)
+  impl = _impl(backend)
+  kw = dict(scale=scale, initial_state=h0, chunk_size=chunk_size)
+  if hasattr(impl, "bwd_res"):
+    dq, dk, dv, dg, dh0 = impl.bwd_res(extra, q, k, v, g, do, dht, **kw)
+  else:
+    dq, dk, dv, dg, dh0 = impl.bwd(q, k, v, g, do, dht, **kw)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg.astype(g.dtype),
           dh0.astype(h0.dtype))
 
@@ -80,7 +89,9 @@ def chunk_gla(q, k, v, g=None, *, scale=None, initial_state=None, output_final_s
   ``S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T``, ``o_t = scale * S_t^T q_t`` (token t sees
   itself), computed chunk by chunk (spec section 2). The backward is the chunked backward
   (a reverse state-gradient pass and per-chunk gradients), which recomputes the chunk
-  states, so only the inputs are kept for it: memory O(T * (K + V)), never per-token states.
+  states, so only the inputs are kept for it (the Pallas backend also keeps the float32
+  intra-chunk scores, T * H * chunk_size floats): memory O(T * (K + V + chunk_size)),
+  never per-token states.
 
   Args:
     q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; one floating dtype (bf16 or float32).
