@@ -73,7 +73,20 @@ def jax_fns(backend, scale):
   return jax.jit(fwd), jax.jit(fwd_bwd)
 
 
+QUIET = {"file": None}     # --wait-file: time only once the other process is idle
+
+
+def wait_quiet(limit_s=300):
+  """Blocks (once) until QUIET["file"] exists, or limit_s has passed."""
+  path, t0 = QUIET["file"], time.perf_counter()
+  while path and not os.path.exists(path) and time.perf_counter() - t0 < limit_s:
+    time.sleep(1)
+  QUIET["waited_s"] = QUIET.get("waited_s", 0) + time.perf_counter() - t0
+  QUIET["file"] = None
+
+
 def time_loop(fn, sync, iters, reps):
+  wait_quiet()
   out = fn()
   sync(out)
   out = fn()
@@ -245,6 +258,12 @@ def main():
                   help="JSON list of TUNE overrides under which --stages times each kernel")
   ap.add_argument("--only", default="", help="comma-separated shape indices to run (0, 1)")
   ap.add_argument("--no-pallas", action="store_true", help="skip the whole-op Pallas timings")
+  ap.add_argument("--check-tune", default="[{}]", help="JSON list of TUNE overrides to check")
+  ap.add_argument("--wait-file", default="", help="time nothing until this file exists")
+  ap.add_argument("--save-outputs", default="", help="folder: our bf16 forward outputs (.npy)")
+  ap.add_argument("--compare-outputs", default="", help="folder of --save-outputs to compare FLA with")
+  ap.add_argument("--ready-file", default="", help="FLA: touch after the first shape's warm-up")
+  ap.add_argument("--go-file", default="", help="FLA: then wait for this file before timing")
   ap.add_argument("--triton-cache", default="",
                   help="Triton cache folder (FLA's compiled kernels and autotune results)")
   args = ap.parse_args()
@@ -263,7 +282,15 @@ def main():
   log(f"jax {jax.__version__}, devices {jax.devices()}")
   ok = None
   if not args.skip_checks:
-    ok = check_gpu(log)
+    ok = True
+    base = dict(cm.TUNE)
+    for ctune in json.loads(args.check_tune):
+      cm.TUNE.update(ctune)
+      if ctune:
+        log(f"checks with TUNE {json.dumps(ctune, separators=(',', ':'))}")
+      ok &= check_gpu(log)
+      cm.TUNE.clear()
+      cm.TUNE.update(base)
     try:
       check_truth64(log)
     except Exception as e:  # noqa: BLE001
@@ -286,6 +313,7 @@ def main():
       log(f"FLA unavailable: {e!r}")
   results = []
   jsync = jax.block_until_ready
+  QUIET["file"] = args.wait_file or None
   if args.only:
     shapes = [shapes[int(i)] for i in args.only.split(",")]
   for name, B, T, H, K, V in shapes:
@@ -313,6 +341,9 @@ def main():
         fb = compiled(fb, q, k, v, g, do)
         o = f(q, k, v, g)
         outs[vname] = np.asarray(o.astype(jnp.float32))
+        if vname == "pallas" and args.save_outputs:
+          os.makedirs(args.save_outputs, exist_ok=True)
+          np.save(os.path.join(args.save_outputs, f"{T}_{H}_{V}.npy"), outs[vname])
         row[f"{vname} fwd ms"] = time_loop(lambda: f(q, k, v, g), jsync, args.iters, args.reps)
         row[f"{vname} fwd+bwd ms"] = time_loop(lambda: fb(q, k, v, g, do), jsync, args.iters,
                                                args.reps)
@@ -358,6 +389,18 @@ def main():
         def ffb():
           o = fla_fn(tq, tk, tv, tg, scale=scale)[0]
           return torch.autograd.grad(o, (tq, tk, tv, tg), tdo)
+
+        if args.go_file and not os.path.exists(args.go_file):
+          ffb()                      # Triton autotuning of FLA's kernels, then wait
+          torch.cuda.synchronize()
+          log(f"{name} fla: warmed up (autotuned); waiting for {args.go_file}")
+          if args.ready_file:
+            open(args.ready_file, "w").close()
+          while not os.path.exists(args.go_file):
+            time.sleep(1)
+        saved = os.path.join(args.compare_outputs, f"{T}_{H}_{V}.npy")
+        if "pallas" not in outs and args.compare_outputs and os.path.exists(saved):
+          outs["pallas"] = np.load(saved)
 
         with torch.no_grad():
           of = ffwd().float().cpu().numpy()
@@ -410,6 +453,8 @@ def main():
           f"{r.get(f'pallas {key} GiB', float('nan')):.2f} / "
           f"{r.get(f'fla {key} GiB', float('nan')):.2f} |")
   log(f"GPU correctness checks: {'not run' if ok is None else 'all OK' if ok else 'FAILED'}")
+  if args.wait_file:
+    log(f"waited {QUIET.get('waited_s', 0):.0f} s for {args.wait_file} before timing")
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "kernels.json"), "w") as fh:
     json.dump({"results": results, "tune": cm.TUNE, "checks_ok": ok}, fh, indent=1, default=str)

@@ -37,6 +37,11 @@ TUNE = {
     "states_in_input_dtype": False,
     # Backward: the state pass and the state-gradient pass in one launch, side by side.
     "fuse_state_passes": True,
+    # Run the sequential state pass(es) (few programs) in the same launch as a chunk-
+    # parallel stage that does not need them, so the idle SMs work: forward with the
+    # off-diagonal scores, backward with the diagonal dq/dk terms.
+    "overlap_fwd": False,
+    "overlap_bwd": False,
 }
 
 
@@ -103,6 +108,23 @@ def call(kernel, out_shape, grid, *, num_warps=4, num_stages=2, name=None, alias
     return fn(out_shape=outs)(*args)
 
   return run
+
+
+def prod(sizes) -> int:
+  out = 1
+  for size in sizes:
+    out *= size
+  return out
+
+
+def unravel(p, sizes):
+  """Grid indices (last fastest) of flat program number ``p`` in a grid of ``sizes``: for
+  kernels that run two stages side by side in one launch (one flat grid)."""
+  ids = []
+  for size in reversed(sizes[1:]):
+    ids.append(p % size)
+    p = p // size
+  return [p] + ids[::-1]
 
 
 def dot(a, b, dtype, *, ta=False, tb=False):

@@ -51,11 +51,15 @@ def dv(k, bc, do, A, dH, *, scale, chunk_size):
                  name="gla_dv")(k, bc, do, A, dH)
 
 
-def _diag_grad_kernel(q_ref, k_ref, bc_ref, da_ref, dqd_ref, dkd_ref, *, C, BK):
+def _diag_grad_kernel(q_ref, k_ref, bc_ref, da_ref, dqd_ref, dkd_ref, **kw):
+  diag_grad_body(q_ref, k_ref, bc_ref, da_ref, dqd_ref, dkd_ref,
+                 *(pl.program_id(i) for i in range(5)), **kw)
+
+
+def diag_grad_body(q_ref, k_ref, bc_ref, da_ref, dqd_ref, dkd_ref, b, hd, n, s, ik, *, C, BK):
   """Diagonal-block terms of dq and dk for sub-chunk s, exact in log space:
   dq_r += sum_{j <= r} dA[r, j] k_j e^{bc_r - bc_j},  dk_i += sum_{j >= i} dA[j, i] q_j
   e^{bc_j - bc_i}, one j at a time on [16, BK] tiles (small: many programs per SM)."""
-  b, hd, n, s, ik = (pl.program_id(i) for i in range(5))
   r0 = n * C + s * S
   rows, ks = pl.ds(r0, S), pl.ds(ik * BK, BK)
   row = cm.iota((S, BK), 0)
@@ -126,18 +130,26 @@ def _dqdk_kernel(q_ref, k_ref, v_ref, bc_ref, do_ref, h_ref, dh_ref, da_ref, dqd
   dg_ref[b, tc, hd, ks] = cm.rev_cumsum(q * dq - k * dk) + d_last[None, :]
 
 
-def dqdk(q, k, v, bc, do, h, dH, dA, *, scale, chunk_size):
-  """Returns (dq, dk in q's dtype, dg float32), all [B, T, H, K]. ``h`` has N + 1 states."""
+def diag_grad_grid(q, *, chunk_size):
+  B, T, H, K = q.shape
+  BK = cm.block(K, cm.TUNE['dqdk_diag_bk'])
+  return (B, H, T // chunk_size, chunk_size // S, K // BK), dict(C=chunk_size, BK=BK)
+
+
+def dqdk(q, k, v, bc, do, h, dH, dA, *, scale, chunk_size, diag=None):
+  """Returns (dq, dk in q's dtype, dg float32), all [B, T, H, K]. ``h`` has N + 1 states.
+  ``diag``: the diagonal-block terms (dq_d, dk_d) when already computed."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   C = chunk_size
   N = T // C
-  BK = cm.block(K, cm.TUNE['dqdk_diag_bk'])
-  diag = functools.partial(_diag_grad_kernel, C=C, BK=BK)
   f32 = jax.ShapeDtypeStruct(q.shape, cm.F32)
-  dq_d, dk_d = cm.call(diag, (f32, f32), (B, H, N, C // S, K // BK),
-                       num_warps=cm.TUNE['dqdk_diag_warps'], num_stages=1,
-                       name="gla_dqdk_diag")(q, k, bc, dA)
+  if diag is None:
+    grid, params = diag_grad_grid(q, chunk_size=C)
+    diag = cm.call(functools.partial(_diag_grad_kernel, **params), (f32, f32), grid,
+                   num_warps=cm.TUNE['dqdk_diag_warps'], num_stages=1,
+                   name="gla_dqdk_diag")(q, k, bc, dA)
+  dq_d, dk_d = diag
   BK, BV = cm.block(K, cm.TUNE['dqdk_bk']), cm.block(V, cm.TUNE['dqdk_bv'])
   kern = functools.partial(_dqdk_kernel, C=C, V=V, BK=BK, BV=BV, dt=q.dtype, scale=scale)
   out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype), f32)

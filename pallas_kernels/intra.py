@@ -25,10 +25,13 @@ from pallas_kernels import _common as cm
 S = cm.SUB
 
 
-def _scores_off_kernel(q_ref, k_ref, bc_ref, a_ref, *, C, K, KD, dt):
+def _scores_off_kernel(q_ref, k_ref, bc_ref, a_ref, **kw):
+  scores_off_body(q_ref, k_ref, bc_ref, a_ref, *(pl.program_id(i) for i in range(3)), **kw)
+
+
+def scores_off_body(q_ref, k_ref, bc_ref, a_ref, b, hd, n, *, C, K, KD, dt):
   """A for one chunk with zero diagonal blocks: for each sub-chunk s >= 1, rows of s times
   columns before s, through the reference row ``16 s - 1`` (both factors <= 1)."""
-  b, hd, n = (pl.program_id(i) for i in range(3))
   t0 = n * C
   tc = pl.ds(t0, C)
   row = cm.iota((C, KD), 0)
@@ -76,16 +79,22 @@ def _diag_kernel(q_ref, k_ref, bc_ref, a_in_ref, a_ref, *, C, K, KD):
       0, K // KD, k_slice, jnp.zeros((S, S), cm.F32))
 
 
-def scores(q, k, bc, *, chunk_size):
-  """A [B, H, N, C, C] float32: unscaled, zero above the diagonal."""
+def scores_off_params(q, *, chunk_size):
+  K = q.shape[-1]
+  return dict(C=chunk_size, K=K, KD=cm.block(K, cm.TUNE['scores_kd']), dt=q.dtype)
+
+
+def scores(q, k, bc, *, chunk_size, A=None):
+  """A [B, H, N, C, C] float32: unscaled, zero above the diagonal. With ``A`` given (its
+  off-diagonal blocks already computed), only the diagonal blocks are added."""
   B, T, H, K = q.shape
   C = chunk_size
   N = T // C
   a_shape = jax.ShapeDtypeStruct((B, H, N, C, C), cm.F32)
-  KD = cm.block(K, cm.TUNE['scores_kd'])
-  off = functools.partial(_scores_off_kernel, C=C, K=K, KD=KD, dt=q.dtype)
-  A = cm.call(off, a_shape, (B, H, N), num_warps=cm.TUNE['scores_warps'], num_stages=1,
-              name="gla_scores")(q, k, bc)
+  if A is None:
+    off = functools.partial(_scores_off_kernel, **scores_off_params(q, chunk_size=C))
+    A = cm.call(off, a_shape, (B, H, N), num_warps=cm.TUNE['scores_warps'], num_stages=1,
+                name="gla_scores")(q, k, bc)
   KD = cm.block(K, cm.TUNE['diag_kd'])
   diag = functools.partial(_diag_kernel, C=C, K=K, KD=KD)
   return cm.call(diag, a_shape, (B, H, N, C // S), num_warps=cm.TUNE['diag_warps'],

@@ -2,9 +2,12 @@
 
 Same contract as :mod:`zeco_jax.chunked` (padded, validated inputs; layout [B, T, H, D]):
 
-  fwd: chunk cumsum -> state pass -> scores A -> output
-  bwd: chunk cumsum -> state pass (recomputed) -> state-gradient pass -> A (recomputed)
-       -> dA -> dv -> dq, dk, dg
+  fwd: chunk cumsum -> state pass -> scores A (off-diagonal, diagonal) -> output
+  bwd: chunk cumsum -> dA -> state pass (recomputed) | state-gradient pass (one launch)
+       -> A (recomputed) -> dv -> diagonal dq/dk terms -> dq, dk, dg
+
+With ``TUNE["overlap_fwd"]`` / ``["overlap_bwd"]`` the state walks share their launch
+with the off-diagonal scores / the diagonal dq/dk terms (:mod:`pallas_kernels.overlap`).
 
 ``fwd_res`` / ``bwd_res`` are the same with the scores A kept from the forward (float32,
 ``B * T * H * C * 4`` bytes, a quarter of q's float32 size at C = 64), so the backward
@@ -16,14 +19,20 @@ from __future__ import annotations
 from pallas_kernels import _common as cm
 from pallas_kernels import grads
 from pallas_kernels import intra
+from pallas_kernels import overlap
 from pallas_kernels import state
 
 
 def fwd_res(q, k, v, g, *, scale, initial_state, chunk_size):
   cm.check_dims(q.shape[-1], v.shape[-1], chunk_size)
   bc = state.chunk_cumsum(g, chunk_size=chunk_size)
-  h, final = state.state_pass(k, v, bc, initial_state, chunk_size=chunk_size)
-  A = intra.scores(q, k, bc, chunk_size=chunk_size)
+  if cm.TUNE["overlap_fwd"]:
+    h, final, A_off = overlap.state_and_scores_off(q, k, v, bc, initial_state,
+                                                   chunk_size=chunk_size)
+    A = intra.scores(q, k, bc, chunk_size=chunk_size, A=A_off)
+  else:
+    h, final = state.state_pass(k, v, bc, initial_state, chunk_size=chunk_size)
+    A = intra.scores(q, k, bc, chunk_size=chunk_size)
   o = intra.output(q, v, bc, h, A, scale=scale, chunk_size=chunk_size)
   return (o, final), A
 
@@ -36,7 +45,13 @@ def bwd_res(A, q, k, v, g, do, dht, *, scale, initial_state, chunk_size):
   cm.check_dims(q.shape[-1], v.shape[-1], chunk_size)
   do = do.astype(v.dtype)
   bc = state.chunk_cumsum(g, chunk_size=chunk_size)
-  if cm.TUNE["fuse_state_passes"]:
+  dA = intra.score_grad(do, v, scale=scale, chunk_size=chunk_size)
+  diag = None
+  if cm.TUNE["overlap_bwd"]:
+    h, dH, dh0, diag = overlap.passes_and_diag_grads(q, k, v, do, bc, initial_state,
+                                                     dht.astype(cm.F32), dA, scale=scale,
+                                                     chunk_size=chunk_size)
+  elif cm.TUNE["fuse_state_passes"]:
     h, dH, dh0 = state.both_passes(q, k, v, do, bc, initial_state, dht.astype(cm.F32),
                                    scale=scale, chunk_size=chunk_size)
   else:
@@ -45,9 +60,9 @@ def bwd_res(A, q, k, v, g, do, dht, *, scale, initial_state, chunk_size):
                                     chunk_size=chunk_size)
   if A is None:
     A = intra.scores(q, k, bc, chunk_size=chunk_size)
-  dA = intra.score_grad(do, v, scale=scale, chunk_size=chunk_size)
   dv = grads.dv(k, bc, do, A, dH, scale=scale, chunk_size=chunk_size)
-  dq, dk, dg = grads.dqdk(q, k, v, bc, do, h, dH, dA, scale=scale, chunk_size=chunk_size)
+  dq, dk, dg = grads.dqdk(q, k, v, bc, do, h, dH, dA, scale=scale, chunk_size=chunk_size,
+                          diag=diag)
   return dq, dk, dv, dg, dh0
 
 

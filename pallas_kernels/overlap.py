@@ -1,0 +1,111 @@
+"""Sequential state walks side by side with chunk-parallel work, in one launch.
+
+A state pass has only ``B * H * (K / BK) * (V / BV)`` programs (64 at the benchmark's
+first shape, on a 132-SM GPU) and walks all N chunks in order, so by itself it leaves
+most of the GPU idle. These kernels put it in one flat grid with a stage that does not
+depend on it: its programs come first (the GPU starts blocks roughly in order), and the
+chunk-parallel programs fill the remaining SMs.
+
+* forward: state pass | off-diagonal scores (``intra.scores_off_body``);
+* backward: state pass | state-gradient pass | diagonal dq/dk terms
+  (``grads.diag_grad_body``).
+
+Both are launch options (``TUNE["overlap_fwd"]``, ``TUNE["overlap_bwd"]``); the results
+are the same as the separate launches'.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _common as cm
+from pallas_kernels import grads
+from pallas_kernels import intra
+from pallas_kernels import state
+
+
+def _state_params(k, v, *, chunk_size):
+  B, T, H, K = k.shape
+  V = v.shape[-1]
+  BK, BV = cm.block(K, cm.TUNE['state_bk']), cm.block(V, cm.TUNE['state_bv'])
+  grid = (B, H, K // BK, V // BV)
+  return grid, dict(C=chunk_size, N=T // chunk_size, BK=BK, BV=BV, dt=k.dtype)
+
+
+def _fwd_kernel(k_ref, v_ref, q_ref, bc_ref, h0_ref, h_ref, ht_ref, a_ref, *, state_grid,
+                off_grid, state_kw, off_kw):
+  p = pl.program_id(0)
+  G = cm.prod(state_grid)
+
+  def walk():
+    state._state_walk(k_ref, v_ref, bc_ref, h0_ref, h_ref, ht_ref, *cm.unravel(p, state_grid),
+                      **state_kw)
+
+  def off():
+    intra.scores_off_body(q_ref, k_ref, bc_ref, a_ref, *cm.unravel(p - G, off_grid), **off_kw)
+
+  jax.lax.cond(p < G, walk, off)
+
+
+def state_and_scores_off(q, k, v, bc, h0, *, chunk_size):
+  """(h, final, A without its diagonal blocks) in one launch."""
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  C = chunk_size
+  N = T // C
+  state_grid, state_kw = _state_params(k, v, chunk_size=C)
+  off_grid = (B, H, N)
+  kern = functools.partial(_fwd_kernel, state_grid=state_grid, off_grid=off_grid,
+                           state_kw=state_kw, off_kw=intra.scores_off_params(q, chunk_size=C))
+  out = (jax.ShapeDtypeStruct((B, H, N + 1, K, V), cm.state_store_dtype(k.dtype)),
+         jax.ShapeDtypeStruct((B, H, K, V), cm.F32),
+         jax.ShapeDtypeStruct((B, H, N, C, C), cm.F32))
+  return cm.call(kern, out, (cm.prod(state_grid) + cm.prod(off_grid),),
+                 num_warps=cm.TUNE['state_warps'], num_stages=cm.TUNE['state_stages'],
+                 name="gla_state_pass_scores")(k, v, q, bc, h0)
+
+
+def _bwd_kernel(k_ref, v_ref, q_ref, do_ref, bc_ref, h0_ref, dht_ref, da_ref, h_ref, ht_ref,
+                dh_ref, dh0_ref, dqd_ref, dkd_ref, *, state_grid, diag_grid, state_kw, scale,
+                diag_kw):
+  p = pl.program_id(0)
+  G = cm.prod(state_grid)
+
+  def walks():
+    jax.lax.cond(
+        p < G,
+        lambda: state._state_walk(k_ref, v_ref, bc_ref, h0_ref, h_ref, ht_ref,
+                                  *cm.unravel(p, state_grid), **state_kw),
+        lambda: state._grad_walk(q_ref, do_ref, bc_ref, dht_ref, dh_ref, dh0_ref,
+                                 *cm.unravel(p - G, state_grid), scale=scale, **state_kw))
+
+  def diag():
+    grads.diag_grad_body(q_ref, k_ref, bc_ref, da_ref, dqd_ref, dkd_ref,
+                         *cm.unravel(p - 2 * G, diag_grid), **diag_kw)
+
+  jax.lax.cond(p < 2 * G, walks, diag)
+
+
+def passes_and_diag_grads(q, k, v, do, bc, h0, dht, dA, *, scale, chunk_size):
+  """(h, dH, dh0, (dq_d, dk_d)) in one launch."""
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  C = chunk_size
+  N = T // C
+  state_grid, state_kw = _state_params(k, v, chunk_size=C)
+  diag_grid, diag_kw = grads.diag_grad_grid(q, chunk_size=C)
+  kern = functools.partial(_bwd_kernel, state_grid=state_grid, diag_grid=diag_grid,
+                           state_kw=state_kw, scale=scale, diag_kw=diag_kw)
+  store = cm.state_store_dtype(q.dtype)
+  f32 = jax.ShapeDtypeStruct(q.shape, cm.F32)
+  out = (jax.ShapeDtypeStruct((B, H, N + 1, K, V), store),
+         jax.ShapeDtypeStruct((B, H, K, V), cm.F32),
+         jax.ShapeDtypeStruct((B, H, N, K, V), store),
+         jax.ShapeDtypeStruct((B, H, K, V), cm.F32), f32, f32)
+  h, _, dH, dh0, dq_d, dk_d = cm.call(
+      kern, out, (2 * cm.prod(state_grid) + cm.prod(diag_grid),),
+      num_warps=cm.TUNE['state_warps'], num_stages=cm.TUNE['state_stages'],
+      name="gla_state_passes_diag_grads")(k, v, q, do, bc, h0, dht, dA)
+  return h, dH, dh0, (dq_d, dk_d)
