@@ -14,6 +14,12 @@ same inputs and outputs resident.
 
     python3 benchmarks/kernels.py --out results_dir        # on the H200
     python3 benchmarks/kernels.py --check-only              # correctness only
+    python3 benchmarks/kernels.py --smoke --no-fla          # tiny shapes, any machine
+
+FLA's first call autotunes its Triton kernels for minutes per shape. To hide that, run FLA
+in a second process (``--no-pallas --ready-file R --go-file G --compare-outputs D``) beside
+ours (``--no-fla --wait-file R --save-outputs D``; ``touch G`` when ours exits): FLA tunes
+while ours compiles and checks, ours times while FLA waits, then FLA times.
 """
 from __future__ import annotations
 

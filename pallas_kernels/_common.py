@@ -29,8 +29,8 @@ TUNE = {
     "state_bk": 64, "state_bv": 64, "state_warps": 4, "state_stages": 3,
     "scores_kd": 64, "scores_warps": 4, "diag_kd": 64, "diag_warps": 2,
     "da_bv": 128, "da_warps": 4,
-    "out_bk": 64, "out_bv": 128, "out_warps": 4, "out_stages": 2,
-    "dv_bk": 64, "dv_bv": 128, "dv_warps": 4, "dv_stages": 2,
+    "out_bk": 64, "out_bv": 64, "out_warps": 4, "out_stages": 2,
+    "dv_bk": 64, "dv_bv": 64, "dv_warps": 4, "dv_stages": 2,
     "dqdk_bk": 32, "dqdk_bv": 64, "dqdk_warps": 4, "dqdk_diag_bk": 64, "dqdk_diag_warps": 2,
     # Store the chunk states h[n] and their cotangents dH[n] in the input dtype when that
     # is bf16 (FLA does; halves their traffic). Off until measured on the GPU.

@@ -168,12 +168,14 @@ def test_tpu_variant_lowers_to_mosaic(monkeypatch):
 
 
 def test_gpu_launch_options_keep_results(monkeypatch):
-  """Launch options the benchmark sweeps (states stored in the input dtype, smaller tiles)
-  compute the same function."""
+  """Launch options the benchmark sweeps (states stored in the input dtype, other tiles, the
+  state walks overlapped with chunk-parallel stages) compute the same function."""
   from pallas_kernels import _common
   from zeco_jax import chunked
   for key, value in {"states_in_input_dtype": True, "state_bk": 32, "state_bv": 32,
-                     "scores_kd": 32, "dqdk_bk": 16, "cumsum_kd": 32, "da_bv": 64}.items():
+                     "scores_kd": 32, "dqdk_bk": 16, "cumsum_kd": 32, "da_bv": 64,
+                     "out_bv": 128, "dv_bv": 128, "overlap_fwd": True, "overlap_bwd": True,
+                     "diag_kd": 32, "dqdk_diag_bk": 32}.items():
     monkeypatch.setitem(_common.TUNE, key, value)
   q, k, v, g, h0, key = _inputs(3, 1, 128, 1, 64, 128, decay="strong")
   o, fin, grads = _backend_terms(pallas_kernels.backend(), q, k, v, g, h0, key, 64)
