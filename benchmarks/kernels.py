@@ -24,6 +24,7 @@ while ours compiles and checks, ours times while FLA waits, then FLA times.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -46,6 +47,18 @@ SHAPES = [  # (name, B, T, H, K, V)
     ("paper B1 T16384 H16 K128 V128", 1, 16384, 16, 128, 128),
     ("GLA-340M B8 T4096 H4 K128 V256", 8, 4096, 4, 128, 256),
 ]
+
+
+@contextlib.contextmanager
+def tuned(overrides):
+  """pallas_kernels TUNE with ``overrides`` inside the block (re-jit after a change)."""
+  saved = dict(cm.TUNE)
+  cm.TUNE.update(overrides)
+  try:
+    yield
+  finally:
+    cm.TUNE.clear()
+    cm.TUNE.update(saved)
 
 
 def rel(a, b):
@@ -289,14 +302,11 @@ def main():
   ok = None
   if not args.skip_checks:
     ok = True
-    base = dict(cm.TUNE)
     for ctune in json.loads(args.check_tune):
-      cm.TUNE.update(ctune)
       if ctune:
         log(f"checks with TUNE {json.dumps(ctune, separators=(',', ':'))}")
-      ok &= check_gpu(log)
-      cm.TUNE.clear()
-      cm.TUNE.update(base)
+      with tuned(ctune):
+        ok &= check_gpu(log)
     try:
       check_truth64(log)
     except Exception as e:  # noqa: BLE001
@@ -335,16 +345,14 @@ def main():
                    for t in json.loads(args.tune)]
     if not args.no_jnp:
       variants.append(("jnp", {}))
-    base_tune = dict(cm.TUNE)
     outs = {}
     for vname, tune in variants:
-      cm.TUNE.clear()
-      cm.TUNE.update(base_tune, **tune)
       backend = "jax" if vname == "jnp" else "pallas"
       try:
         f, fb = jax_fns(backend, scale)
-        f = compiled(f, q, k, v, g)
-        fb = compiled(fb, q, k, v, g, do)
+        with tuned(tune):      # TUNE is read at trace time: compile under it
+          f = compiled(f, q, k, v, g)
+          fb = compiled(fb, q, k, v, g, do)
         o = f(q, k, v, g)
         outs[vname] = np.asarray(o.astype(jnp.float32))
         if vname == "pallas" and args.save_outputs:
@@ -364,21 +372,17 @@ def main():
       except Exception as e:  # noqa: BLE001
         log(f"{name} {vname}: FAILED {e!r}")
         traceback.print_exc()
-    cm.TUNE.clear()
-    cm.TUNE.update(base_tune)
     if args.stages:
       for stune in json.loads(args.stage_tune):
         tag = f" {json.dumps(stune, separators=(',', ':'))}" if stune else ""
-        cm.TUNE.clear()
-        cm.TUNE.update(base_tune, **stune)
         try:
-          for sname, ms in stage_times(q, k, v, g, do, scale, args.iters, args.reps).items():
+          with tuned(stune):
+            times = stage_times(q, k, v, g, do, scale, args.iters, args.reps)
+          for sname, ms in times.items():
             row[f"stage{tag} {sname} ms"] = ms
             log(f"{name} stage{tag} {sname}: {ms:.3f} ms")
         except Exception as e:  # noqa: BLE001
           log(f"{name} stages{tag}: FAILED {e!r}")
-      cm.TUNE.clear()
-      cm.TUNE.update(base_tune)
     if "jnp" in outs and "pallas" in outs:
       row["pallas vs jnp fwd rel"] = rel(outs["pallas"], outs["jnp"])
     if fla is not None:
