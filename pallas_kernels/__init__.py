@@ -11,10 +11,12 @@
   Without it ``backend()`` raises ImportError on TPU and ``chunk_gla(backend="auto")``
   stays on the jnp path there.
 
-Modules: ``state`` (sequential state pass and state-gradient pass), ``intra`` (intra-chunk
-scores with 16-token sub-chunks and exact log-space diagonal blocks; output), ``grads``
-(dv; dq, dk, dg), ``triton_backend`` (composition), ``tpu_backend`` (the Mosaic TPU
-variant), ``_common`` (helpers, launch parameters).
+Modules: ``state`` (chunk cumsum; sequential state pass and state-gradient pass, also in
+one launch), ``intra`` (intra-chunk scores: off-diagonal blocks by tensor-core dots,
+16 x 16 diagonal blocks exact in log space; dA; output), ``grads`` (dv; diagonal dq/dk
+terms; dq, dk, dg), ``overlap`` (state walks in the same launch as chunk-parallel stages,
+an option), ``triton_backend`` (composition), ``tpu_backend`` (the Mosaic TPU variant),
+``_common`` (helpers, launch parameters ``TUNE``).
 """
 import os
 
