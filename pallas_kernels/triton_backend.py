@@ -10,7 +10,7 @@ With ``TUNE["overlap_fwd"]`` / ``["overlap_bwd"]`` the state walks share their l
 with the off-diagonal scores / the diagonal dq/dk terms (:mod:`pallas_kernels.overlap`).
 
 ``fwd_res`` / ``bwd_res`` are the same with the scores A kept from the forward (float32,
-``B * T * H * C * 4`` bytes, a quarter of q's float32 size at C = 64), so the backward
+``B * T * H * C`` elements: as many as q has when K = C), so the backward
 skips recomputing them; :func:`zeco_jax.chunk_gla` uses this pair. The chunk states are
 always recomputed: one sequential kernel, cheaper than keeping ``N K V`` floats per head.
 """
