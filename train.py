@@ -37,6 +37,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
@@ -172,7 +173,11 @@ class Experiment:
     initialisers took 26 s to compile on CPU for gla_340m and longer than the run's budget
     on the H200. The optimizer state (zeros) is one small jit with the right shardings.
     """
-    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+    try:
+      where = jax.default_device(jax.local_devices(backend="cpu")[0])
+    except RuntimeError:          # JAX_PLATFORMS without cpu: eager on the default device
+      where = contextlib.nullcontext()
+    with where:
       host = jax.tree.map(np.asarray, self._init_params())
     place = lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
     params = jax.tree.map(place, host, self.param_shardings)
