@@ -149,29 +149,6 @@ def masked_exp(mask, x):
   return jnp.exp(jnp.where(mask, x, -jnp.inf))
 
 
-def last_row(x):
-  """x[-1:] of a loaded [R, D] value, as [1, D] (loaded values cannot be sliced).
-
-  Taking the chunk's total log-decay from the same cumsum as the rows keeps
-  ``b_last - b`` exactly 0 on the last row, which matters under strong decay where
-  ``|b|`` reaches hundreds and one ulp of it is a 1e-5 relative error in ``exp``.
-  """
-  return jnp.sum(jnp.where(iota(x.shape, 0) == x.shape[0] - 1, x, 0.0), axis=0, keepdims=True)
-
-
-def rows_of(x, a):
-  """Rows ``a*SUB .. a*SUB + SUB - 1`` of a loaded ``[C, D]`` value, exactly (masked sum).
-
-  Sub-chunk log-decays are taken from the chunk's one cumsum this way, so every
-  exponent ``b_r - b_i`` in a kernel is a difference of the same float32 values, as in
-  the reference; a separately summed sub-chunk cumsum differs by an ulp of ``|b|``
-  (1e-5 relative in ``exp`` under strong decay).
-  """
-  C, D = x.shape
-  x3 = x.reshape(C // SUB, SUB, D)
-  return jnp.sum(jnp.where(iota(x3.shape, 0) == a, x3, 0.0), axis=0)
-
-
 def rev_cumsum(x):
   """Reverse cumulative sum along axis 0 (Triton has only the forward scan)."""
   return jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x

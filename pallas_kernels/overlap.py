@@ -26,14 +26,6 @@ from pallas_kernels import intra
 from pallas_kernels import state
 
 
-def _state_params(k, v, *, chunk_size):
-  B, T, H, K = k.shape
-  V = v.shape[-1]
-  BK, BV = cm.block(K, cm.TUNE['state_bk']), cm.block(V, cm.TUNE['state_bv'])
-  grid = (B, H, K // BK, V // BV)
-  return grid, dict(C=chunk_size, N=T // chunk_size, BK=BK, BV=BV, dt=k.dtype)
-
-
 def _fwd_kernel(k_ref, v_ref, q_ref, bc_ref, h0_ref, h_ref, ht_ref, a_ref, *, state_grid,
                 off_grid, state_kw, off_kw):
   p = pl.program_id(0)
@@ -51,20 +43,17 @@ def _fwd_kernel(k_ref, v_ref, q_ref, bc_ref, h0_ref, h_ref, ht_ref, a_ref, *, st
 
 def state_and_scores_off(q, k, v, bc, h0, *, chunk_size):
   """(h, final, A without its diagonal blocks) in one launch."""
-  B, T, H, K = q.shape
-  V = v.shape[-1]
+  B, T, H, _ = q.shape
   C = chunk_size
   N = T // C
-  state_grid, state_kw = _state_params(k, v, chunk_size=C)
+  state_grid, state_kw = state.walk_params(k, v, chunk_size=C)
   off_grid = (B, H, N)
   kern = functools.partial(_fwd_kernel, state_grid=state_grid, off_grid=off_grid,
                            state_kw=state_kw, off_kw=intra.scores_off_params(q, chunk_size=C))
-  out = (jax.ShapeDtypeStruct((B, H, N + 1, K, V), cm.state_store_dtype(k.dtype)),
-         jax.ShapeDtypeStruct((B, H, K, V), cm.F32),
-         jax.ShapeDtypeStruct((B, H, N, C, C), cm.F32))
-  return cm.call(kern, out, (cm.prod(state_grid) + cm.prod(off_grid),),
-                 num_warps=cm.TUNE['state_warps'], num_stages=cm.TUNE['state_stages'],
-                 name="gla_state_pass_scores")(k, v, q, bc, h0)
+  out = state.walk_outputs(k, v, chunk_size=C, states=True, grads=False) + (
+      jax.ShapeDtypeStruct((B, H, N, C, C), cm.F32),)
+  return state.walk_call(kern, out, (cm.prod(state_grid) + cm.prod(off_grid),),
+                         "gla_state_pass_scores")(k, v, q, bc, h0)
 
 
 def _bwd_kernel(k_ref, v_ref, q_ref, do_ref, bc_ref, h0_ref, dht_ref, da_ref, h_ref, ht_ref,
@@ -90,22 +79,14 @@ def _bwd_kernel(k_ref, v_ref, q_ref, do_ref, bc_ref, h0_ref, dht_ref, da_ref, h_
 
 def passes_and_diag_grads(q, k, v, do, bc, h0, dht, dA, *, scale, chunk_size):
   """(h, dH, dh0, (dq_d, dk_d)) in one launch."""
-  B, T, H, K = q.shape
-  V = v.shape[-1]
   C = chunk_size
-  N = T // C
-  state_grid, state_kw = _state_params(k, v, chunk_size=C)
+  state_grid, state_kw = state.walk_params(k, v, chunk_size=C)
   diag_grid, diag_kw = grads.diag_grad_grid(q, chunk_size=C)
   kern = functools.partial(_bwd_kernel, state_grid=state_grid, diag_grid=diag_grid,
                            state_kw=state_kw, scale=scale, diag_kw=diag_kw)
-  store = cm.state_store_dtype(q.dtype)
   f32 = jax.ShapeDtypeStruct(q.shape, cm.F32)
-  out = (jax.ShapeDtypeStruct((B, H, N + 1, K, V), store),
-         jax.ShapeDtypeStruct((B, H, K, V), cm.F32),
-         jax.ShapeDtypeStruct((B, H, N, K, V), store),
-         jax.ShapeDtypeStruct((B, H, K, V), cm.F32), f32, f32)
-  h, _, dH, dh0, dq_d, dk_d = cm.call(
+  out = state.walk_outputs(k, v, chunk_size=C, states=True, grads=True) + (f32, f32)
+  h, _, dH, dh0, dq_d, dk_d = state.walk_call(
       kern, out, (2 * cm.prod(state_grid) + cm.prod(diag_grid),),
-      num_warps=cm.TUNE['state_warps'], num_stages=cm.TUNE['state_stages'],
-      name="gla_state_passes_diag_grads")(k, v, q, do, bc, h0, dht, dA)
+      "gla_state_passes_diag_grads")(k, v, q, do, bc, h0, dht, dA)
   return h, dH, dh0, (dq_d, dk_d)

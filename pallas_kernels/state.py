@@ -43,6 +43,32 @@ def chunk_cumsum(g, *, chunk_size):
                  name="gla_chunk_cumsum")(g)
 
 
+def walk_params(k, v, *, chunk_size):
+  """(grid, kernel keywords) of a state walk: one program per [BK, BV] state tile."""
+  B, T, H, K = k.shape
+  V = v.shape[-1]
+  BK, BV = cm.block(K, cm.TUNE['state_bk']), cm.block(V, cm.TUNE['state_bv'])
+  return (B, H, K // BK, V // BV), dict(C=chunk_size, N=T // chunk_size, BK=BK, BV=BV,
+                                        dt=k.dtype)
+
+
+def walk_outputs(k, v, *, chunk_size, states, grads):
+  """Output shapes: the state pass's (h [B, H, N+1, K, V], final) and/or the gradient
+  pass's (dH [B, H, N, K, V], dh0); h and dH in ``state_store_dtype``, the rest float32."""
+  B, T, H, K = k.shape
+  V = v.shape[-1]
+  N = T // chunk_size
+  store = cm.state_store_dtype(k.dtype)
+  last = jax.ShapeDtypeStruct((B, H, K, V), cm.F32)
+  return ((jax.ShapeDtypeStruct((B, H, N + 1, K, V), store), last) if states else ()) + (
+      (jax.ShapeDtypeStruct((B, H, N, K, V), store), last) if grads else ())
+
+
+def walk_call(kernel, out, grid, name):
+  return cm.call(kernel, out, grid, num_warps=cm.TUNE['state_warps'],
+                 num_stages=cm.TUNE['state_stages'], name=name)
+
+
 def _state_walk(k_ref, v_ref, bc_ref, h0_ref, h_ref, ht_ref, b, hd, ik, iv, *, C, N, BK, BV,
                 dt):
   ks, vs = pl.ds(ik * BK, BK), pl.ds(iv * BV, BV)
@@ -69,16 +95,10 @@ def state_pass(k, v, bc, h0, *, chunk_size):
   """Returns (h [B, H, N + 1, K, V]: the state entering each chunk, and h[:, :, N] the
   final one; float32, or the input dtype with ``TUNE["states_in_input_dtype"]``), and the
   final state [B, H, K, V] in float32."""
-  B, T, H, K = k.shape
-  V = v.shape[-1]
-  C = chunk_size
-  N = T // C
-  BK, BV = cm.block(K, cm.TUNE['state_bk']), cm.block(V, cm.TUNE['state_bv'])
-  kern = functools.partial(_state_kernel, C=C, N=N, BK=BK, BV=BV, dt=k.dtype)
-  out = (jax.ShapeDtypeStruct((B, H, N + 1, K, V), cm.state_store_dtype(k.dtype)),
-         jax.ShapeDtypeStruct((B, H, K, V), cm.F32))
-  return cm.call(kern, out, (B, H, K // BK, V // BV), num_warps=cm.TUNE['state_warps'],
-                 num_stages=cm.TUNE['state_stages'], name="gla_state_pass")(k, v, bc, h0)
+  grid, kw = walk_params(k, v, chunk_size=chunk_size)
+  out = walk_outputs(k, v, chunk_size=chunk_size, states=True, grads=False)
+  return walk_call(functools.partial(_state_kernel, **kw), out, grid,
+                   "gla_state_pass")(k, v, bc, h0)
 
 
 def _grad_walk(q_ref, do_ref, bc_ref, dht_ref, dh_ref, dh0_ref, b, hd, ik, iv, *, C, N, BK, BV,
@@ -104,16 +124,10 @@ def _state_grad_kernel(q_ref, do_ref, bc_ref, dht_ref, dh_ref, dh0_ref, **kw):
 
 def state_grad_pass(q, do, bc, dht, *, scale, chunk_size):
   """Returns (dH [B, H, N, K, V] cotangent of the state leaving each chunk, dh0 [B, H, K, V])."""
-  B, T, H, K = q.shape
-  V = do.shape[-1]
-  C = chunk_size
-  N = T // C
-  BK, BV = cm.block(K, cm.TUNE['state_bk']), cm.block(V, cm.TUNE['state_bv'])
-  kern = functools.partial(_state_grad_kernel, C=C, N=N, BK=BK, BV=BV, dt=q.dtype, scale=scale)
-  out = (jax.ShapeDtypeStruct((B, H, N, K, V), cm.state_store_dtype(q.dtype)),
-         jax.ShapeDtypeStruct((B, H, K, V), cm.F32))
-  return cm.call(kern, out, (B, H, K // BK, V // BV), num_warps=cm.TUNE['state_warps'],
-                 num_stages=cm.TUNE['state_stages'], name="gla_state_grad_pass")(q, do, bc, dht)
+  grid, kw = walk_params(q, do, chunk_size=chunk_size)
+  out = walk_outputs(q, do, chunk_size=chunk_size, states=False, grads=True)
+  return walk_call(functools.partial(_state_grad_kernel, scale=scale, **kw), out, grid,
+                   "gla_state_grad_pass")(q, do, bc, dht)
 
 
 def _both_kernel(k_ref, v_ref, q_ref, do_ref, bc_ref, h0_ref, dht_ref, h_ref, ht_ref, dh_ref,
@@ -131,18 +145,9 @@ def both_passes(q, k, v, do, bc, h0, dht, *, scale, chunk_size):
   """The state pass and the state-gradient pass in one launch (the backward needs both and
   they are independent): twice the programs of either, so the two sequential walks run
   side by side on the GPU instead of one after the other. Returns (h, dH, dh0)."""
-  B, T, H, K = q.shape
-  V = v.shape[-1]
-  C = chunk_size
-  N = T // C
-  BK, BV = cm.block(K, cm.TUNE['state_bk']), cm.block(V, cm.TUNE['state_bv'])
-  kern = functools.partial(_both_kernel, B=B, C=C, N=N, BK=BK, BV=BV, dt=q.dtype, scale=scale)
-  store = cm.state_store_dtype(q.dtype)
-  out = (jax.ShapeDtypeStruct((B, H, N + 1, K, V), store),
-         jax.ShapeDtypeStruct((B, H, K, V), cm.F32),
-         jax.ShapeDtypeStruct((B, H, N, K, V), store),
-         jax.ShapeDtypeStruct((B, H, K, V), cm.F32))
-  h, _, dH, dh0 = cm.call(kern, out, (2 * B, H, K // BK, V // BV),
-                          num_warps=cm.TUNE['state_warps'], num_stages=cm.TUNE['state_stages'],
-                          name="gla_state_passes")(k, v, q, do, bc, h0, dht)
+  (B, *rest), kw = walk_params(k, v, chunk_size=chunk_size)
+  out = walk_outputs(k, v, chunk_size=chunk_size, states=True, grads=True)
+  kern = functools.partial(_both_kernel, B=B, scale=scale, **kw)
+  h, _, dH, dh0 = walk_call(kern, out, (2 * B, *rest), "gla_state_passes")(
+      k, v, q, do, bc, h0, dht)
   return h, dH, dh0
