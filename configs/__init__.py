@@ -13,7 +13,7 @@ import copy
 import dataclasses
 import importlib.util
 import os
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Sequence
 
 from models.gla import GLAConfig
 

@@ -1,7 +1,6 @@
 """chunk_gla (backend="jax") against the token-by-token reference, and its contracts."""
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import zeco_jax

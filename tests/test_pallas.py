@@ -4,7 +4,6 @@ Tolerances (issue 3): float32 <= 1e-5 forward, <= 1e-4 gradients; bf16 <= 2e-2. 
 are tiny (the interpreter runs every grid point), but cover K != V, K and V of 64/128/256,
 T not a multiple of 64, strong decay, scalar and no decay, initial and final states.
 """
-import os
 
 import jax
 import jax.numpy as jnp

@@ -20,7 +20,6 @@ between forward and backward is the inputs alone: O(T * (K + V)) per head.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

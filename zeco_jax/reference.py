@@ -14,7 +14,6 @@ Neither is meant to be fast; :func:`zeco_jax.chunk_gla` is.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
