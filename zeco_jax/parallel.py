@@ -51,6 +51,14 @@ def _resolve_num_blocks(num_blocks, method, P_size, B, H, K, V, *, name):
   return num_blocks
 
 
+def _check_args(q, k, v, g, initial_state, scale, chunk_size, method, backend, *, name):
+  """The trace-time checks zeco_gla and zeco_gla_local share: (checked args, backend)."""
+  args = _checks.check_gla_inputs(q, k, v, g, initial_state, scale, name=name)
+  _checks.check_chunk_size(chunk_size, name=name, multiple_of=chunked.SUB_CHUNK)
+  _checks.check_choice(method, METHODS, arg="method", name=name)
+  return args, resolve_backend(backend, name=name)
+
+
 def zeco_gla_local(q, k, v, g=None, *, axis_name, method="all_scan", num_blocks=None,
                    chunk_size=64, scale=None, initial_state=None, output_final_state=False,
                    backend="auto"):
@@ -65,10 +73,8 @@ def zeco_gla_local(q, k, v, g=None, *, axis_name, method="all_scan", num_blocks=
   rank of the axis that is the final state of the whole sequence.
   """
   name = "zeco_gla_local"
-  args = _checks.check_gla_inputs(q, k, v, g, initial_state, scale, name=name)
-  _checks.check_chunk_size(chunk_size, name=name, multiple_of=chunked.SUB_CHUNK)
-  _checks.check_choice(method, METHODS, arg="method", name=name)
-  backend = resolve_backend(backend, name=name)
+  args, backend = _check_args(q, k, v, g, initial_state, scale, chunk_size, method, backend,
+                              name=name)
   B, L, H, K, V, scale = args.B, args.T, args.H, args.K, args.V, args.scale
   P_size = lax.axis_size(axis_name)
   nb = _resolve_num_blocks(num_blocks, method, P_size, B, H, K, V, name=name)
@@ -156,10 +162,8 @@ def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
     state of the whole sequence (float32) or None.
   """
   name = "zeco_gla"
-  args = _checks.check_gla_inputs(q, k, v, g, initial_state, scale, name=name)
-  _checks.check_chunk_size(chunk_size, name=name, multiple_of=chunked.SUB_CHUNK)
-  _checks.check_choice(method, METHODS, arg="method", name=name)
-  backend = resolve_backend(backend, name=name)
+  args, backend = _check_args(q, k, v, g, initial_state, scale, chunk_size, method, backend,
+                              name=name)
   mesh = _mesh_or_context(mesh, name=name)
   if seq_axis not in mesh.axis_names:
     raise ValueError(f"{name}: the mesh has no axis `seq_axis`={seq_axis!r}; its axes are "
