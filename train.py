@@ -109,23 +109,20 @@ class Experiment:
       return nnx.to_pure_dict(nnx.state(GLALM(model_cfg, rngs=nnx.Rngs(seed)), nnx.Param))
 
     abstract_params = jax.eval_shape(init_params)
+    abstract_opt = jax.eval_shape(self.tx.init, abstract_params)
     opt_shardings = optax.tree_map_params(
-        self.tx, lambda _, s: s, jax.eval_shape(self.tx.init, abstract_params),
+        self.tx, lambda _, s: s, abstract_opt,
         self.param_shardings, transform_non_params=lambda _: self.replicated)
     self.state_shardings = {"params": self.param_shardings, "opt_state": opt_shardings,
                             "step": self.replicated}
     batch_shardings = {k: self.batch_sharding for k in ("inputs", "targets", "mask")}
 
-    def init_state():
-      params = init_params()
-      return {"params": params, "opt_state": self.tx.init(params),
-              "step": jnp.zeros((), jnp.int32)}
-
     self._init_params = init_params
     self._init_opt = jax.jit(self.tx.init, out_shardings=opt_shardings)
     self.abstract_state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        jax.eval_shape(init_state), self.state_shardings)
+        {"params": abstract_params, "opt_state": abstract_opt,
+         "step": jax.ShapeDtypeStruct((), jnp.int32)}, self.state_shardings)
 
     def loss_fn(params, batch):
       if self.compute_dtype != jnp.float32:
