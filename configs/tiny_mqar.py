@@ -12,9 +12,9 @@ Task:  MQAR, sequences of 2048 tokens (512 per seq shard) in 32 segments of 64 t
        accuracy separately. Chance 1/32 (1/8 knowing which pairs are recent).
 Model: 1 GLA block (hidden 64, 1 head, key dim 32, value dim 64, fla's short convolution
        on q/k/v, SwiGLU 128), 51,488 parameters; AdamW lr 1e-2, 600 steps of 8 x 2048.
-Time:  3 min 11 s wall (187 s in the loop, ~61k tokens/s) on a 2-core CPU, jax 0.11.2;
+Time:  2 min 57 s wall (173 s in the loop, ~60k tokens/s) on a 2-core CPU, jax 0.11.2;
        plateau near chance until ~step 200.
-Reach: eval accuracy 0.9986 on 31,744 held-out queries; 0.9993 on the 3,072 whose pair
+Reach: eval accuracy 0.9996 on 31,744 held-out queries; 1.0000 on the 3,072 whose pair
        is on an earlier seq shard (>= 0.9 by step 300; measured 2026-11-30,
        benchmarks/results/train_tiny_mqar_cpu.txt).
 """
