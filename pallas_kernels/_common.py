@@ -27,14 +27,29 @@ F32 = jnp.float32
 TUNE = {
     "cumsum_kd": 64, "cumsum_warps": 4,
     "state_bk": 64, "state_bv": 64, "state_warps": 4, "state_stages": 3,
-    "scores_kd": 64, "scores_warps": 4, "diag_kd": 64, "diag_warps": 2,
-    "da_bv": 128, "da_warps": 4,
-    "out_bk": 64, "out_bv": 64, "out_warps": 4, "out_stages": 2,
-    "dv_bk": 64, "dv_bv": 64, "dv_warps": 4, "dv_stages": 2,
-    "dqdk_bk": 32, "dqdk_bv": 64, "dqdk_warps": 4, "dqdk_diag_bk": 64, "dqdk_diag_warps": 2,
-    # Store the chunk states h[n] and their cotangents dH[n] in the input dtype when that
-    # is bf16 (FLA does; halves their traffic). Off until measured on the GPU.
-    "states_in_input_dtype": False,
+    "scores_kd": 64, "scores_warps": 4, "scores_stages": 1,
+    "diag_kd": 64, "diag_warps": 2, "diag_stages": 1,
+    # Scores as one kernel over (B, H, N, C / 16): whole row blocks, off-diagonal dot and
+    # exact diagonal together (intra._rows_kernel), instead of the two above.
+    "scores_rows": False, "rows_kd": 64, "rows_warps": 2, "rows_stages": 1,
+    "da_bv": 128, "da_warps": 4, "da_stages": 2,
+    "out_bk": 64, "out_bv": 128, "out_warps": 4, "out_stages": 2,
+    "dv_bk": 64, "dv_bv": 128, "dv_warps": 4, "dv_stages": 2,
+    "dqdk_bk": 32, "dqdk_bv": 64, "dqdk_warps": 4, "dqdk_stages": 2,
+    "dqdk_diag_bk": 64, "dqdk_diag_warps": 2, "dqdk_diag_stages": 1,
+    # Store the chunk states h[n] and their cotangents dH[n] in the input dtype (bf16 when
+    # the inputs are; float32 inputs keep float32 states). Every dot that reads them casts
+    # them to the input dtype anyway, so only the float32 sum_v h[n] dH[n] of dg sees the
+    # rounding; it halves the traffic of the largest arrays (FLA's forward does the same).
+    # The walks always carry the state in float32 registers.
+    "states_in_input_dtype": True,
+    # The diagonal-block partial dq / dk (written by one kernel, read by the next) in the
+    # input dtype instead of float32.
+    "diag_grads_in_input_dtype": False,
+    # chunk_gla's forward keeps the chunk states h for the backward (custom_vjp residual,
+    # N K V per head in the state dtype) instead of recomputing them there: the backward
+    # then walks only the state gradients.
+    "keep_states": True,
     # Backward: the state pass and the state-gradient pass in one launch, side by side.
     "fuse_state_passes": True,
     # Run the sequential state pass(es) (few programs) in the same launch as a chunk-
@@ -47,6 +62,10 @@ TUNE = {
 
 def state_store_dtype(input_dtype):
   return input_dtype if TUNE["states_in_input_dtype"] else F32
+
+
+def diag_grads_dtype(input_dtype):
+  return input_dtype if TUNE["diag_grads_in_input_dtype"] else F32
 
 
 def interpret_mode() -> bool:

@@ -5,15 +5,17 @@
   dk = col_side(dA, q) + (v dH[n]^T) e^{b_last - bc}
   dg = reverse cumsum over the chunk of (q dq - k dk), plus on every row the chunk-total
        term sum_v(h[n+1] * dH[n]): the state leaving the chunk depends on every gate of
-       the chunk. (That is e^{b_last} sum_v(h[n] dH[n]) + sum_i k_i dk_state_i, since
-       h[n+1] = e^{b_last} h[n] + sum_i (k_i e^{b_last - bc_i}) v_i^T.)
+       the chunk. It is computed as e^{b_last} sum_v(h[n] dH[n]) + sum_i k_i dk_state_i
+       (h[n+1] = e^{b_last} h[n] + sum_i (k_i e^{b_last - bc_i}) v_i^T, and dk_state_i =
+       (v_i dH[n]^T) e^{b_last - bc_i}), so h[n+1] is never read.
 
 The intra-chunk terms use the same references as the scores: blocks below the diagonal
 factor through the row before the sub-chunk (dq) or its last row (dk), one masked
 ``[C, C] x [C, BK]`` dot per sub-chunk in ``gla_dqdk`` (grid ``(B, H, N, K / BK)``, which
 also does the state terms and dg's reverse cumsum over the chunk); the diagonal 16 x 16
 blocks are exact in log space, one ``j`` at a time on ``[16, BK]`` tiles in
-``gla_dqdk_diag`` (grid ``(B, H, N, C / 16, K / BK)``, float32 partial dq and dk).
+``gla_dqdk_diag`` (grid ``(B, H, N, C / 16, K / BK)``, partial dq and dk in float32, or in
+the input dtype with ``TUNE["diag_grads_in_input_dtype"]``).
 """
 from __future__ import annotations
 
@@ -79,8 +81,8 @@ def diag_grad_body(q_ref, k_ref, bc_ref, da_ref, dqd_ref, dkd_ref, b, hd, n, s, 
 
   zero = jnp.zeros((S, BK), cm.F32)
   dq, dk = jax.lax.fori_loop(0, S, step, (zero, zero))
-  dqd_ref[b, rows, hd, ks] = dq
-  dkd_ref[b, rows, hd, ks] = dk
+  dqd_ref[b, rows, hd, ks] = dq.astype(dqd_ref.dtype)
+  dkd_ref[b, rows, hd, ks] = dk.astype(dkd_ref.dtype)
 
 
 def _dqdk_kernel(q_ref, k_ref, v_ref, bc_ref, do_ref, h_ref, dh_ref, da_ref, dqd_ref, dkd_ref,
@@ -98,9 +100,7 @@ def _dqdk_kernel(q_ref, k_ref, v_ref, bc_ref, do_ref, h_ref, dh_ref, da_ref, dqd
     dH = dh_ref[b, hd, n, ks, vs]
     dq_s = dq_s + cm.dot(do_ref[b, tc, hd, vs], h, dt, tb=True)
     dk_s = dk_s + cm.dot(v_ref[b, tc, hd, vs], dH, dt, tb=True)
-    # Chunk-total gate term: sum_v h[n+1] * dH[n].
-    d_last = d_last + jnp.sum(h_ref[b, hd, n + 1, ks, vs].astype(cm.F32) * dH.astype(cm.F32),
-                              axis=1)
+    d_last = d_last + jnp.sum(h.astype(cm.F32) * dH.astype(cm.F32), axis=1)   # h[n] dH[n]
     return dq_s, dk_s, d_last
 
   zero = jnp.zeros((C, BK), cm.F32)
@@ -108,8 +108,11 @@ def _dqdk_kernel(q_ref, k_ref, v_ref, bc_ref, do_ref, h_ref, dh_ref, da_ref, dqd
                                          (zero, zero, jnp.zeros((BK,), cm.F32)))
   q = q_ref[b, tc, hd, ks].astype(cm.F32)
   k = k_ref[b, tc, hd, ks].astype(cm.F32)
-  dq = scale * dq_s * jnp.exp(bc) + dqd_ref[b, tc, hd, ks]
-  dk = dk_s * jnp.exp(b_last - bc) + dkd_ref[b, tc, hd, ks]
+  dq = scale * dq_s * jnp.exp(bc) + dqd_ref[b, tc, hd, ks].astype(cm.F32)
+  dk_state = dk_s * jnp.exp(b_last - bc)
+  # Chunk-total gate term sum_v h[n+1] dH[n] (module docstring).
+  d_last = jnp.exp(b_last) * d_last[None, :] + jnp.sum(k * dk_state, axis=0, keepdims=True)
+  dk = dk_state + dkd_ref[b, tc, hd, ks].astype(cm.F32)
   dA = da_ref[b, hd, n]                                             # [C, C]
   row = cm.iota((C, BK), 0)
   blk = row // S
@@ -127,7 +130,7 @@ def _dqdk_kernel(q_ref, k_ref, v_ref, bc_ref, do_ref, h_ref, dh_ref, da_ref, dqd
       dk = dk + cm.masked_exp(blk == s, end - bc) * part
   dq_ref[b, tc, hd, ks] = dq.astype(dq_ref.dtype)
   dk_ref[b, tc, hd, ks] = dk.astype(dk_ref.dtype)
-  dg_ref[b, tc, hd, ks] = cm.rev_cumsum(q * dq - k * dk) + d_last[None, :]
+  dg_ref[b, tc, hd, ks] = cm.rev_cumsum(q * dq - k * dk) + d_last
 
 
 def diag_grad_grid(q, *, chunk_size):
@@ -137,7 +140,8 @@ def diag_grad_grid(q, *, chunk_size):
 
 
 def dqdk(q, k, v, bc, do, h, dH, dA, *, scale, chunk_size, diag=None):
-  """Returns (dq, dk in q's dtype, dg float32), all [B, T, H, K]. ``h`` has N + 1 states.
+  """Returns (dq, dk in q's dtype, dg float32), all [B, T, H, K]; ``h`` and ``dH`` are
+  the N chunk states and their cotangents.
   ``diag``: the diagonal-block terms (dq_d, dk_d) when already computed."""
   B, T, H, K = q.shape
   V = v.shape[-1]
@@ -146,13 +150,15 @@ def dqdk(q, k, v, bc, do, h, dH, dA, *, scale, chunk_size, diag=None):
   f32 = jax.ShapeDtypeStruct(q.shape, cm.F32)
   if diag is None:
     grid, params = diag_grad_grid(q, chunk_size=C)
-    diag = cm.call(functools.partial(_diag_grad_kernel, **params), (f32, f32), grid,
-                   num_warps=cm.TUNE['dqdk_diag_warps'], num_stages=1,
+    part = jax.ShapeDtypeStruct(q.shape, cm.diag_grads_dtype(q.dtype))
+    diag = cm.call(functools.partial(_diag_grad_kernel, **params), (part, part), grid,
+                   num_warps=cm.TUNE['dqdk_diag_warps'],
+                   num_stages=cm.TUNE['dqdk_diag_stages'],
                    name="gla_dqdk_diag")(q, k, bc, dA)
   dq_d, dk_d = diag
   BK, BV = cm.block(K, cm.TUNE['dqdk_bk']), cm.block(V, cm.TUNE['dqdk_bv'])
   kern = functools.partial(_dqdk_kernel, C=C, V=V, BK=BK, BV=BV, dt=q.dtype, scale=scale)
   out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype), f32)
   return cm.call(kern, out, (B, H, N, K // BK),
-                 num_warps=cm.TUNE['dqdk_warps'], num_stages=2,
+                 num_warps=cm.TUNE['dqdk_warps'], num_stages=cm.TUNE['dqdk_stages'],
                  name="gla_dqdk")(q, k, v, bc, do, h, dH, dA, dq_d, dk_d)

@@ -10,7 +10,7 @@ State passes, grid ``(B, H, K / BK, V / BV)``: each program owns one ``[BK, BV]`
 one head's state and walks the chunks in order (or in reverse); this ``K x V`` recurrence
 is the only sequential work in the algorithm.
 
-  state pass:  h[n] = state entering chunk n, n = 0..N (h[N] = the final state);
+  state pass:  h[n] = state entering chunk n, n = 0..N-1, and the final state;
                state <- e^{b_last} state + (k e^{b_last - bc})^T v
   grad pass:   dH[n] = cotangent of the state leaving chunk n;
                dstate <- e^{b_last} dstate + scale (q e^{bc})^T do
@@ -53,14 +53,14 @@ def walk_params(k, v, *, chunk_size):
 
 
 def walk_outputs(k, v, *, chunk_size, states, grads):
-  """Output shapes: the state pass's (h [B, H, N+1, K, V], final) and/or the gradient
+  """Output shapes: the state pass's (h [B, H, N, K, V], final) and/or the gradient
   pass's (dH [B, H, N, K, V], dh0); h and dH in ``state_store_dtype``, the rest float32."""
   B, T, H, K = k.shape
   V = v.shape[-1]
   N = T // chunk_size
   store = cm.state_store_dtype(k.dtype)
   last = jax.ShapeDtypeStruct((B, H, K, V), cm.F32)
-  return ((jax.ShapeDtypeStruct((B, H, N + 1, K, V), store), last) if states else ()) + (
+  return ((jax.ShapeDtypeStruct((B, H, N, K, V), store), last) if states else ()) + (
       (jax.ShapeDtypeStruct((B, H, N, K, V), store), last) if grads else ())
 
 
@@ -81,9 +81,7 @@ def _state_walk(k_ref, v_ref, bc_ref, h0_ref, h_ref, ht_ref, b, hd, ik, iv, *, C
     inc = cm.dot(k_dec, v_ref[b, t, hd, vs], dt, ta=True)          # [BK, BV]
     return jnp.exp(b_last)[:, None] * state + inc
 
-  final = jax.lax.fori_loop(0, N, body, h0_ref[b, hd, ks, vs])
-  h_ref[b, hd, N, ks, vs] = final.astype(h_ref.dtype)
-  ht_ref[b, hd, ks, vs] = final
+  ht_ref[b, hd, ks, vs] = jax.lax.fori_loop(0, N, body, h0_ref[b, hd, ks, vs])
 
 
 def _state_kernel(k_ref, v_ref, bc_ref, h0_ref, h_ref, ht_ref, **kw):
@@ -92,9 +90,9 @@ def _state_kernel(k_ref, v_ref, bc_ref, h0_ref, h_ref, ht_ref, **kw):
 
 
 def state_pass(k, v, bc, h0, *, chunk_size):
-  """Returns (h [B, H, N + 1, K, V]: the state entering each chunk, and h[:, :, N] the
-  final one; float32, or the input dtype with ``TUNE["states_in_input_dtype"]``), and the
-  final state [B, H, K, V] in float32."""
+  """Returns (h [B, H, N, K, V]: the state entering each chunk, in
+  ``state_store_dtype`` (the input dtype with ``TUNE["states_in_input_dtype"]``, else
+  float32), and the final state [B, H, K, V] in float32."""
   grid, kw = walk_params(k, v, chunk_size=chunk_size)
   out = walk_outputs(k, v, chunk_size=chunk_size, states=True, grads=False)
   return walk_call(functools.partial(_state_kernel, **kw), out, grid,

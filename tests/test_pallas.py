@@ -5,6 +5,8 @@ are tiny (the interpreter runs every grid point), but cover K != V, K and V of 6
 T not a multiple of 64, strong decay, scalar and no decay, initial and final states.
 """
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,7 +79,12 @@ def test_pallas_float32_matches_reference(B, T, H, K, V, decay):
     assert rel_err(a, b) <= 1e-4, (name, rel_err(a, b))
 
 
-def test_pallas_bf16_matches_reference():
+@pytest.mark.parametrize("tune", [{}, {"diag_grads_in_input_dtype": True, "overlap_bwd": True,
+                                      "states_in_input_dtype": False}])
+def test_pallas_bf16_matches_reference(monkeypatch, tune):
+  from pallas_kernels import _common
+  for name, value in tune.items():
+    monkeypatch.setitem(_common.TUNE, name, value)
   q, k, v, g, h0, key = _inputs(1, 1, 96, 2, 64, 128, decay="mild", dtype=jnp.bfloat16)
   o, fin, grads = _loss_terms(_pallas, q, k, v, g, h0, key)
   f32 = lambda a: a.astype(jnp.float32)
@@ -166,20 +173,46 @@ def test_tpu_variant_lowers_to_mosaic(monkeypatch):
   assert "tpu_custom_call" in text
 
 
-def test_gpu_launch_options_keep_results(monkeypatch):
-  """Launch options the benchmark sweeps (states stored in the input dtype, other tiles, the
-  state walks overlapped with chunk-parallel stages) compute the same function."""
+@pytest.mark.parametrize("kept", [False, True])
+def test_gpu_launch_options_keep_results(monkeypatch, kept):
+  """Launch options the benchmark sweeps (float32 states, other tiles, the state walks
+  overlapped with chunk-parallel stages, the one-kernel scores) compute the same function,
+  both in the recomputing backward (``bwd``) and with the forward's A and h kept
+  (``fwd_res`` / ``bwd_res``, what chunk_gla uses)."""
   from pallas_kernels import _common
   from zeco_jax import chunked
-  for key, value in {"states_in_input_dtype": True, "state_bk": 32, "state_bv": 32,
+  for key, value in {"states_in_input_dtype": False, "state_bk": 32, "state_bv": 32,
                      "scores_kd": 32, "dqdk_bk": 16, "cumsum_kd": 32, "da_bv": 64,
-                     "out_bv": 128, "dv_bv": 128, "overlap_fwd": True, "overlap_bwd": True,
-                     "diag_kd": 32, "dqdk_diag_bk": 32}.items():
+                     "out_bv": 64, "dv_bv": 64, "overlap_fwd": kept, "overlap_bwd": True,
+                     "diag_kd": 32, "dqdk_diag_bk": 32, "scores_rows": True,
+                     "rows_kd": 32}.items():
     monkeypatch.setitem(_common.TUNE, key, value)
+  be = pallas_kernels.backend()
+  if kept:      # fwd / bwd through the residual pair
+    res, impl = {}, be
+
+    def fwd(*a, **kw):
+      out, res["r"] = impl.fwd_res(*a, **kw)
+      assert res["r"][1] is not None          # h kept (TUNE["keep_states"])
+      return out
+
+    be = types.SimpleNamespace(fwd=fwd, bwd=lambda *a, **kw: impl.bwd_res(res["r"], *a, **kw))
   q, k, v, g, h0, key = _inputs(3, 1, 128, 1, 64, 128, decay="strong")
-  o, fin, grads = _backend_terms(pallas_kernels.backend(), q, k, v, g, h0, key, 64)
+  o, fin, grads = _backend_terms(be, q, k, v, g, h0, key, 64)
   o_r, fin_r, grads_r = _backend_terms(chunked, q, k, v, g, h0, key, 64)
   assert rel_err(o, o_r) <= 1e-5
   assert rel_err(fin, fin_r) <= 1e-5
   for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), grads, grads_r):
     assert rel_err(a, b) <= 1e-4, (name, rel_err(a, b))
+
+
+def test_bf16_states_stored_in_bf16():
+  """With bf16 inputs the kept chunk states are bf16 (default TUNE) and the op still meets
+  the bf16 tolerance; with float32 inputs they stay float32."""
+  be = pallas_kernels.backend()
+  q, k, v, g, h0, key = _inputs(4, 1, 64, 1, 64, 64, decay="mild")
+  kw = dict(scale=0.125, initial_state=h0, chunk_size=64)
+  for dtype in (jnp.bfloat16, jnp.float32):
+    cast = lambda a: a.astype(dtype)
+    _, (A, h) = be.fwd_res(cast(q), cast(k), cast(v), g, **kw)
+    assert h.dtype == dtype and h.shape == (1, 1, 1, 64, 64) and A.dtype == jnp.float32
