@@ -95,9 +95,9 @@ def jax_fns(backend, scale):
 QUIET = {"file": None}     # --wait-file: time only once the other process is idle
 
 
-def wait_quiet(limit_s=300):
-  """Blocks (once) until QUIET["file"] exists, or limit_s has passed."""
-  path, t0 = QUIET["file"], time.perf_counter()
+def wait_quiet():
+  """Blocks (once) until QUIET["file"] exists, or QUIET["limit_s"] has passed."""
+  path, t0, limit_s = QUIET["file"], time.perf_counter(), QUIET.get("limit_s", 300)
   while path and not os.path.exists(path) and time.perf_counter() - t0 < limit_s:
     time.sleep(1)
   QUIET["waited_s"] = QUIET.get("waited_s", 0) + time.perf_counter() - t0
@@ -134,8 +134,23 @@ def jax_peak(exe):
     return float("nan")
 
 
-def stage_times(q, k, v, g, do, scale, iters, reps):
-  """Each Pallas kernel alone, on the benchmark inputs (where the time goes)."""
+# Which stages a TUNE key changes (--stage-sweep times only those).
+STAGE_OF_KEY = {"cumsum": ("chunk_cumsum",), "state": ("state_pass", "state_grad_pass"),
+                "scores": ("scores",), "diag": ("scores",), "rows": ("scores",), "da": ("score_grad",),
+                "out": ("output",), "dv": ("dv",), "dqdk_diag": ("dqdk_diag",),
+                "dqdk": ("dqdk",)}
+
+
+def stages_of(tune):
+  names = set()
+  for key in tune:
+    prefix = max((p for p in STAGE_OF_KEY if key.startswith(p + "_")), key=len, default=None)
+    names.update(STAGE_OF_KEY[prefix] if prefix else ())
+  return names
+
+
+def stage_inputs(q, k, v, g, do, scale):
+  """The intermediates each stage reads, computed once under the current TUNE."""
   from pallas_kernels import grads, intra, state
   C = 64
   B, T, H, K = q.shape
@@ -147,6 +162,29 @@ def stage_times(q, k, v, g, do, scale, iters, reps):
                                                           chunk_size=C))(q, do, bc)
   A = jax.jit(lambda q, k, bc: intra.scores(q, k, bc, chunk_size=C))(q, k, bc)
   dA = jax.jit(lambda do, v: intra.score_grad(do, v, scale=scale, chunk_size=C))(do, v)
+  diag = jax.jit(lambda q, k, bc, dA: diag_grads(q, k, bc, dA))(q, k, bc, dA)
+  return dict(h0=h0, bc=bc, h=h, dH=dH, A=A, dA=dA, diag=diag)
+
+
+def diag_grads(q, k, bc, dA):
+  """The diagonal-block dq / dk kernel alone (what grads.dqdk launches first)."""
+  import functools
+  from pallas_kernels import grads
+  grid, params = grads.diag_grad_grid(q, chunk_size=64)
+  part = jax.ShapeDtypeStruct(q.shape, cm.diag_grads_dtype(q.dtype))
+  return cm.call(functools.partial(grads._diag_grad_kernel, **params), (part, part), grid,
+                 num_warps=cm.TUNE["dqdk_diag_warps"],
+                 num_stages=cm.TUNE["dqdk_diag_stages"],
+                 name="gla_dqdk_diag")(q, k, bc, dA)
+
+
+def stage_times(q, k, v, g, do, scale, iters, reps, *, names=None, pre=None):
+  """Each Pallas kernel alone, on the benchmark inputs (where the time goes); ``names``:
+  only these stages; ``pre``: stage_inputs computed already."""
+  from pallas_kernels import grads, intra, state
+  C = 64
+  p = pre or stage_inputs(q, k, v, g, do, scale)
+  h0, bc, h, dH, A, dA, diag = (p[n] for n in ("h0", "bc", "h", "dH", "A", "dA", "diag"))
   stages = {
       "chunk_cumsum": (lambda g: state.chunk_cumsum(g, chunk_size=C), (g,)),
       "state_pass": (lambda k, v, bc: state.state_pass(k, v, bc, h0, chunk_size=C), (k, v, bc)),
@@ -158,10 +196,14 @@ def stage_times(q, k, v, g, do, scale, iters, reps):
       "score_grad": (lambda do, v: intra.score_grad(do, v, scale=scale, chunk_size=C), (do, v)),
       "dv": (lambda k, bc, do, A, dH: grads.dv(k, bc, do, A, dH, scale=scale, chunk_size=C),
              (k, bc, do, A, dH)),
-      "dqdk": (lambda *a: grads.dqdk(*a, scale=scale, chunk_size=C), (q, k, v, bc, do, h, dH, dA)),
+      "dqdk_diag": (diag_grads, (q, k, bc, dA)),
+      "dqdk": (lambda *a: grads.dqdk(*a[:8], scale=scale, chunk_size=C, diag=a[8]),
+               (q, k, v, bc, do, h, dH, dA, diag)),
   }
   out = {}
   for name, (fn, args) in stages.items():
+    if names is not None and name not in names:
+      continue
     f = jax.jit(fn)
     out[name] = time_loop(lambda: f(*args), jax.block_until_ready, iters, reps)
   return out
@@ -250,8 +292,17 @@ def check_gpu(log):
     r2 = jax.jit(lambda *a: chunked.bwd(*a, **kw))(q, k, v, g, do, dht)
     errs = {"o": rel(o1, o2), "ht": rel(s1, s2)}
     errs.update({n: rel(a, b) for n, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), r1, r2)})
+
+    def op_vjp(backend):     # chunk_gla's custom_vjp: the backward with A and h kept
+      def f(q, k, v, g, h0):
+        return chunk_gla(q, k, v, g, scale=K ** -0.5, initial_state=h0, output_final_state=True,
+                         backend=backend)
+      return jax.jit(lambda *a: jax.vjp(f, *a)[1]((do, dht)))(q, k, v, g, h0)
+
+    errs.update({f"op {n}": rel(a, b) for n, a, b in zip(
+        ("dq", "dk", "dv", "dg", "dh0"), op_vjp("pallas"), op_vjp("jax"))})
     good = errs["o"] <= 1e-5 and errs["ht"] <= 1e-5 and all(
-        errs[n] <= 1e-4 for n in ("dq", "dk", "dv", "dg", "dh0"))
+        e <= 1e-4 for n, e in errs.items() if n not in ("o", "ht"))
     good = good and all(np.isfinite(list(errs.values())))
     ok &= good
     log(f"check f32 strong decay B{B} T{T} H{H} K{K} V{V}: "
@@ -275,10 +326,13 @@ def main():
   ap.add_argument("--fla-stages", action="store_true", help="also time FLA's kernels one by one")
   ap.add_argument("--stage-tune", default="[{}]",
                   help="JSON list of TUNE overrides under which --stages times each kernel")
+  ap.add_argument("--stage-sweep", default="",
+                  help="JSON list of TUNE overrides; each times only the stages its keys change")
   ap.add_argument("--only", default="", help="comma-separated shape indices to run (0, 1)")
   ap.add_argument("--no-pallas", action="store_true", help="skip the whole-op Pallas timings")
   ap.add_argument("--check-tune", default="[{}]", help="JSON list of TUNE overrides to check")
   ap.add_argument("--wait-file", default="", help="time nothing until this file exists")
+  ap.add_argument("--wait-limit", type=float, default=300, help="seconds --wait-file waits at most")
   ap.add_argument("--save-outputs", default="", help="folder: our bf16 forward outputs (.npy)")
   ap.add_argument("--compare-outputs", default="", help="folder of --save-outputs to compare FLA with")
   ap.add_argument("--ready-file", default="", help="FLA: touch after the first shape's warm-up")
@@ -329,7 +383,7 @@ def main():
       log(f"FLA unavailable: {e!r}")
   results = []
   jsync = jax.block_until_ready
-  QUIET["file"] = args.wait_file or None
+  QUIET["file"], QUIET["limit_s"] = args.wait_file or None, args.wait_limit
   if args.only:
     shapes = [shapes[int(i)] for i in args.only.split(",")]
   for name, B, T, H, K, V in shapes:
@@ -383,6 +437,27 @@ def main():
             log(f"{name} stage{tag} {sname}: {ms:.3f} ms")
         except Exception as e:  # noqa: BLE001
           log(f"{name} stages{tag}: FAILED {e!r}")
+    if args.stage_sweep:
+      try:
+        pre = stage_inputs(q, k, v, g, do, scale)
+        base = stage_times(q, k, v, g, do, scale, args.iters, args.reps, pre=pre)
+        for sname, ms in base.items():
+          row[f"sweep base {sname} ms"] = ms
+          log(f"{name} sweep base {sname}: {ms:.3f} ms")
+        for stune in json.loads(args.stage_sweep):
+          tag = json.dumps(stune, separators=(",", ":"))
+          try:
+            with tuned(stune):
+              times = stage_times(q, k, v, g, do, scale, args.iters, args.reps,
+                                  names=stages_of(stune), pre=pre)
+            for sname, ms in times.items():
+              row[f"sweep {tag} {sname} ms"] = ms
+              log(f"{name} sweep {tag} {sname}: {ms:.3f} ms (base {base[sname]:.3f})")
+          except Exception as e:  # noqa: BLE001
+            log(f"{name} sweep {tag}: FAILED {e!r}")
+      except Exception as e:  # noqa: BLE001
+        log(f"{name} sweep: FAILED {e!r}")
+        traceback.print_exc()
     if "jnp" in outs and "pallas" in outs:
       row["pallas vs jnp fwd rel"] = rel(outs["pallas"], outs["jnp"])
     if fla is not None:
