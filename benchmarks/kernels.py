@@ -136,7 +136,7 @@ def jax_peak(exe):
 
 # Which stages a TUNE key changes (--stage-sweep times only those).
 STAGE_OF_KEY = {"cumsum": ("chunk_cumsum",), "state": ("state_pass", "state_grad_pass"),
-                "scores": ("scores",), "diag": ("scores",), "rows": ("scores",), "da": ("score_grad",),
+                "scores": ("scores",), "diag": ("scores",), "da": ("score_grad",),
                 "out": ("output",), "dv": ("dv",), "dqdk_diag": ("dqdk_diag",),
                 "dqdk": ("dqdk",)}
 

@@ -26,16 +26,16 @@ F32 = jnp.float32
 # change). Block sizes are caps: the kernel takes the largest power of two <= cap dividing D.
 TUNE = {
     "cumsum_kd": 64, "cumsum_warps": 4,
-    "state_bk": 64, "state_bv": 64, "state_warps": 4, "state_stages": 3,
+    # state_bv None: chosen per shape (state.walk_tiles), about one walk program per SM;
+    # state_programs None: the device's SM count; state_warps None: by tile (walk_call).
+    "state_bk": 64, "state_bv": None, "state_programs": None, "state_warps": None,
+    "state_stages": 3,
     "scores_kd": 64, "scores_warps": 4, "scores_stages": 1,
-    "diag_kd": 64, "diag_warps": 2, "diag_stages": 1,
-    # Scores as one kernel over (B, H, N, C / 16): whole row blocks, off-diagonal dot and
-    # exact diagonal together (intra._rows_kernel), instead of the two above.
-    "scores_rows": False, "rows_kd": 64, "rows_warps": 2, "rows_stages": 1,
+    "diag_kd": 32, "diag_warps": 2, "diag_stages": 1,
     "da_bv": 128, "da_warps": 4, "da_stages": 2,
-    "out_bk": 64, "out_bv": 128, "out_warps": 4, "out_stages": 2,
-    "dv_bk": 64, "dv_bv": 128, "dv_warps": 4, "dv_stages": 2,
-    "dqdk_bk": 32, "dqdk_bv": 64, "dqdk_warps": 4, "dqdk_stages": 2,
+    "out_bk": 64, "out_bv": 128, "out_warps": 4, "out_stages": 3,
+    "dv_bk": 128, "dv_bv": 128, "dv_warps": 4, "dv_stages": 2,
+    "dqdk_bk": 32, "dqdk_bv": 64, "dqdk_warps": 4, "dqdk_stages": 3,
     "dqdk_diag_bk": 64, "dqdk_diag_warps": 2, "dqdk_diag_stages": 1,
     # Store the chunk states h[n] and their cotangents dH[n] in the input dtype (bf16 when
     # the inputs are; float32 inputs keep float32 states). Every dot that reads them casts
@@ -47,15 +47,19 @@ TUNE = {
     # input dtype instead of float32.
     "diag_grads_in_input_dtype": False,
     # chunk_gla's forward keeps the chunk states h for the backward (custom_vjp residual,
-    # N K V per head in the state dtype) instead of recomputing them there: the backward
-    # then walks only the state gradients.
-    "keep_states": True,
+    # N K V per head in the state dtype) instead of recomputing them there, so the backward
+    # walks only the state gradients. Off: recomputing them in the same launch as the
+    # gradient walk measured faster on the H200 (run 8: 3.25 against 3.69 ms forward +
+    # backward at B1 T16384 H16 K128 V128) and keeps less memory.
+    "keep_states": False,
     # Backward: the state pass and the state-gradient pass in one launch, side by side.
     "fuse_state_passes": True,
     # Run the sequential state pass(es) (few programs) in the same launch as a chunk-
     # parallel stage that does not need them, so the idle SMs work: forward with the
-    # off-diagonal scores, backward with the diagonal dq/dk terms.
-    "overlap_fwd": False,
+    # off-diagonal scores (run 8: forward 1.18 against 1.40 ms at B1 T16384 H16), backward
+    # with the diagonal dq/dk terms (slower in run 8: those programs then get the walk's
+    # launch parameters and registers).
+    "overlap_fwd": True,
     "overlap_bwd": False,
 }
 
@@ -66,6 +70,14 @@ def state_store_dtype(input_dtype):
 
 def diag_grads_dtype(input_dtype):
   return input_dtype if TUNE["diag_grads_in_input_dtype"] else F32
+
+
+def sm_count() -> int:
+  """Streaming multiprocessors of the default device (132, an H100/H200, when unknown)."""
+  try:
+    return int(getattr(jax.devices()[0], "core_count", 0)) or 132
+  except Exception:  # noqa: BLE001  (no devices / attribute missing)
+    return 132
 
 
 def interpret_mode() -> bool:

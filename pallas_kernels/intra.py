@@ -79,39 +79,6 @@ def _diag_kernel(q_ref, k_ref, bc_ref, a_in_ref, a_ref, *, C, K, KD):
       0, K // KD, k_slice, jnp.zeros((S, S), cm.F32))
 
 
-def _rows_kernel(q_ref, k_ref, bc_ref, a_ref, *, C, K, KD, dt):
-  """Rows of sub-chunk s, whole: the columns before s through the reference row ``16 s - 1``
-  (one ``[16, KD] x [KD, C]`` dot) and the diagonal block exact in log space, one column
-  at a time, as ``_diag_kernel`` (``TUNE["scores_rows"]``: one kernel instead of two)."""
-  b, hd, n, s = (pl.program_id(i) for i in range(4))
-  t0 = n * C
-  r0 = t0 + s * S
-  rows, tc = pl.ds(r0, S), pl.ds(t0, C)
-  row_c = cm.iota((C, KD), 0)
-  row = cm.iota((S, KD), 0)
-  col = cm.iota((S, C), 1)
-
-  def k_slice(kk, acc):
-    ks = pl.ds(kk * KD, KD)
-    bc_a = bc_ref[b, rows, hd, ks]                                  # [S, KD]
-    q_a = q_ref[b, rows, hd, ks].astype(cm.F32)
-    ref = bc_ref[b, jnp.maximum(r0 - 1, t0), hd, ks][None, :]       # [1, KD]
-    k_fac = k_ref[b, tc, hd, ks].astype(cm.F32) * cm.masked_exp(
-        row_c < s * S, ref - bc_ref[b, tc, hd, ks])                 # columns before s
-    acc = acc + cm.dot(q_a * jnp.exp(bc_a - ref), k_fac, dt, tb=True)
-
-    def column(j, acc):
-      kj = k_ref[b, r0 + j, hd, ks].astype(cm.F32)[None, :]
-      bj = bc_ref[b, r0 + j, hd, ks][None, :]
-      val = jnp.sum(q_a * kj * cm.masked_exp(row >= j, bc_a - bj), axis=1)   # [S]
-      return acc + jnp.where(col == s * S + j, val[:, None], 0.0)
-
-    return jax.lax.fori_loop(0, S, column, acc)
-
-  a_ref[b, hd, n, pl.ds(s * S, S), :] = jax.lax.fori_loop(0, K // KD, k_slice,
-                                                         jnp.zeros((S, C), cm.F32))
-
-
 def scores_off_params(q, *, chunk_size):
   K = q.shape[-1]
   return dict(C=chunk_size, K=K, KD=cm.block(K, cm.TUNE['scores_kd']), dt=q.dtype)
@@ -124,11 +91,6 @@ def scores(q, k, bc, *, chunk_size, A=None):
   C = chunk_size
   N = T // C
   a_shape = jax.ShapeDtypeStruct((B, H, N, C, C), cm.F32)
-  if A is None and cm.TUNE["scores_rows"]:
-    rows = functools.partial(_rows_kernel, C=C, K=K, KD=cm.block(K, cm.TUNE['rows_kd']),
-                             dt=q.dtype)
-    return cm.call(rows, a_shape, (B, H, N, C // S), num_warps=cm.TUNE['rows_warps'],
-                   num_stages=cm.TUNE['rows_stages'], name="gla_scores_rows")(q, k, bc)
   if A is None:
     off = functools.partial(_scores_off_kernel, **scores_off_params(q, chunk_size=C))
     A = cm.call(off, a_shape, (B, H, N), num_warps=cm.TUNE['scores_warps'],

@@ -80,7 +80,8 @@ def test_pallas_float32_matches_reference(B, T, H, K, V, decay):
 
 
 @pytest.mark.parametrize("tune", [{}, {"diag_grads_in_input_dtype": True, "overlap_bwd": True,
-                                      "states_in_input_dtype": False}])
+                                      "states_in_input_dtype": False, "keep_states": True,
+                                      "overlap_fwd": False}])
 def test_pallas_bf16_matches_reference(monkeypatch, tune):
   from pallas_kernels import _common
   for name, value in tune.items():
@@ -176,16 +177,15 @@ def test_tpu_variant_lowers_to_mosaic(monkeypatch):
 @pytest.mark.parametrize("kept", [False, True])
 def test_gpu_launch_options_keep_results(monkeypatch, kept):
   """Launch options the benchmark sweeps (float32 states, other tiles, the state walks
-  overlapped with chunk-parallel stages, the one-kernel scores) compute the same function,
-  both in the recomputing backward (``bwd``) and with the forward's A and h kept
-  (``fwd_res`` / ``bwd_res``, what chunk_gla uses)."""
+  overlapped with chunk-parallel stages) compute the same function, both in the
+  recomputing backward (``bwd``) and through ``fwd_res`` / ``bwd_res`` (what chunk_gla
+  uses) with the forward's A and h kept."""
   from pallas_kernels import _common
   from zeco_jax import chunked
   for key, value in {"states_in_input_dtype": False, "state_bk": 32, "state_bv": 32,
                      "scores_kd": 32, "dqdk_bk": 16, "cumsum_kd": 32, "da_bv": 64,
-                     "out_bv": 64, "dv_bv": 64, "overlap_fwd": kept, "overlap_bwd": True,
-                     "diag_kd": 32, "dqdk_diag_bk": 32, "scores_rows": True,
-                     "rows_kd": 32}.items():
+                     "out_bv": 64, "dv_bv": 64, "overlap_fwd": not kept, "overlap_bwd": True,
+                     "diag_kd": 64, "dqdk_diag_bk": 32, "keep_states": kept}.items():
     monkeypatch.setitem(_common.TUNE, key, value)
   be = pallas_kernels.backend()
   if kept:      # fwd / bwd through the residual pair
@@ -193,7 +193,7 @@ def test_gpu_launch_options_keep_results(monkeypatch, kept):
 
     def fwd(*a, **kw):
       out, res["r"] = impl.fwd_res(*a, **kw)
-      assert res["r"][1] is not None          # h kept (TUNE["keep_states"])
+      assert res["r"][1] is not None          # h kept
       return out
 
     be = types.SimpleNamespace(fwd=fwd, bwd=lambda *a, **kw: impl.bwd_res(res["r"], *a, **kw))
@@ -206,9 +206,11 @@ def test_gpu_launch_options_keep_results(monkeypatch, kept):
     assert rel_err(a, b) <= 1e-4, (name, rel_err(a, b))
 
 
-def test_bf16_states_stored_in_bf16():
-  """With bf16 inputs the kept chunk states are bf16 (default TUNE) and the op still meets
-  the bf16 tolerance; with float32 inputs they stay float32."""
+def test_states_stored_in_input_dtype(monkeypatch):
+  """The chunk states kept for the backward are bf16 for bf16 inputs (default
+  ``states_in_input_dtype``), float32 for float32 inputs; A is float32."""
+  from pallas_kernels import _common
+  monkeypatch.setitem(_common.TUNE, "keep_states", True)
   be = pallas_kernels.backend()
   q, k, v, g, h0, key = _inputs(4, 1, 64, 1, 64, 64, decay="mild")
   kw = dict(scale=0.125, initial_state=h0, chunk_size=64)
@@ -216,3 +218,16 @@ def test_bf16_states_stored_in_bf16():
     cast = lambda a: a.astype(dtype)
     _, (A, h) = be.fwd_res(cast(q), cast(k), cast(v), g, **kw)
     assert h.dtype == dtype and h.shape == (1, 1, 1, 64, 64) and A.dtype == jnp.float32
+
+
+def test_walk_tiles_target_one_program_per_sm(monkeypatch):
+  """State-walk tiles: about one program per SM for the launch (the benchmark shapes on a
+  132-SM GPU), unless TUNE fixes the tile."""
+  from pallas_kernels import _common, state
+  monkeypatch.setattr(_common, "sm_count", lambda: 132)
+  assert state.walk_tiles(1, 16, 128, 128) == (64, 32)            # 128 programs
+  assert state.walk_tiles(8, 4, 128, 256) == (64, 128)            # 128 programs
+  assert state.walk_tiles(1, 16, 128, 128, walks=2) == (64, 64)   # 2 x 64 programs
+  assert state.walk_tiles(1, 1, 64, 16) == (64, 16)               # V below 32
+  monkeypatch.setitem(_common.TUNE, "state_bv", 64)
+  assert state.walk_tiles(1, 16, 128, 128) == (64, 64)
