@@ -151,7 +151,7 @@ def stages_of(tune):
 
 def stage_inputs(q, k, v, g, do, scale):
   """The intermediates each stage reads, computed once under the current TUNE."""
-  from pallas_kernels import grads, intra, state
+  from pallas_kernels import intra, state
   C = 64
   B, T, H, K = q.shape
   V = v.shape[-1]

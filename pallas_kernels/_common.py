@@ -27,8 +27,8 @@ F32 = jnp.float32
 TUNE = {
     "cumsum_kd": 64, "cumsum_warps": 4,
     # state_bv None: chosen per shape (state.walk_tiles), about one walk program per SM;
-    # state_programs None: the device's SM count; state_warps None: by tile (walk_call).
-    "state_bk": 64, "state_bv": None, "state_programs": None, "state_warps": None,
+    # state_programs None: the device's SM count.
+    "state_bk": 64, "state_bv": None, "state_programs": None, "state_warps": 4,
     "state_stages": 3,
     "scores_kd": 64, "scores_warps": 4, "scores_stages": 1,
     "diag_kd": 32, "diag_warps": 2, "diag_stages": 1,
@@ -56,10 +56,11 @@ TUNE = {
     "fuse_state_passes": True,
     # Run the sequential state pass(es) (few programs) in the same launch as a chunk-
     # parallel stage that does not need them, so the idle SMs work: forward with the
-    # off-diagonal scores (run 8: forward 1.18 against 1.40 ms at B1 T16384 H16), backward
-    # with the diagonal dq/dk terms (slower in run 8: those programs then get the walk's
-    # launch parameters and registers).
-    "overlap_fwd": True,
+    # off-diagonal scores, backward with the diagonal dq/dk terms. Both off: with the
+    # per-shape walk tiles they measured slower on the H200 (runs 8-10: forward + backward
+    # 3.50 against 3.10 ms at B1 T16384 H16 K128 V128 with overlap_fwd; overlap_bwd's
+    # diagonal programs get the walk's launch parameters and registers).
+    "overlap_fwd": False,
     "overlap_bwd": False,
 }
 

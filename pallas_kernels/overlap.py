@@ -53,7 +53,7 @@ def state_and_scores_off(q, k, v, bc, h0, *, chunk_size):
   out = state.walk_outputs(k, v, chunk_size=C, states=True, grads=False) + (
       jax.ShapeDtypeStruct((B, H, N, C, C), cm.F32),)
   return state.walk_call(kern, out, (cm.prod(state_grid) + cm.prod(off_grid),),
-                         "gla_state_pass_scores", state_kw)(k, v, q, bc, h0)
+                         "gla_state_pass_scores")(k, v, q, bc, h0)
 
 
 def _bwd_kernel(*refs, states, state_grid, diag_grid, state_kw, scale, diag_kw):
@@ -101,8 +101,7 @@ def passes_and_diag_grads(q, k, v, do, bc, h0, dht, dA, *, scale, chunk_size, st
   out = state.walk_outputs(k, v, chunk_size=C, states=states, grads=True) + (part, part)
   walks = (2 if states else 1) * cm.prod(state_grid)
   call = state.walk_call(kern, out, (walks + cm.prod(diag_grid),),
-                         "gla_state_passes_diag_grads" if states else "gla_state_grads_diag",
-                         state_kw)
+                         "gla_state_passes_diag_grads" if states else "gla_state_grads_diag")
   if not states:
     dH, dh0, dq_d, dk_d = call(k, q, do, bc, dht, dA)
     return None, dH, dh0, (dq_d, dk_d)

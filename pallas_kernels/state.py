@@ -83,13 +83,9 @@ def walk_outputs(k, v, *, chunk_size, states, grads):
       (jax.ShapeDtypeStruct((B, H, N, K, V), store), last) if grads else ())
 
 
-def walk_call(kernel, out, grid, name, kw):
-  """Launches a walk kernel; ``kw``: walk_params's keywords. ``TUNE["state_warps"] =
-  None`` gives 4 warps up to 64 x 64 tiles and 8 above (a 64 x 128 float32 state and its
-  operands spill registers at 4 warps)."""
-  warps = cm.TUNE['state_warps'] or (4 if kw['BK'] * kw['BV'] <= 64 * 64 else 8)
-  return cm.call(kernel, out, grid, num_warps=warps, num_stages=cm.TUNE['state_stages'],
-                 name=name)
+def walk_call(kernel, out, grid, name):
+  return cm.call(kernel, out, grid, num_warps=cm.TUNE['state_warps'],
+                 num_stages=cm.TUNE['state_stages'], name=name)
 
 
 def _state_walk(k_ref, v_ref, bc_ref, h0_ref, h_ref, ht_ref, b, hd, ik, iv, *, C, N, BK, BV,
@@ -119,7 +115,7 @@ def state_pass(k, v, bc, h0, *, chunk_size):
   grid, kw = walk_params(k, v, chunk_size=chunk_size)
   out = walk_outputs(k, v, chunk_size=chunk_size, states=True, grads=False)
   return walk_call(functools.partial(_state_kernel, **kw), out, grid,
-                   "gla_state_pass", kw)(k, v, bc, h0)
+                   "gla_state_pass")(k, v, bc, h0)
 
 
 def _grad_walk(q_ref, do_ref, bc_ref, dht_ref, dh_ref, dh0_ref, b, hd, ik, iv, *, C, N, BK, BV,
@@ -148,7 +144,7 @@ def state_grad_pass(q, do, bc, dht, *, scale, chunk_size):
   grid, kw = walk_params(q, do, chunk_size=chunk_size)
   out = walk_outputs(q, do, chunk_size=chunk_size, states=False, grads=True)
   return walk_call(functools.partial(_state_grad_kernel, scale=scale, **kw), out, grid,
-                   "gla_state_grad_pass", kw)(q, do, bc, dht)
+                   "gla_state_grad_pass")(q, do, bc, dht)
 
 
 def _both_kernel(k_ref, v_ref, q_ref, do_ref, bc_ref, h0_ref, dht_ref, h_ref, ht_ref, dh_ref,
@@ -169,6 +165,6 @@ def both_passes(q, k, v, do, bc, h0, dht, *, scale, chunk_size):
   (B, *rest), kw = walk_params(k, v, chunk_size=chunk_size, walks=2)
   out = walk_outputs(k, v, chunk_size=chunk_size, states=True, grads=True)
   kern = functools.partial(_both_kernel, B=B, scale=scale, **kw)
-  h, _, dH, dh0 = walk_call(kern, out, (2 * B, *rest), "gla_state_passes", kw)(
+  h, _, dH, dh0 = walk_call(kern, out, (2 * B, *rest), "gla_state_passes")(
       k, v, q, do, bc, h0, dht)
   return h, dH, dh0
