@@ -88,11 +88,10 @@ def chunk_gla(q, k, v, g=None, *, scale=None, initial_state=None, output_final_s
 
   ``S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T``, ``o_t = scale * S_t^T q_t`` (token t sees
   itself), computed chunk by chunk (spec section 2). The backward is the chunked backward
-  (a reverse state-gradient pass and per-chunk gradients). The jnp backend keeps only
-  the inputs for it and recomputes the chunk states; the Pallas backend also keeps the
-  float32 intra-chunk scores (T * H * chunk_size floats) and the per-chunk states
-  (T / chunk_size * H * K * V in the input dtype): memory O(T * (K + V + chunk_size +
-  K * V / chunk_size)), never per-token states.
+  (a reverse state-gradient pass and per-chunk gradients), which recomputes the chunk
+  states, so only the inputs are kept for it (the Pallas backend also keeps the float32
+  intra-chunk scores, T * H * chunk_size floats): memory O(T * (K + V + chunk_size)),
+  never per-token states.
 
   Args:
     q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; one floating dtype (bf16 or float32).
