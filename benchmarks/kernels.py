@@ -152,7 +152,7 @@ def stages_of(tune):
 
 def stage_inputs(q, k, v, g, do, scale):
   """The intermediates each stage reads, computed once under the current TUNE."""
-  from pallas_kernels import intra, state
+  from pallas_kernels import grads, intra, state
   C = 64
   B, T, H, K = q.shape
   V = v.shape[-1]
@@ -163,20 +163,8 @@ def stage_inputs(q, k, v, g, do, scale):
                                                           chunk_size=C))(q, do, bc)
   A = jax.jit(lambda q, k, bc: intra.scores(q, k, bc, chunk_size=C))(q, k, bc)
   dA = jax.jit(lambda do, v: intra.score_grad(do, v, scale=scale, chunk_size=C))(do, v)
-  diag = jax.jit(lambda q, k, bc, dA: diag_grads(q, k, bc, dA))(q, k, bc, dA)
+  diag = jax.jit(lambda *a: grads.diag_grads(*a, chunk_size=C))(q, k, bc, dA)
   return dict(h0=h0, bc=bc, h=h, dH=dH, A=A, dA=dA, diag=diag)
-
-
-def diag_grads(q, k, bc, dA):
-  """The diagonal-block dq / dk kernel alone (what grads.dqdk launches first)."""
-  import functools
-  from pallas_kernels import grads
-  grid, params = grads.diag_grad_grid(q, chunk_size=64)
-  part = jax.ShapeDtypeStruct(q.shape, cm.diag_grads_dtype(q.dtype))
-  return cm.call(functools.partial(grads._diag_grad_kernel, **params), (part, part), grid,
-                 num_warps=cm.TUNE["dqdk_diag_warps"],
-                 num_stages=cm.TUNE["dqdk_diag_stages"],
-                 name="gla_dqdk_diag")(q, k, bc, dA)
 
 
 def stage_times(q, k, v, g, do, scale, iters, reps, *, names=None, pre=None):
@@ -197,7 +185,8 @@ def stage_times(q, k, v, g, do, scale, iters, reps, *, names=None, pre=None):
       "score_grad": (lambda do, v: intra.score_grad(do, v, scale=scale, chunk_size=C), (do, v)),
       "dv": (lambda k, bc, do, A, dH: grads.dv(k, bc, do, A, dH, scale=scale, chunk_size=C),
              (k, bc, do, A, dH)),
-      "dqdk_diag": (diag_grads, (q, k, bc, dA)),
+      "dqdk_diag": (lambda q, k, bc, dA: grads.diag_grads(q, k, bc, dA, chunk_size=C),
+                    (q, k, bc, dA)),
       "dqdk": (lambda *a: grads.dqdk(*a[:8], scale=scale, chunk_size=C, diag=a[8]),
                (q, k, v, bc, do, h, dH, dA, diag)),
   }

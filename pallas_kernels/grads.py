@@ -139,6 +139,16 @@ def diag_grad_grid(q, *, chunk_size):
   return (B, H, T // chunk_size, chunk_size // S, K // BK), dict(C=chunk_size, BK=BK)
 
 
+def diag_grads(q, k, bc, dA, *, chunk_size):
+  """(dq_d, dk_d): the diagonal-block terms of dq and dk (``gla_dqdk_diag``), in
+  ``diag_grads_dtype``."""
+  grid, params = diag_grad_grid(q, chunk_size=chunk_size)
+  part = jax.ShapeDtypeStruct(q.shape, cm.diag_grads_dtype(q.dtype))
+  return cm.call(functools.partial(_diag_grad_kernel, **params), (part, part), grid,
+                 num_warps=cm.TUNE['dqdk_diag_warps'], num_stages=cm.TUNE['dqdk_diag_stages'],
+                 name="gla_dqdk_diag")(q, k, bc, dA)
+
+
 def dqdk(q, k, v, bc, do, h, dH, dA, *, scale, chunk_size, diag=None):
   """Returns (dq, dk in q's dtype, dg float32), all [B, T, H, K]; ``h`` and ``dH`` are
   the N chunk states and their cotangents.
@@ -148,14 +158,7 @@ def dqdk(q, k, v, bc, do, h, dH, dA, *, scale, chunk_size, diag=None):
   C = chunk_size
   N = T // C
   f32 = jax.ShapeDtypeStruct(q.shape, cm.F32)
-  if diag is None:
-    grid, params = diag_grad_grid(q, chunk_size=C)
-    part = jax.ShapeDtypeStruct(q.shape, cm.diag_grads_dtype(q.dtype))
-    diag = cm.call(functools.partial(_diag_grad_kernel, **params), (part, part), grid,
-                   num_warps=cm.TUNE['dqdk_diag_warps'],
-                   num_stages=cm.TUNE['dqdk_diag_stages'],
-                   name="gla_dqdk_diag")(q, k, bc, dA)
-  dq_d, dk_d = diag
+  dq_d, dk_d = diag_grads(q, k, bc, dA, chunk_size=C) if diag is None else diag
   BK, BV = cm.block(K, cm.TUNE['dqdk_bk']), cm.block(V, cm.TUNE['dqdk_bv'])
   kern = functools.partial(_dqdk_kernel, C=C, V=V, BK=BK, BV=BV, dt=q.dtype, scale=scale)
   out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype), f32)
