@@ -75,7 +75,7 @@ def masked_loss(logits, batch):
   return jnp.sum(nll * mask) / count, {"accuracy": jnp.sum(correct * mask) / count,
                                         "nll_sum": jnp.sum(nll * mask),
                                         "correct": jnp.sum(correct * mask), "count": count,
-                                        "logits": logits}
+                                        "correct_at": correct}
 
 
 class Experiment:
@@ -132,7 +132,7 @@ class Experiment:
 
     def loss_and_grad(params, batch):
       (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
-      aux.pop("logits")
+      aux.pop("correct_at")
       return loss, aux, grads
 
     def train_step(state, batch):
@@ -145,8 +145,7 @@ class Experiment:
 
     def eval_step(params, batch):
       aux = loss_fn(params, batch)[1]
-      logits = aux.pop("logits")
-      correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
+      correct = aux.pop("correct_at")           # [B, T]: argmax == target
       aux["cross_correct"] = jnp.sum(correct * batch["cross"])
       aux["cross_count"] = jnp.sum(batch["cross"])
       return aux
