@@ -36,6 +36,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from zeco_jax import _jax_private
+
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
@@ -54,11 +56,7 @@ class ProcessInfo:
 
 
 def _backend_started() -> bool:
-  try:
-    from jax._src import xla_bridge
-    return bool(xla_bridge.backends_are_initialized())
-  except (ImportError, AttributeError):   # private API moved: assume not started
-    return False
+  return _jax_private.backends_started()
 
 
 def detected_cluster() -> Optional[str]:
@@ -67,11 +65,8 @@ def detected_cluster() -> Optional[str]:
   Uses jax's own detection list so it agrees with ``jax.distributed.initialize()``; opt-in
   methods (mpi4py) are skipped, as jax skips them.
   """
-  try:
-    from jax._src import clusters
-    types = clusters.ClusterEnv._cluster_types
-  except (ImportError, AttributeError):
-    types = ()
+  types = _jax_private.cluster_environments()
+  if not types:
     if all(k in os.environ for k in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID")):
       return "SlurmCluster"
   for env in types:
@@ -162,14 +157,11 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
                      f"(ids are 0 .. {num - 1}).")
 
   if jax.distributed.is_initialized():
-    from jax._src import distributed as _jd
-    state = _jd.global_state
-    if ((num is not None and num != state.num_processes)
-        or (pid is not None and pid != state.process_id)):
-      raise RuntimeError(f"{name}: already initialized as process {state.process_id} of "
-                         f"{state.num_processes}; cannot re-initialize as {pid} of {num}.")
-    return ProcessInfo(state.process_id, state.num_processes, state.coordinator_address,
-                       local, "explicit")
+    index, count = jax.process_index(), jax.process_count()
+    if (num is not None and num != count) or (pid is not None and pid != index):
+      raise RuntimeError(f"{name}: already initialized as process {index} of {count}; "
+                         f"cannot re-initialize as {pid} of {num}.")
+    return ProcessInfo(index, count, _jax_private.coordinator_address(), local, "explicit")
 
   single = (num == 1) or (num is None and pid is None and address is None
                           and not (auto_detect and detected_cluster()))
@@ -210,12 +202,10 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address=address, num_processes=num,
                              process_id=pid, **jax_kwargs)
-  from jax._src import distributed as _jd
-  state = _jd.global_state
-  if fail_fast and state.num_processes > 1:
+  index, count = jax.process_index(), jax.process_count()
+  if fail_fast and count > 1:
     _install_fail_fast()
-  return ProcessInfo(int(state.process_id), int(state.num_processes),
-                     state.coordinator_address, local,
+  return ProcessInfo(index, count, _jax_private.coordinator_address(), local,
                      "explicit" if not missing else cluster)
 
 
