@@ -10,8 +10,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from helpers import cotangents, gla_inputs, loss_and_grads, rel_err
-from zeco_jax import recurrent_gla, zeco_gla, zeco_gla_local
+from zeco_jax import recurrent_gla, transitions, zeco_gla, zeco_gla_local
 from zeco_jax.hlo_stats import collective_bytes
+from zeco_jax.parallel import segment_transition
+from zeco_jax.scan import SCAN_METHODS
 
 B, H, K, V = 2, 2, 8, 16
 
@@ -37,11 +39,18 @@ def check_against_reference(op, T, decay="dim", initial=True, seed=0, fwd_tol=1e
 
 # (P, method, num_blocks, T): every method, P in {1, 2, 4, 8}, num_blocks 1, 2 and V.
 # T = 160 on 8 devices gives segments of 20 tokens: not a multiple of the chunk size.
-@pytest.mark.parametrize("n,method,num_blocks,T", [
+_CASES = [
     (1, "all_scan", 1, 72), (2, "all_scan", 1, 64), (4, "all_scan", 2, 64),
     (8, "all_scan", V, 128), (8, "all_scan", None, 160), (8, "all_gather", None, 128),
     (4, "ring", None, 64), (8, "tree", None, 128),
-])
+]
+
+
+def test_cases_cover_every_registered_method():
+  assert {case[1] for case in _CASES} == set(SCAN_METHODS)
+
+
+@pytest.mark.parametrize("n,method,num_blocks,T", _CASES)
 def test_zeco_gla_matches_recurrence(n, method, num_blocks, T):
   op = functools.partial(zeco_gla, mesh=seq_mesh(n), method=method, num_blocks=num_blocks,
                          chunk_size=16)
@@ -52,6 +61,34 @@ def test_zeco_gla_matches_recurrence(n, method, num_blocks, T):
 def test_zeco_gla_decay_kinds(decay, initial):
   op = functools.partial(zeco_gla, mesh=seq_mesh(4), num_blocks=2, chunk_size=16)
   check_against_reference(op, 64, decay=decay, initial=initial, seed=3)
+
+
+def test_segment_transition_keeps_the_decay_kind():
+  # The transition handed to the scan: per-dim [B, H, K], per-head [B, H] (never
+  # broadcast to K), none for g=None.
+  _, _, _, g, _ = gla_inputs(3, B, 32, H, K, V)
+  _, _, _, g_head, _ = gla_inputs(3, B, 32, H, K, V, decay="scalar")
+  per_dim, per_head = segment_transition(g), segment_transition(g_head)
+  assert isinstance(per_dim, transitions.DiagonalDecay) and per_dim.value.shape == (B, H, K)
+  assert isinstance(per_head, transitions.ScalarDecay) and per_head.value.shape == (B, H)
+  np.testing.assert_allclose(per_head.value, np.exp(np.sum(g_head, axis=1)), rtol=1e-6)
+  assert isinstance(segment_transition(None), transitions.Identity)
+  # In zeco_gla's compiled collective the per-head decay travels as [B, H].
+  q, k, v, _, _ = gla_inputs(3, B, 64, H, K, V)
+  g_head = jnp.concatenate([g_head, g_head], axis=1)
+  jaxpr = jax.make_jaxpr(lambda *a: zeco_gla(*a, mesh=seq_mesh(4), method="tree",
+                                             chunk_size=16))(q, k, v, g_head).jaxpr
+  moved = []
+
+  def walk(eqns):
+    for eqn in eqns:
+      if eqn.primitive.name in _COLLECTIVES:
+        moved.extend(tuple(x.aval.shape) for x in eqn.invars)
+      for inner in _sub_jaxprs(eqn):
+        walk(inner.eqns)
+
+  walk(jaxpr.eqns)
+  assert (B, H) in moved and (B, H, K) not in moved, moved
 
 
 def test_zeco_gla_bf16():
@@ -162,8 +199,11 @@ def test_zeco_gla_argument_errors():
     zeco_gla(q, k, v, g, mesh=mesh, seq_axis="sequence")
   with pytest.raises(ValueError, match="num_blocks"):
     zeco_gla(q, k, v, g, mesh=mesh, num_blocks=3)
-  with pytest.raises(ValueError, match="method"):
+  with pytest.raises(ValueError, match="zeco_gla: unknown `method` 'lasp3'; choose one of "
+                     "'all_scan', 'all_gather', 'ring', 'tree'"):
     zeco_gla(q, k, v, g, mesh=mesh, method="lasp3")
+  with pytest.raises(ValueError, match="'serial' is now 'ring'"):
+    zeco_gla(q, k, v, g, mesh=mesh, method="serial")
   with pytest.raises(ValueError, match="initial_state"):
     zeco_gla(q, k, v, g, mesh=mesh, initial_state=h0[..., :4])
   with pytest.raises(ValueError, match="no mesh"):

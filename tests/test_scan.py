@@ -1,4 +1,5 @@
-"""all_scan on simulated devices: every method equals a plain Python scan, values and grads."""
+"""all_scan on simulated devices: every method equals a plain Python scan, values and grads,
+for elementwise decays, no decay and a dense K x K transition; the method registry."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 from helpers import rel_err
 from zeco_jax import all_scan
 from zeco_jax import scan as scan_lib
+from zeco_jax.transitions import DenseTransition, DiagonalDecay, Identity, ScalarDecay
 
 B, H, K, V = 2, 2, 4, 8
 
@@ -50,9 +52,9 @@ def expected(S, lam_dim, lam_head, h0):
 
 
 @pytest.mark.parametrize("n,method,num_blocks", [
-    (1, "pipeline", 2), (2, "pipeline", 1), (4, "pipeline", 2), (8, "pipeline", V),
-    (8, "pipeline", 2), (3, "tree", 1), (8, "tree", 1), (4, "all_gather", 1),
-    (8, "all_gather", 1), (8, "serial", 1),
+    (1, "all_scan", 2), (2, "all_scan", 1), (4, "all_scan", 2), (8, "all_scan", V),
+    (8, "all_scan", 2), (3, "tree", 1), (8, "tree", 1), (4, "all_gather", 1),
+    (8, "all_gather", 1), (8, "ring", 1),
 ])
 def test_all_scan_matches_python_scan(n, method, num_blocks):
   r = np.random.default_rng(n * 10 + num_blocks)
@@ -74,22 +76,135 @@ def test_all_scan_matches_python_scan(n, method, num_blocks):
     assert rel_err(ours_g, ref_g) <= 1e-5
 
 
+def dense_python_scan(S, M, h0, reverse):
+  """X_0 = h0, X_{p+1} = M_p @ X_p + S_p over the leading (rank) axis."""
+  n = S.shape[0]
+  X, exclusive, inclusive = h0, [None] * n, [None] * n
+  for p in (range(n - 1, -1, -1) if reverse else range(n)):
+    exclusive[p] = X
+    X = jnp.einsum("bhij,bhjv->bhiv", M[p], X, precision=jax.lax.Precision.HIGHEST) + S[p]
+    inclusive[p] = X
+  return jnp.stack(exclusive), jnp.stack(inclusive)
+
+
+# The collective knows transitions only through their interface: a dense K x K matrix
+# (the delta-rule family) runs through every method's code unchanged, forward and backward.
+@pytest.mark.parametrize("n,method,num_blocks", [
+    (4, "all_scan", 2), (8, "all_scan", V), (5, "tree", 1), (4, "all_gather", 1),
+    (4, "ring", 1),
+])
+def test_dense_transition_matches_python_scan(n, method, num_blocks):
+  r = np.random.default_rng(100 + n)
+  S = jnp.asarray(r.standard_normal((n, B, H, K, V)), jnp.float32)
+  M = jnp.asarray(0.9 * r.standard_normal((n, B, H, K, K)) / np.sqrt(K), jnp.float32)
+  h0 = jnp.asarray(r.standard_normal((B, H, K, V)), jnp.float32)
+  weights = [jnp.asarray(r.standard_normal((n, B, H, K, V)), jnp.float32) for _ in range(6)]
+  loss = lambda f: lambda *a: sum(jnp.sum(w * x) for w, x in zip(weights, f(*a)))
+  mesh = Mesh(np.array(jax.devices()[:n]), ("seq",))
+
+  def body(S, M, h0):
+    outs = []
+    for reverse in (False, True):
+      outs += all_scan(S[0], DenseTransition(M[0]), "seq", num_blocks=num_blocks,
+                       method=method, initial=h0, reverse=reverse)
+    outs += all_scan(S[0], Identity(), "seq", num_blocks=num_blocks, method=method,
+                     initial=h0)
+    return tuple(x[None] for x in outs)
+
+  def expected(S, M, h0):
+    eye = jnp.broadcast_to(jnp.eye(K), M.shape)
+    return (*dense_python_scan(S, M, h0, False), *dense_python_scan(S, M, h0, True),
+            *dense_python_scan(S, eye, h0, False))
+
+  ours = jax.shard_map(body, mesh=mesh, in_specs=(P("seq"), P("seq"), P()),
+                       out_specs=(P("seq"),) * 6)
+  outs, grads = jax.jit(lambda *a: (ours(*a), jax.grad(loss(ours), (0, 1, 2))(*a)))(S, M, h0)
+  ref_grads = jax.grad(loss(expected), (0, 1, 2))(S, M, h0)
+  for ours_x, ref_x in zip(outs, expected(S, M, h0)):
+    assert rel_err(ours_x, ref_x) <= 1e-5
+  for ours_g, ref_g in zip(grads, ref_grads):
+    assert rel_err(ours_g, ref_g) <= 1e-5
+
+
+def test_transition_algebra():
+  # What the collective relies on: compose, transpose and cotangent agree with the maps.
+  r = np.random.default_rng(1)
+  X, E = (jnp.asarray(r.standard_normal((B, H, K, V)), jnp.float32) for _ in range(2))
+  kinds = [Identity(), ScalarDecay(jnp.asarray(r.uniform(0.3, 1, (B, H)), jnp.float32)),
+           DiagonalDecay(jnp.asarray(r.uniform(0.3, 1, (B, H, K)), jnp.float32)),
+           DenseTransition(jnp.asarray(r.standard_normal((B, H, K, K)), jnp.float32))]
+  for A in kinds:
+    A2 = jax.tree.map(lambda x: x * 0.5 + 0.1, A)
+    np.testing.assert_allclose(A2.compose(A).apply(X), A2.apply(A.apply(X)), rtol=1e-5,
+                               atol=1e-5)
+    # <E, A X> = <A^T E, X>, and the cotangent is the gradient of <E, A X> in A's arrays.
+    np.testing.assert_allclose(jnp.sum(E * A.apply(X)), jnp.sum(A.transpose().apply(E) * X),
+                               rtol=1e-5)
+    want = jax.grad(lambda A: jnp.sum(E * A.apply(X)))(A)
+    for got_leaf, want_leaf in zip(jax.tree.leaves(A.cotangent(X, E)), jax.tree.leaves(want)):
+      np.testing.assert_allclose(got_leaf, want_leaf, rtol=1e-5, atol=1e-5)
+    # A block of V columns is mapped on its own (what lets the All-Scan split along V).
+    np.testing.assert_allclose(A.apply(X[..., :3]), A.apply(X)[..., :3], rtol=1e-6,
+                               atol=1e-6)
+
+
+def test_scalar_decay_stays_scalar_in_the_collective():
+  # A per-head decay travels as [B, H], never broadcast to [B, H, K].
+  n = 4
+  mesh = Mesh(np.array(jax.devices()[:n]), ("seq",))
+  S = jnp.ones((n, B, H, K, V))
+  lam = jnp.full((n, B, H), 0.5)
+  for method in ("tree", "all_gather"):
+    f = jax.shard_map(lambda S, lam: all_scan(S[0], lam[0], "seq", method=method)[0][None],
+                      mesh=mesh, in_specs=(P("seq"), P("seq")), out_specs=P("seq"))
+    jaxpr = jax.make_jaxpr(f)(S, lam).jaxpr
+    body = next(e for e in jaxpr.eqns if e.primitive.name == "shard_map").params["jaxpr"]
+    moved = [tuple(v.aval.shape) for e in body.eqns
+             if e.primitive.name in ("ppermute", "all_gather") for v in e.invars]
+    assert (B, H) in moved and not any(s[-3:] == (B, H, K) for s in moved), (method, moved)
+
+
+def test_registry_is_the_one_vocabulary():
+  assert scan_lib.method_names() == tuple(scan_lib.SCAN_METHODS)
+  assert set(scan_lib.SCAN_METHODS) == {"all_scan", "all_gather", "ring", "tree"}
+  for name, spec in scan_lib.SCAN_METHODS.items():
+    assert spec.name == name and spec.summary
+  assert [m for m, s in scan_lib.SCAN_METHODS.items() if not s.overlaps_local] == ["ring"]
+  assert [m for m, s in scan_lib.SCAN_METHODS.items() if s.blocked] == ["all_scan"]
+  M, m_A = 1 << 20, 1 << 12
+  # All-Scan and ring send one state per rank, and no transition; the peers send it.
+  for P_ in (2, 8, 256):
+    assert scan_lib.bytes_sent_per_rank(P_, M, "all_scan", m_A) == M
+    assert scan_lib.bytes_sent_per_rank(P_, M, "ring", m_A) == M
+    assert scan_lib.bytes_sent_per_rank(P_, M, "all_gather", m_A) == (P_ - 1) * (M + m_A)
+  assert scan_lib.bytes_sent_per_rank(8, M, "tree") == 4 * M
+  assert scan_lib.predicted_time(8, 4, M, method="ring") == scan_lib.predicted_time(
+      8, 1, M, method="all_scan")
+  assert scan_lib.default_num_blocks(64, M, 128, method="tree") == 1
+  with pytest.raises(ValueError, match="unknown `method` 'serial'.*'ring'"):
+    scan_lib.predicted_time(8, 1, M, method="serial")
+
+
 def test_pipeline_sends_one_state_per_rank():
   # The compiled forward scan: every rank sends exactly M bytes (the last sends nothing),
-  # whatever num_blocks is; all_gather sends (P - 1) M.
+  # whatever num_blocks is, and with a dense K x K transition too (the matrix stays on its
+  # rank); all_gather sends (P - 1) M.
   from zeco_jax.hlo_stats import collective_bytes
   n = 8
   mesh = Mesh(np.array(jax.devices()[:n]), ("seq",))
   S = jax.ShapeDtypeStruct((n, B, H, K, V), jnp.float32)
   lam = jax.ShapeDtypeStruct((n, B, H, K), jnp.float32)
+  mat = jax.ShapeDtypeStruct((n, B, H, K, K), jnp.float32)
   M = B * H * K * V * 4
-  for method, nb in (("pipeline", 1), ("pipeline", 4), ("all_gather", 1)):
-    f = jax.shard_map(lambda S, lam: all_scan(S[0], lam[0], "seq", num_blocks=nb,
-                                              method=method)[0][None],
+  for method, nb, A in (("all_scan", 1, lam), ("all_scan", 4, lam), ("all_scan", 4, mat),
+                        ("all_gather", 1, lam)):
+    as_transition = DenseTransition if A is mat else (lambda x: x)
+    f = jax.shard_map(lambda S, A: all_scan(S[0], as_transition(A[0]), "seq", num_blocks=nb,
+                                            method=method)[0][None],
                       mesh=mesh, in_specs=(P("seq"), P("seq")), out_specs=P("seq"))
-    sent = collective_bytes(jax.jit(f).lower(S, lam).compile().as_text(), n)
+    sent = collective_bytes(jax.jit(f).lower(S, A).compile().as_text(), n)
     total = sum(sent.values())
-    if method == "pipeline":
+    if method == "all_scan":
       assert list(total) == [M] * (n - 1) + [0]
     else:
       assert min(total) >= (n - 1) * M
@@ -114,7 +229,14 @@ def test_bad_arguments():
                                    out_specs=P("seq"))
   with pytest.raises(ValueError, match="num_blocks"):
     run(num_blocks=3)(S, jnp.ones((2, B, H, K)))
-  with pytest.raises(ValueError, match="method"):
+  with pytest.raises(ValueError, match="`method` 'ring_of_fire'; choose one of 'all_scan', "
+                     "'all_gather', 'ring', 'tree'"):
     run(method="ring_of_fire")(S, jnp.ones((2, B, H, K)))
+  with pytest.raises(ValueError, match="'pipeline' is now 'all_scan'"):
+    run(method="pipeline")(S, jnp.ones((2, B, H, K)))
+  with pytest.raises(ValueError, match=r"DenseTransition for state .* must be \(2, 2, 4, 4\)"):
+    jax.shard_map(
+        lambda S: all_scan(S[0], DenseTransition(jnp.ones((B, H, K, V))), "seq")[0][None],
+        mesh=mesh, in_specs=P("seq"), out_specs=P("seq"))(S)
   with pytest.raises(ValueError, match="decay"):
     run()(S, jnp.ones((2, B, H, V)))

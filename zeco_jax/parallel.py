@@ -1,22 +1,28 @@
 """ZeCO sequence-parallel GLA: ``zeco_gla`` over a mesh axis, and its per-shard body.
 
-Forward on the rank holding tokens ``[pL, (p+1)L)`` (spec section 3):
+Forward on the rank holding tokens ``[pL, (p+1)L)`` (docs/design.md §3):
 
 1. local chunked GLA with a zero initial state -> local outputs and the local final
-   state ``S_p``; segment decay ``lam_p = exp(sum of g over the segment)``;
-2. All-Scan of ``(S_p, lam_p)`` -> ``X_p``, the true state entering the segment;
-3. fix-up, one GEMM: ``o += scale * (q * exp(c)) @ X_p`` with ``c`` the cumulative
-   log-decay from the segment start.
+   state ``S_p``; the segment's transition ``A_p`` (docs/design.md §7): the decay
+   ``exp(sum of g over the segment)``, per dimension ``[B, H, K]`` or per head ``[B, H]``,
+   or none;
+2. the scan of ``(S_p, A_p)`` (``method``, a key of :data:`zeco_jax.scan.SCAN_METHODS`)
+   -> ``X_p``, the true state entering the segment;
+3. the fix-up (GLA's output correction), one GEMM: ``o += scale * (q * exp(c)) @ X_p``
+   with ``c`` the cumulative log-decay from the segment start.
 
 Nothing in step 1's output path depends on ``X_p``, so XLA can run the intra-chunk work
-while the All-Scan's point-to-point sends are in flight. The backward composes the parts'
-own backwards (spec section 5): the fix-up's transpose gives ``dX_loc``, the All-Scan's
-custom_vjp runs the reverse All-Scan on it, and the local chunked backward receives the
-segment's final-state cotangent ``D_p`` through ``S_p``. Beyond the inputs, only ``X_p``
-(one state per layer, independent of T and P) is saved for it.
+while the All-Scan's point-to-point sends are in flight. A method whose registry entry has
+``overlaps_local=False`` (LASP-1's ``"ring"``) runs the local pass from the received state
+instead, after it arrives. The backward composes the parts' own backwards
+(docs/design.md §5): the fix-up's transpose gives ``dX_loc``, the scan's custom_vjp
+runs the reverse All-Scan on it, and the local chunked backward receives the segment's
+final-state cotangent ``D_p`` through ``S_p``. Beyond the inputs, only ``X_p`` (one state
+per layer, independent of T and P) is saved for it.
 
-Peers, for measurement: ``method="all_gather"`` (LASP-2) and ``"ring"`` (LASP-1: the
-local output is computed only after the state has arrived, so nothing overlaps).
+Steps 1 and 3 (and the no-overlap path's segment state) are GLA's: they know its
+elementwise decay. The scan in step 2 knows only the transition's algebra, so a family
+with a dense transition (docs/design.md §7) reuses it with its own steps 1 and 3.
 """
 from __future__ import annotations
 
@@ -28,89 +34,111 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from zeco_jax import _checks
-from zeco_jax import scan as _all_scan
 from zeco_jax import chunked
+from zeco_jax import scan as _scan
+from zeco_jax import transitions
 from zeco_jax.ops import chunk_gla, resolve_backend
+from zeco_jax.target import platform_of
 
-METHODS = ("all_scan", "all_gather", "ring", "tree")
-_SCAN_METHOD = {"all_scan": "pipeline", "all_gather": "all_gather", "ring": "serial",
-                "tree": "tree"}
 _HI = lax.Precision.HIGHEST
 
 
 def _resolve_num_blocks(num_blocks, method, P_size, B, H, K, V, *, name):
-  if method != "all_scan":
+  if not _scan.SCAN_METHODS[method].blocked:
     return 1
   if num_blocks is None:
-    return _all_scan.default_num_blocks(P_size, 4 * B * H * K * V, V)
-  if (not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1
-      or V % num_blocks):
-    raise ValueError(f"{name}: `num_blocks` must be a positive int dividing the value dim "
-                     f"V = {V} (the state is split along V), got {num_blocks!r}. Try one of "
-                     f"{[d for d in range(1, V + 1) if V % d == 0]} or None for the default.")
+    return _scan.default_num_blocks(P_size, 4 * B * H * K * V, V, method=method)
+  _scan.check_num_blocks(num_blocks, V, name=name, none_ok=True)
   return num_blocks
 
 
-def _check_args(q, k, v, g, initial_state, scale, chunk_size, method, backend, *, name):
-  """The trace-time checks zeco_gla and zeco_gla_local share: (checked args, backend)."""
+def _check_args(q, k, v, g, initial_state, scale, chunk_size, method, *, name):
+  """The trace-time checks zeco_gla and zeco_gla_local share."""
   args = _checks.check_gla_inputs(q, k, v, g, initial_state, scale, name=name)
   _checks.check_chunk_size(chunk_size, name=name, multiple_of=chunked.SUB_CHUNK)
-  _checks.check_choice(method, METHODS, arg="method", name=name)
-  return args, resolve_backend(backend, name=name)
+  _scan.get_method(method, name=name)
+  return args
 
 
 def zeco_gla_local(q, k, v, g=None, *, axis_name, method="all_scan", num_blocks=None,
                    chunk_size=64, scale=None, initial_state=None, output_final_state=False,
-                   backend="auto"):
+                   backend="auto", kernel_config=None):
   """The per-shard body of :func:`zeco_gla`, for code already inside its own shard_map.
 
   Takes this rank's contiguous segment of the sequence (``q, k [B, L, H, K]``, ...) and
   the mesh axis name the sequence is split over; ``initial_state`` is the state before
-  the whole sequence (the same on every rank of ``axis_name``).
+  the whole sequence (the same on every rank of ``axis_name``). The other arguments are
+  as in :func:`zeco_gla`.
 
   Returns ``(o, state_after_segment)``: o for this segment, and (if
   ``output_final_state``) the float32 state after this rank's last token. On the last
   rank of the axis that is the final state of the whole sequence.
   """
   name = "zeco_gla_local"
-  args, backend = _check_args(q, k, v, g, initial_state, scale, chunk_size, method, backend,
-                              name=name)
+  args = _check_args(q, k, v, g, initial_state, scale, chunk_size, method, name=name)
+  backend = resolve_backend(backend, name=name, platform=platform_of(q))
   B, L, H, K, V, scale = args.B, args.T, args.H, args.K, args.V, args.scale
-  P_size = lax.axis_size(axis_name)
-  nb = _resolve_num_blocks(num_blocks, method, P_size, B, H, K, V, name=name)
+  nb = _resolve_num_blocks(num_blocks, method, lax.axis_size(axis_name), B, H, K, V,
+                           name=name)
+  scan = functools.partial(_scan.all_scan, decay=segment_transition(g), axis_name=axis_name,
+                           num_blocks=nb, method=method, initial=initial_state)
+  local = functools.partial(chunk_gla, scale=scale, chunk_size=chunk_size, backend=backend,
+                            kernel_config=kernel_config)
 
-  f32 = jnp.float32
-  g_full = _checks.full_log_decay(g, B, L, H, K)
-  seg_decay = jnp.exp(jnp.sum(g_full, axis=1))      # lam_p, [B, H, K]
-  scan = functools.partial(_all_scan.all_scan, axis_name=axis_name, num_blocks=nb,
-                           method=_SCAN_METHOD[method], initial=initial_state)
-  local = functools.partial(chunk_gla, scale=scale, chunk_size=chunk_size, backend=backend)
-
-  if method == "ring":
-    # LASP-1: the segment's state from one GEMM (exp(c_L - c_t) <= 1), the serial chain,
-    # then the whole local pass starting from the received state: compute after receive.
-    c = jnp.cumsum(g_full, axis=1)
-    seg_state = jnp.einsum("bthk,bthv->bhkv", k.astype(f32) * jnp.exp(c[:, -1:] - c),
-                           v.astype(f32), precision=_HI)
-    entering, after = scan(seg_state, seg_decay)
-    o, _ = local(q, k, v, g, initial_state=entering)
-  else:
+  if _scan.SCAN_METHODS[method].overlaps_local:
+    # The local pass from zero, the scan beside it, then GLA's fix-up.
     o_local, seg_state = local(q, k, v, g, output_final_state=True)
-    entering, after = scan(seg_state, seg_decay)
-    o = (o_local.astype(f32) + _fix_up(q, g_full, entering, scale)).astype(v.dtype)
+    entering, after = scan(seg_state)
+    o = (o_local.astype(jnp.float32) + _fix_up(q, g, entering, scale)).astype(v.dtype)
+  else:
+    # No overlap (LASP-1): the segment's state from one GEMM, the scan, then the whole
+    # local pass from the received state: compute after receive.
+    entering, after = scan(_segment_state(k, v, g))
+    o, _ = local(q, k, v, g, initial_state=entering)
   return o, (after if output_final_state else None)
 
 
+# --- GLA's side of the transition (docs/design.md §7) --------------------------------------
+# The scan sees only the segment's transition; what GLA does with the state it receives
+# (the fix-up, the no-overlap path's segment state) uses its elementwise decay and stays
+# here. A dense transition's family brings its own versions of these three.
+
+def segment_transition(g) -> transitions.Transition:
+  """A_p of a GLA segment: ``exp(sum_t g_t)``, ``[B, H, K]`` per dimension, ``[B, H]``
+  per head (kept scalar), or the identity for ``g=None``."""
+  if g is None:
+    return transitions.Identity()
+  total = jnp.exp(jnp.sum(g.astype(jnp.float32), axis=1))
+  return transitions.DiagonalDecay(total) if g.ndim == 4 else transitions.ScalarDecay(total)
+
+
+def _over_keys(factor):
+  """A per-token decay factor ready to multiply ``[B, L, H, K]``: scalar decay over K."""
+  return factor if factor.ndim == 4 else factor[..., None]
+
+
+def _segment_state(k, v, g):
+  """S_p from one GEMM: sum_t (k_t * exp(c_L - c_t)) v_t^T, each factor <= 1."""
+  k_decayed = k.astype(jnp.float32)
+  if g is not None:
+    c = jnp.cumsum(g.astype(jnp.float32), axis=1)
+    k_decayed = k_decayed * _over_keys(jnp.exp(c[:, -1:] - c))
+  return jnp.einsum("bthk,bthv->bhkv", k_decayed, v.astype(jnp.float32), precision=_HI)
+
+
 @functools.partial(jax.checkpoint, static_argnums=(3,))
-def _fix_up(q, g_full, entering, scale):
-  """scale * (q * exp(c)) @ X_p, c the log-decay from the segment start (exp(c) <= 1).
+def _fix_up(q, g, entering, scale):
+  """GLA's fix-up (its transition's output correction, docs/design.md §3):
+  ``scale * (q * exp(c)) @ X_p``, one GEMM, c the log-decay from the segment start
+  (exp(c) <= 1).
 
   Rematerialized in the backward, so that only X_p (one state) is kept for it beyond the
   inputs the local pass keeps anyway.
   """
-  c = jnp.cumsum(g_full, axis=1)
-  return scale * jnp.einsum("bthk,bhkv->bthv", q.astype(jnp.float32) * jnp.exp(c), entering,
-                            precision=_HI)
+  q_decayed = q.astype(jnp.float32)
+  if g is not None:
+    q_decayed = q_decayed * _over_keys(jnp.exp(jnp.cumsum(g.astype(jnp.float32), axis=1)))
+  return scale * jnp.einsum("bthk,bhkv->bthv", q_decayed, entering, precision=_HI)
 
 
 def _axes_in(entry) -> set:
@@ -125,7 +153,7 @@ def _explicit_batch_head(q, mesh, seq_axis):
   axis_types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ())))
   spec = tuple(getattr(sharding, "spec", ())) + (None,) * 4
   explicit = lambda e: e is not None and e != seq_axis and all(
-      "Explicit" in str(axis_types.get(a)) for a in _axes_in(e))
+      axis_types.get(a) == jax.sharding.AxisType.Explicit for a in _axes_in(e))
   return (spec[0] if explicit(spec[0]) else None), (spec[2] if explicit(spec[2]) else None)
 
 
@@ -140,8 +168,8 @@ def _mesh_or_context(mesh, *, name):
 
 def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
              num_blocks=None, chunk_size=64, scale=None, initial_state=None,
-             output_final_state=False, backend="auto"):
-  """Sequence-parallel GLA over the mesh axis ``seq_axis`` (ZeCO, spec sections 3-5).
+             output_final_state=False, backend="auto", kernel_config=None):
+  """Sequence-parallel GLA over the mesh axis ``seq_axis`` (ZeCO, docs/design.md §3-§5).
 
   Args:
     q, k: ``[B, T, H, K]``; v ``[B, T, H, V]``; g ``[B, T, H, K]``, ``[B, T, H]`` or None
@@ -150,21 +178,22 @@ def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
       the compiler as they are: the shard_map is manual over ``seq_axis`` only.
     mesh: a ``jax.sharding.Mesh``; default: the mesh set with ``jax.set_mesh``.
     seq_axis: the mesh axis the sequence is split over; T must be divisible by its size.
-    method: ``"all_scan"`` (ZeCO's pipelined All-Scan), ``"all_gather"`` (LASP-2),
-      ``"ring"`` (LASP-1, no overlap) or ``"tree"`` (recursive doubling).
+    method: a key of :data:`zeco_jax.scan.SCAN_METHODS`: ``"all_scan"`` (ZeCO's
+      pipelined All-Scan), ``"all_gather"`` (LASP-2), ``"ring"`` (LASP-1, no overlap) or
+      ``"tree"`` (recursive doubling); the same names as :func:`zeco_jax.all_scan`'s.
     num_blocks: blocks the state is split into along V for ``"all_scan"``; must divide V.
       None picks the alpha-beta optimum (see :func:`zeco_jax.scan.default_num_blocks`).
-    chunk_size, scale, initial_state, output_final_state, backend: as in
-      :func:`zeco_jax.chunk_gla`.
+    chunk_size, scale, initial_state, output_final_state, backend, kernel_config: as in
+      :func:`zeco_jax.chunk_gla`; ``backend="auto"`` picks by the mesh's platform.
 
   Returns:
     ``(o, final_state)`` as :func:`zeco_jax.chunk_gla`: o sharded like q over T; the final
     state of the whole sequence (float32) or None.
   """
   name = "zeco_gla"
-  args, backend = _check_args(q, k, v, g, initial_state, scale, chunk_size, method, backend,
-                              name=name)
+  args = _check_args(q, k, v, g, initial_state, scale, chunk_size, method, name=name)
   mesh = _mesh_or_context(mesh, name=name)
+  backend = resolve_backend(backend, name=name, platform=platform_of(q, mesh=mesh))
   if seq_axis not in mesh.axis_names:
     raise ValueError(f"{name}: the mesh has no axis `seq_axis`={seq_axis!r}; its axes are "
                      f"{tuple(mesh.axis_names)}. Pass seq_axis= one of them.")
@@ -190,7 +219,8 @@ def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
   def body(q, k, v, g, h0):
     o, after = zeco_gla_local(q, k, v, g, axis_name=seq_axis, method=method,
                               num_blocks=num_blocks, chunk_size=chunk_size, scale=scale,
-                              initial_state=h0, output_final_state=True, backend=backend)
+                              initial_state=h0, output_final_state=True, backend=backend,
+                              kernel_config=kernel_config)
     return o, after[None]
 
   # Pallas calls (and the Pallas interpreter on CPU) do not carry shard_map's varying-axes

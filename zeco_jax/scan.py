@@ -1,147 +1,236 @@
-"""All-Scan: the exclusive scan of linear-attention states over a mesh axis (spec section 4).
+"""The exclusive scan of linear-attention states over a mesh axis, and its methods.
 
-Call :func:`all_scan` inside ``shard_map``. Rank p holds a state ``S_p`` ``[..., K, V]`` and
-a decay ``lam_p`` (``[..., K]`` per dimension or ``[...]`` per head, broadcast over V);
-the result is the state entering rank p,
+Call :func:`all_scan` inside ``shard_map``. Rank p holds a state ``S_p`` ``[..., K, V]``
+and a transition ``A_p`` (:mod:`zeco_jax.transitions`: a decay per dimension or per head,
+none, or a dense ``K x K`` matrix); the result is the state entering rank p,
 
-    X_0 = initial (zeros by default),   X_{p+1} = lam_p * X_p + S_p,
+    X_0 = initial (zeros by default),   X_{p+1} = A_p(X_p) + S_p,
 
-and the inclusive value ``lam_p * X_p + S_p`` (the state after rank p; on the last rank,
-the state after the whole sequence). ``reverse=True`` runs the chain from the last rank to
-the first (the backward pass's direction).
+and the inclusive value ``A_p(X_p) + S_p`` (the state after rank p; on the last rank, the
+state after the whole sequence). ``reverse=True`` runs the chain from the last rank to the
+first (the backward pass's direction).
 
-Methods, all exact and differentiable:
+Every method is one entry of :data:`SCAN_METHODS` (docs/design.md §6): its run function,
+its alpha-beta time model, its bytes per rank, whether it splits the state into blocks
+and whether the local pass may overlap it. ``all_scan(method=)``, ``zeco_gla(method=)``
+and the configs' ``seq_method`` take its keys:
 
-* ``"pipeline"``: ZeCO's All-Scan. The state is split into ``num_blocks`` blocks along V;
-  an unrolled chain of ``num_blocks + P - 2`` ``ppermute`` steps in which each step's perm
-  lists only the pairs that carry a real block, so every rank sends exactly one state.
-  Its backward (a custom_vjp) is the reverse All-Scan of spec section 5: the same chain run
-  the other way over the cotangents, keeping only ``X_p`` from the forward.
-* ``"tree"``: recursive doubling with the associative combine, ceil(log2 P) rounds plus a
-  one-hop shift to make it exclusive; any P.
-* ``"all_gather"``: LASP-2. All-gather every ``(S_p, lam_p)`` and fold locally.
-* ``"serial"``: LASP-1's chain: ``"pipeline"`` with one block.
+* ``"all_scan"``: ZeCO's All-Scan (docs/design.md §4). The state is split into
+  ``num_blocks`` blocks along V; an unrolled chain of ``num_blocks + P - 2`` ``ppermute``
+  steps whose perms list only the pairs that carry a real block, so every rank sends
+  exactly one state. Its backward (a custom_vjp) is the reverse All-Scan of
+  docs/design.md §5: the same chain run the other way over the cotangents under the
+  transposed transitions, keeping only ``X_p`` (and ``A_p``) from the forward.
+* ``"all_gather"``: LASP-2. All-gather every ``(S_p, A_p)`` and fold locally.
+* ``"ring"``: LASP-1: the serial chain (``"all_scan"`` with one block), and the local
+  pass waits for the state (``overlaps_local=False``).
+* ``"tree"``: recursive doubling on ``(A, S)`` pairs (as MaxText), ceil(log2 P) rounds
+  plus a one-hop shift to make it exclusive; any P.
 
-The tree and all-gather methods are differentiated by JAX (the transpose of a
-``ppermute`` is the reverse ``ppermute``; of an all-gather, a reduce-scatter).
-
-It moves states only; what overlaps with it is up to the caller (see
-:func:`zeco_jax.zeco_gla_local`; the alpha-beta model that picks ``num_blocks`` is here too).
+All are exact and differentiable; the tree and all-gather are differentiated by JAX (the
+transpose of a ``ppermute`` is the reverse ``ppermute``; of an all-gather, a
+reduce-scatter). Every method uses only the :class:`~zeco_jax.transitions.Transition`
+operations, so a new transition needs no change here. What overlaps with the scan is up
+to the caller (see :func:`zeco_jax.zeco_gla_local`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import types
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from zeco_jax._vma import make_varying, match_varying
+from zeco_jax.transitions import as_transition
 
-METHODS = ("pipeline", "tree", "all_gather", "serial")
-
-# Alpha-beta model defaults for picking num_blocks (spec section 4): a point-to-point hop's
-# latency and the inverse link bandwidth. Rough GPU figures (NVLink-class link, ~10 us per
-# collective launch-and-sync); pass your own to ``default_num_blocks`` for other fabrics.
+# Alpha-beta model defaults (docs/design.md §6): a point-to-point hop's latency and the
+# inverse link bandwidth. Rough GPU figures (NVLink-class link, ~10 us per collective
+# launch-and-sync); pass your own for other fabrics.
 DEFAULT_ALPHA_S = 10e-6
 DEFAULT_BETA_S_PER_BYTE = 1.0 / 100e9
 
 
+@dataclasses.dataclass(frozen=True)
+class ScanMethod:
+  """One way to compute the exclusive scan, defined once (docs/design.md §6).
+
+  Attributes:
+    name: the key in :data:`SCAN_METHODS`, the value of ``method=``.
+    summary: one line saying what it is.
+    run: ``run(S, A, h0, axis_name, num_blocks, reverse) -> exclusive`` inside shard_map
+      with P >= 2; ``S`` float32 ``[..., K, V]``, ``A`` a float32 transition, ``h0``
+      broadcastable to ``S``.
+    time: ``time(P, num_blocks, M, m_A, alpha, beta)``: seconds for one scan, with ``M``
+      the state's bytes and ``m_A`` the transition's.
+    bytes_per_rank: ``bytes_per_rank(P, M, m_A)``: the most bytes one rank sends.
+    blocked: the state is split into ``num_blocks`` along V (else ``num_blocks`` is 1).
+    overlaps_local: the local pass may run while the state is in flight (False: the
+      local pass starts from the received state, so the scan's time is exposed).
+  """
+  name: str
+  summary: str
+  run: Callable
+  time: Callable[..., float]
+  bytes_per_rank: Callable[..., float]
+  blocked: bool = False
+  overlaps_local: bool = True
+
+
+def _rounds(P):
+  return math.ceil(math.log2(P))
+
+
+def _run_chain(S, A, h0, axis_name, num_blocks, reverse):
+  """The pipelined chain. Every operand gets the same varying axes, so the custom_vjp's
+  cotangents match (autodiff of the cast adds the psum a replicated initial state needs)."""
+  h0 = jnp.broadcast_to(h0, S.shape)
+  leaves = (S, h0, *jax.tree.leaves(A))
+  S, h0 = (match_varying(x, *leaves) for x in (S, h0))
+  A = jax.tree.map(lambda x: match_varying(x, *leaves), A)
+  return _pipeline(S, A, h0, axis_name, num_blocks, reverse)
+
+
+def _run_ring(S, A, h0, axis_name, num_blocks, reverse):
+  del num_blocks
+  return _run_chain(S, A, h0, axis_name, 1, reverse)
+
+
+def _run_tree(S, A, h0, axis_name, num_blocks, reverse):
+  del num_blocks
+  return _tree_scan(S, A, h0, axis_name, reverse)
+
+
+def _run_all_gather(S, A, h0, axis_name, num_blocks, reverse):
+  del num_blocks
+  return _all_gather_scan(S, A, h0, axis_name, reverse)
+
+
+_METHODS = {m.name: m for m in (
+    ScanMethod(
+        "all_scan", "ZeCO's All-Scan: pipelined chain over num_blocks blocks along V",
+        run=_run_chain,
+        time=lambda P, nb, M, m_A, alpha, beta: (nb + P - 2) * (alpha + beta * M / nb),
+        bytes_per_rank=lambda P, M, m_A: M, blocked=True),
+    ScanMethod(
+        "all_gather", "LASP-2: all-gather every (S_p, A_p), fold locally",
+        run=_run_all_gather,
+        time=lambda P, nb, M, m_A, alpha, beta: (P - 1) * (alpha + beta * (M + m_A)),
+        bytes_per_rank=lambda P, M, m_A: (P - 1) * (M + m_A)),
+    ScanMethod(
+        "ring", "LASP-1: the serial chain, one block; the local pass waits for the state",
+        run=_run_ring,
+        time=lambda P, nb, M, m_A, alpha, beta: (P - 1) * (alpha + beta * M),
+        bytes_per_rank=lambda P, M, m_A: M, overlaps_local=False),
+    ScanMethod(
+        "tree", "recursive doubling on (A, S) pairs, then a one-hop shift",
+        run=_run_tree,
+        time=lambda P, nb, M, m_A, alpha, beta: (
+            (_rounds(P) + 1) * alpha + beta * (_rounds(P) * (M + m_A) + M)),
+        bytes_per_rank=lambda P, M, m_A: _rounds(P) * (M + m_A) + M),
+)}
+
+SCAN_METHODS: Mapping[str, ScanMethod] = types.MappingProxyType(_METHODS)
+"""Every scan method by name: the one vocabulary of ``method=`` and ``seq_method``."""
+
+_RENAMED = {"pipeline": "all_scan", "serial": "ring"}    # names before the one registry
+
+
+def method_names() -> tuple:
+  return tuple(SCAN_METHODS)
+
+
+def get_method(method, *, name: str = "all_scan", arg: str = "method") -> ScanMethod:
+  """The registry entry for ``method``; ValueError naming the argument and the choices."""
+  if isinstance(method, str) and method in SCAN_METHODS:
+    return SCAN_METHODS[method]
+  hint = f" ({method!r} is now {_RENAMED[method]!r})" if method in _RENAMED else ""
+  raise ValueError(f"{name}: unknown `{arg}` {method!r}; choose one of "
+                   f"{', '.join(map(repr, SCAN_METHODS))}{hint}.")
+
+
 def predicted_time(P: int, num_blocks: int, state_bytes: float,
                    alpha: float = DEFAULT_ALPHA_S, beta: float = DEFAULT_BETA_S_PER_BYTE,
-                   method: str = "pipeline") -> float:
-  """Alpha-beta model of one exclusive scan, in seconds (spec section 4)."""
-  M = state_bytes
+                   method: str = "all_scan", transition_bytes: float = 0.0) -> float:
+  """Alpha-beta model of one exclusive scan, in seconds (docs/design.md §6)."""
+  spec = get_method(method, name="predicted_time")
   if P <= 1:
     return 0.0
-  if method in ("pipeline", "serial"):
-    nb = 1 if method == "serial" else num_blocks
-    return (nb + P - 2) * (alpha + beta * M / nb)
-  if method == "tree":
-    return (math.ceil(math.log2(P)) + 1) * (alpha + beta * M)
-  if method == "all_gather":   # ring all-gather: P - 1 hops of M each
-    return (P - 1) * (alpha + beta * M)
-  raise ValueError(f"predicted_time: unknown method {method!r}")
+  nb = num_blocks if spec.blocked else 1
+  return spec.time(P, nb, state_bytes, transition_bytes, alpha, beta)
 
 
-def bytes_sent_per_rank(P: int, state_bytes: float, method: str) -> float:
+def bytes_sent_per_rank(P: int, state_bytes: float, method: str,
+                        transition_bytes: float = 0.0) -> float:
   """Bytes each rank puts on the wire for one scan, as the model counts them."""
-  if P <= 1:
-    return 0.0
-  return {"pipeline": state_bytes, "serial": state_bytes,
-          "tree": (math.ceil(math.log2(P)) + 1) * state_bytes,
-          "all_gather": (P - 1) * state_bytes}[method]
+  spec = get_method(method, name="bytes_sent_per_rank")
+  return 0.0 if P <= 1 else spec.bytes_per_rank(P, state_bytes, transition_bytes)
 
 
 def default_num_blocks(P: int, state_bytes: float, V: int,
                        alpha: float = DEFAULT_ALPHA_S,
-                       beta: float = DEFAULT_BETA_S_PER_BYTE) -> int:
-  """The divisor of V nearest the model's optimum sqrt((P - 2) beta M / alpha)."""
+                       beta: float = DEFAULT_BETA_S_PER_BYTE, method: str = "all_scan") -> int:
+  """For a blocked method, the divisor of V nearest the All-Scan's optimum
+  sqrt((P - 2) beta M / alpha); 1 for the others."""
+  if not get_method(method, name="default_num_blocks").blocked:
+    return 1
   best = math.sqrt(max(P - 2, 0) * beta * state_bytes / alpha) if P > 2 else 1.0
   divisors = [d for d in range(1, V + 1) if V % d == 0]
   return min(divisors, key=lambda d: (abs(math.log(d) - math.log(max(best, 1.0))), d))
 
 
-def _check(state, decay, initial, num_blocks, method, P):
-  name = "all_scan"
-  if method not in METHODS:
-    raise ValueError(f"{name}: unknown `method` {method!r}; choose one of {METHODS}.")
-  if state.ndim < 2:
-    raise ValueError(f"{name}: `state` must be [..., K, V], got shape {state.shape}.")
-  if decay.shape not in (state.shape[:-1], state.shape[:-2]):
-    raise ValueError(f"{name}: `decay` must be [..., K] = {state.shape[:-1]} (per dimension) or "
-                     f"[...] = {state.shape[:-2]} (per head) for state {state.shape}, got "
-                     f"{decay.shape}.")
-  if initial is not None and initial.shape != state.shape:
-    raise ValueError(f"{name}: `initial` must have the state's shape {state.shape}, got "
-                     f"{initial.shape}.")
-  V = state.shape[-1]
-  if method == "pipeline":
-    if not isinstance(num_blocks, int) or num_blocks < 1 or V % num_blocks:
-      raise ValueError(f"{name}: `num_blocks` must be a positive int dividing the blocked "
-                       f"dimension V = {V}, got {num_blocks!r}. Try one of "
-                       f"{[d for d in range(1, V + 1) if V % d == 0]}.")
+def check_num_blocks(num_blocks, V, *, name: str, none_ok: bool = False) -> None:
+  if (not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1
+      or V % num_blocks):
+    raise ValueError(f"{name}: `num_blocks` must be a positive int dividing the value dim "
+                     f"V = {V} (the state is split along V), got {num_blocks!r}. Try one of "
+                     f"{[d for d in range(1, V + 1) if V % d == 0]}"
+                     + (" or None for the default." if none_ok else "."))
 
 
-def all_scan(state, decay, axis_name, *, num_blocks=1, method="pipeline", initial=None,
+def all_scan(state, decay, axis_name, *, num_blocks=1, method="all_scan", initial=None,
              reverse=False):
-  """Exclusive scan of ``state`` under ``X -> decay * X + state`` over ``axis_name``.
+  """Exclusive scan of ``state`` under ``X -> A(X) + state`` over ``axis_name``.
 
   Args:
     state: this rank's ``S_p``, ``[..., K, V]`` (float32 recommended).
-    decay: this rank's ``lam_p``, ``[..., K]`` or ``[...]``; broadcast over V (and K).
+    decay: this rank's transition ``A_p``: a :class:`zeco_jax.transitions.Transition`
+      (``DiagonalDecay``, ``ScalarDecay``, ``Identity``, ``DenseTransition``), None (no
+      decay), or, as before transitions existed, a decay array ``[..., K]`` (per
+      dimension) or ``[...]`` (per head), broadcast over V.
     axis_name: the mesh axis to scan over (inside shard_map).
-    num_blocks: blocks along V for ``"pipeline"``; must divide V.
-    method: ``"pipeline"``, ``"tree"``, ``"all_gather"`` or ``"serial"``.
+    num_blocks: blocks along V for ``"all_scan"``; must divide V. Other methods ignore it.
+    method: a key of :data:`SCAN_METHODS`: ``"all_scan"``, ``"all_gather"``, ``"ring"``
+      or ``"tree"``.
     initial: the state entering the first rank of the chain (zeros if None).
     reverse: run the chain from the last rank to the first.
 
   Returns:
-    ``(exclusive, inclusive)``: the state entering this rank and the state after it.
+    ``(exclusive, inclusive)``: the state entering this rank and the state after it,
+    float32.
   """
-  P = lax.axis_size(axis_name)
-  _check(state, decay, initial, num_blocks, method, P)
-  f32 = jnp.float32
-  lam = decay.astype(f32)
-  lam = lam[..., None] if decay.shape == state.shape[:-1] else lam[..., None, None]
-  S = state.astype(f32)
-  h0 = make_varying(jnp.zeros_like(S), axis_name) if initial is None else initial.astype(f32)
-  _, pos, dev = _chain(axis_name, reverse)
-
-  if P == 1:
+  name = "all_scan"
+  spec = get_method(method, name=name)
+  if getattr(state, "ndim", 0) < 2:
+    raise ValueError(f"{name}: `state` must be [..., K, V], got shape {jnp.shape(state)}.")
+  A = as_transition(decay, state.shape, name=name).astype(jnp.float32)
+  if initial is not None and initial.shape != state.shape:
+    raise ValueError(f"{name}: `initial` must have the state's shape {state.shape}, got "
+                     f"{initial.shape}.")
+  if spec.blocked:
+    check_num_blocks(num_blocks, state.shape[-1], name=name)
+  S = state.astype(jnp.float32)
+  h0 = (make_varying(jnp.zeros_like(S), axis_name) if initial is None
+        else initial.astype(jnp.float32))
+  if lax.axis_size(axis_name) == 1:
     exclusive = jnp.broadcast_to(h0, S.shape)
-  elif method == "all_gather":
-    exclusive = _all_gather_scan(S, lam, h0, axis_name, P, pos, dev)
-  elif method == "tree":
-    exclusive = _tree_scan(S, lam, h0, axis_name, P, pos, dev)
   else:
-    nb = 1 if method == "serial" else num_blocks
-    # Same varying axes for every operand, so the custom_vjp's cotangents match (autodiff
-    # of the cast adds the psum a replicated initial state needs).
-    S, lam, h0 = (match_varying(x, S, lam, h0) for x in (S, lam, jnp.broadcast_to(h0, S.shape)))
-    exclusive = _pipeline(S, lam, h0, axis_name, nb, reverse)
-  return exclusive, lam * exclusive + S
+    exclusive = spec.run(S, A, h0, axis_name, num_blocks if spec.blocked else 1, reverse)
+  return exclusive, A.apply(exclusive) + S
 
 
 def _chain(axis_name, reverse):
@@ -154,37 +243,37 @@ def _chain(axis_name, reverse):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _pipeline(S, lam, h0, axis_name, nb, reverse):
-  P, pos, dev = _chain(axis_name, reverse)
-  return _pipeline_scan(S, lam, h0, axis_name, P, pos, dev, nb)
+def _pipeline(S, A, h0, axis_name, nb, reverse):
+  return _pipeline_scan(S, A, h0, axis_name, nb, reverse)
 
 
-def _pipeline_fwd(S, lam, h0, axis_name, nb, reverse):
-  X = _pipeline(S, lam, h0, axis_name, nb, reverse)
-  return X, (X, lam)                # one state kept for the backward (spec section 3, 4.)
+def _pipeline_fwd(S, A, h0, axis_name, nb, reverse):
+  X = _pipeline_scan(S, A, h0, axis_name, nb, reverse)
+  return X, (X, A)                # one state (and the transition) kept for the backward
 
 
 def _pipeline_bwd(axis_name, nb, reverse, residuals, dX):
-  """The reverse All-Scan (spec section 5): the same pipelined chain, run the other way.
+  """The reverse All-Scan (docs/design.md §5): the same chain, run the other way.
 
   With E_p the cotangent of the state leaving position p (X_{p+1}), E is the exclusive
-  scan of dX in the opposite direction under the same decays; then dS_p = E_p,
-  dlam_p = sum(X_p * E_p) and the initial state's cotangent is dX_0 + lam_0 * E_0.
+  scan of dX in the opposite direction under the transposed transitions; then
+  dS_p = E_p, dA_p = the cotangent of A_p in <E_p, A_p(X_p)>, and the initial state's
+  cotangent is dX_0 + A_0^T(E_0).
   """
-  X, lam = residuals
-  E = _pipeline(dX, lam, jnp.zeros_like(dX), axis_name, nb, not reverse)
+  X, A = residuals
+  A_t = A.transpose()
+  E = _pipeline(dX, A_t, jnp.zeros_like(dX), axis_name, nb, not reverse)
   _, pos, _ = _chain(axis_name, reverse)
-  d_initial = jnp.where(pos == 0, dX + lam * E, 0.0)
-  d_lam = X * E
-  reduce = tuple(i for i, (a, b) in enumerate(zip(lam.shape, d_lam.shape)) if a == 1 and b != 1)
-  return E, jnp.sum(d_lam, axis=reduce, keepdims=True), d_initial
+  d_initial = jnp.where(pos == 0, dX + A_t.apply(E), 0.0)
+  return E, A.cotangent(X, E), d_initial
 
 
 _pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)
 
 
-def _pipeline_scan(S, lam, h0, axis_name, P, pos, dev, nb):
-  """ZeCO's chain: at step s the rank at position c handles block j = s - c."""
+def _pipeline_scan(S, A, h0, axis_name, nb, reverse):
+  """ZeCO's chain: at step s the rank at position c handles V block j = s - c."""
+  P, pos, dev = _chain(axis_name, reverse)
   *lead, K, V = S.shape
   to_blocks = lambda x: jnp.moveaxis(x.reshape(*lead, K, nb, V // nb), -2, 0)
   S_b = to_blocks(S)
@@ -199,37 +288,40 @@ def _pipeline_scan(S, lam, h0, axis_name, P, pos, dev, nb):
     keep = lax.dynamic_index_in_dim(X_b, jc, 0, keepdims=False)
     X_b = lax.dynamic_update_index_in_dim(X_b, jnp.where(active, incoming, keep), jc, 0)
     if s < nb + P - 2:
-      out = lam * incoming + lax.dynamic_index_in_dim(S_b, jc, 0, keepdims=False)
+      out = A.apply(incoming) + lax.dynamic_index_in_dim(S_b, jc, 0, keepdims=False)
       perm = [(dev(c), dev(c + 1)) for c in range(P - 1) if 0 <= s - c < nb]
       recv = lax.ppermute(out, axis_name, perm)
   return jnp.moveaxis(X_b, 0, -2).reshape(S.shape)
 
 
-def _tree_scan(S, lam, h0, axis_name, P, pos, dev):
-  """Recursive doubling on (a, S) pairs, then a one-hop shift to make it exclusive."""
-  acc_S = jnp.where(pos == 0, lam * h0 + S, S)      # fold the initial state into position 0
-  acc_a = lam
+def _tree_scan(S, A, h0, axis_name, reverse):
+  """Recursive doubling on (A, S) pairs, then a one-hop shift to make it exclusive."""
+  P, pos, dev = _chain(axis_name, reverse)
+  acc_S = jnp.where(pos == 0, A.apply(h0) + S, S)   # fold the initial state into position 0
+  acc_A = A
   d = 1
   while d < P:
-    perm = [(dev(c), dev(c + d)) for c in range(P - d)]
-    recv_S = lax.ppermute(acc_S, axis_name, perm)
-    recv_a = lax.ppermute(acc_a, axis_name, perm)
+    send = functools.partial(lax.ppermute, axis_name=axis_name,
+                             perm=[(dev(c), dev(c + d)) for c in range(P - d)])
+    recv_S, recv_A = send(acc_S), jax.tree.map(send, acc_A)
     has = pos >= d
-    acc_S = jnp.where(has, acc_a * recv_S + acc_S, acc_S)
-    acc_a = jnp.where(has, recv_a * acc_a, acc_a)
+    acc_S = jnp.where(has, acc_A.apply(recv_S) + acc_S, acc_S)
+    acc_A = jax.tree.map(lambda new, old: jnp.where(has, new, old), acc_A.compose(recv_A),
+                         acc_A)
     d *= 2
   shifted = lax.ppermute(acc_S, axis_name, [(dev(c), dev(c + 1)) for c in range(P - 1)])
   return jnp.where(pos == 0, jnp.broadcast_to(h0, S.shape), shifted)
 
 
-def _all_gather_scan(S, lam, h0, axis_name, P, pos, dev):
-  """LASP-2: gather every rank's (S, lam), fold the ones before this rank in chain order."""
+def _all_gather_scan(S, A, h0, axis_name, reverse):
+  """LASP-2: gather every rank's (S, A), fold the ones before this rank in chain order."""
+  P, pos, dev = _chain(axis_name, reverse)
   S_all = lax.all_gather(S, axis_name)
-  lam_all = lax.all_gather(lam, axis_name)
+  A_all = jax.tree.map(lambda x: lax.all_gather(x, axis_name), A)
 
   def fold(c, X):
     d = dev(c)
-    X_next = lam_all[d] * X + S_all[d]
+    X_next = jax.tree.map(lambda x: x[d], A_all).apply(X) + S_all[d]
     return jnp.where(c < pos, X_next, X)
 
   return lax.fori_loop(0, P, fold, make_varying(jnp.broadcast_to(h0, S.shape), axis_name))
