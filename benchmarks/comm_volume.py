@@ -4,8 +4,9 @@
 
 Compiles jit(grad(zeco_gla)) (forward + backward) and the forward alone on simulated CPU
 devices for P = 2 .. max-devices, counts the collective bytes per rank in the HLO
-(zeco_jax.hlo_stats), and prints them in units of one state M. Then prints the spec's
-alpha-beta prediction of one exclusive scan of the paper's 1 MiB state for P up to 256,
+(zeco_jax.hlo_stats), and prints them in units of one state M, for every method of
+zeco_jax.scan.SCAN_METHODS. Then prints the alpha-beta model's prediction (docs/design.md
+§6) of one exclusive scan of the paper's 1 MiB state for P up to 256,
 next to the paper's measured All-Scan / all-gather times (H100, 8K tokens per GPU,
 d = 4096, H = 32). Writes comm_volume.md and comm_volume.png to --out.
 """
@@ -37,7 +38,7 @@ def main():
 
   B, H, K, V, C = 1, 2, 16, 32, 16
   M = B * H * K * V * 4
-  methods = ("all_scan", "tree", "all_gather", "ring")
+  methods = scan_lib.method_names()
   Ps = [p for p in (2, 4, 8, 16, 32, 64) if p <= args.max_devices]
   measured = {}
   for P in Ps:
@@ -58,8 +59,8 @@ def main():
            "Command: `python benchmarks/comm_volume.py --max-devices "
            f"{args.max_devices}` (jax {jax.__version__}, simulated CPU devices; bytes are "
            "read from the compiled program, so they hold on any backend).", "",
-           "Max bytes sent by any rank, in states M (M = B*H*K*V*4 bytes; lam adds K/V of a "
-           "state for tree and all_gather):", "",
+           "Max bytes sent by any rank, in states M (M = B*H*K*V*4 bytes; the decay adds K/V "
+           "of a state for tree and all_gather):", "",
            "| P | " + " | ".join(f"{m} fwd | {m} fwd+bwd" for m in methods) + " |",
            "|---|" + "---|" * (2 * len(methods))]
   for P in Ps:
@@ -71,19 +72,18 @@ def main():
   paper = {8: (0.226, 0.375), 256: (2.165, 8.514)}
   model_Ps = [2, 4, 8, 16, 32, 64, 128, 256]
   lines += ["", f"Alpha-beta model of one scan of a 1 MiB state (alpha = {alpha * 1e6:.0f} us, "
-            f"1/beta = {1 / beta / 1e9:.0f} GB/s; spec section 4), ms, with the paper's "
+            f"1/beta = {1 / beta / 1e9:.0f} GB/s; docs/design.md §6), ms, with the paper's "
             "measured H100 times (All-Scan / all-gather):", "",
-            "| P | pipeline nb* | pipeline | tree | all_gather | serial | paper All-Scan | "
-            "paper all-gather |", "|---|---|---|---|---|---|---|---|"]
+            "| P | all_scan nb* | " + " | ".join(methods) + " | paper All-Scan | "
+            "paper all-gather |", "|---|---|" + "---|" * (len(methods) + 2)]
   model = {}
   for P in model_Ps:
     nb = scan_lib.default_num_blocks(P, state, 128)
-    row = {m: scan_lib.predicted_time(P, nb, state, alpha, beta, m) * 1e3
-           for m in ("pipeline", "tree", "all_gather", "serial")}
+    row = {m: scan_lib.predicted_time(P, nb, state, alpha, beta, m) * 1e3 for m in methods}
     model[P] = row
     pa = paper.get(P, ("", ""))
-    lines.append(f"| {P} | {nb} | {row['pipeline']:.3f} | {row['tree']:.3f} | "
-                 f"{row['all_gather']:.3f} | {row['serial']:.3f} | {pa[0]} | {pa[1]} |")
+    lines.append(f"| {P} | {nb} | " + " | ".join(f"{row[m]:.3f}" for m in methods)
+                 + f" | {pa[0]} | {pa[1]} |")
   text = "\n".join(lines) + "\n"
   print(text)
   os.makedirs(args.out, exist_ok=True)
@@ -106,7 +106,7 @@ def main():
   ax1.set(xscale="log", yscale="log", xlabel="devices P", ylabel="states sent per rank",
           title="Bytes per rank (forward + backward)")
   ax1.legend(fontsize=7)
-  for m, mk in zip(("pipeline", "tree", "all_gather", "serial"), "osd^"):
+  for m, mk in zip(methods, "osd^"):
     ax2.plot(model_Ps, [model[P][m] for P in model_Ps], marker=mk, label=f"model {m}")
   ax2.scatter(list(paper), [v[0] for v in paper.values()], c="k", marker="*", s=90,
               label="paper All-Scan (H100)", zorder=5)

@@ -7,10 +7,10 @@ multi_gpu_P{P}.md (and the compiled schedule of the operator) to --out:
 
 1. The collective alone (the paper's setting): exclusive scan of a 1 MiB state per rank
    (H = 16 heads of 128 x 128 float32: the bytes of the paper's H = 32 bf16 state):
-   pipeline All-Scan for num_blocks in {1, 2, 4, 8, 16}, tree, all_gather (LASP-2),
-   serial (LASP-1); median ms per call.
+   all_scan (ZeCO) for num_blocks in {1, 2, 4, 8, 16}, then every other method of
+   zeco_jax.scan.SCAN_METHODS (all_gather: LASP-2, ring: LASP-1, tree); median ms per call.
 2. The operator: zeco_gla forward+backward at 16K tokens per GPU, H = 16, K = V = 128,
-   bf16, per-dim decay, for all_scan, all_gather, ring and the no-communication baseline
+   bf16, per-dim decay, for every scan method and the no-communication baseline
    (every GPU runs chunk_gla on its own 16K tokens).
 3. The compiled schedule of (2) for all_scan: how many compute ops XLA placed between
    each collective-permute-start and its done (> 0 means the send overlaps compute).
@@ -58,8 +58,8 @@ def collective_table(mesh, n, iters):
   S = jax.device_put(jnp.asarray(r.standard_normal((n, 1, H, K, V)), jnp.float32), sh)
   lam = jax.device_put(jnp.asarray(r.uniform(0.5, 1, (n, 1, H, K)), jnp.float32), sh)
   rows = []
-  configs = [("pipeline", nb) for nb in (1, 2, 4, 8, 16)] + [("tree", 1), ("all_gather", 1),
-                                                             ("serial", 1)]
+  configs = [("all_scan", nb) for nb in (1, 2, 4, 8, 16)] + [
+      (m, 1) for m, spec in zeco_jax.SCAN_METHODS.items() if not spec.blocked]
   for method, nb in configs:
     f = jax.jit(jax.shard_map(
         lambda S, lam: all_scan_first(S, lam, nb, method), mesh=mesh,
@@ -91,7 +91,7 @@ def operator_table(mesh, n, tokens, iters):
     return jax.jit(f)
 
   rows, compiled = [], {}
-  for method in ("all_scan", "all_gather", "ring"):
+  for method in zeco_jax.SCAN_METHODS:
     op = functools.partial(lambda *a, m: zeco_jax.zeco_gla(*a, mesh=mesh, method=m)[0],
                            m=method)
     f = fwd_bwd(op)

@@ -17,7 +17,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 from zeco_jax import distributed  # noqa: E402  (before anything starts the backend)
 
-METHODS = ("all_scan", "all_gather")
+METHODS = ("all_scan", "all_gather")   # keys of zeco_jax.scan.SCAN_METHODS: ppermute, all-gather
 SHAPE = dict(B=2, T=128, H=2, K=8, V=16)
 
 

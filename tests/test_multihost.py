@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from helpers import rel_err
 import multihost_worker
 from zeco_jax import distributed, launch
+from zeco_jax.scan import SCAN_METHODS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -67,6 +68,7 @@ def two_process_results(tmp_path_factory):
 
 @pytest.mark.parametrize("method", multihost_worker.METHODS)
 def test_zeco_gla_two_processes_equals_one(two_process_results, method, devices):
+  assert method in SCAN_METHODS
   reference = multihost_worker.gla_results(Mesh(np.array(devices), ("seq",)), method)
   assert set(reference) == {"loss", "o", "final", "dq", "dk", "dv", "dg", "dh0"}
   for name, want in reference.items():
