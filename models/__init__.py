@@ -1,6 +1,5 @@
-"""Flax NNX layers and the GLA language model, with logical-axis sharding rules."""
-from models.gla import GLABlock, GLAConfig, GLALM, GLAMixer, RMSNorm, SwiGLU, gla_op, num_params
+"""The GLA language model (on :mod:`zeco_jax.nn`'s layers), its data and sharding rules."""
+from models.gla import GLABlock, GLAConfig, GLALM, SwiGLU, gla_layer, num_params
 from models import sharding
 
-__all__ = ["GLABlock", "GLAConfig", "GLALM", "GLAMixer", "RMSNorm", "SwiGLU", "gla_op",
-           "num_params", "sharding"]
+__all__ = ["GLABlock", "GLAConfig", "GLALM", "SwiGLU", "gla_layer", "num_params", "sharding"]

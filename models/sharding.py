@@ -1,9 +1,9 @@
 """Logical axis names and the one rule table that maps them to mesh axes.
 
-Parameters and activations in :mod:`models` name their dimensions logically
-(``batch``, ``seq``, ``embed``, ...). Nothing in the model knows the mesh; this table
-(or one passed in its place, e.g. from a config) is the only place where a logical name
-becomes a mesh axis. Every PartitionSpec used by ``train.py`` is derived here.
+Parameters (of :mod:`models` and :mod:`zeco_jax.nn`) and activations name their dimensions
+logically (``batch``, ``seq``, ``embed``, ...). Nothing in the model knows the mesh; this
+table (or one passed in its place, e.g. from a config) is the only place where a logical
+name becomes a mesh axis. Every PartitionSpec the trainer uses is derived here.
 
 The default keeps parameters replicated (data x sequence parallelism): ``batch`` goes
 to ``data`` and ``seq`` (the time axis of activations) to ``seq``. Mapping ``embed`` to
@@ -17,6 +17,8 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from zeco_jax.nn import LOGICAL_AXES_KEY
+
 # (logical name, mesh axis or None). The first rule for a name wins.
 DEFAULT_RULES: tuple[tuple[str, Optional[str]], ...] = (
     ("batch", "data"),
@@ -28,9 +30,6 @@ DEFAULT_RULES: tuple[tuple[str, Optional[str]], ...] = (
     ("gate_rank", None),  # the low-rank gate bottleneck
     ("mlp", None),
 )
-
-LOGICAL_AXES_KEY = "logical_axes"
-
 
 def rules_from_config(overrides: Optional[Mapping[str, Optional[str]]] = None):
   """DEFAULT_RULES with some names remapped (``{"embed": "data"}``)."""

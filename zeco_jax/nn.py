@@ -1,0 +1,203 @@
+"""Flax NNX layers for gated linear attention: a token mixer another model can drop in.
+
+    from zeco_jax.nn import GatedLinearAttention
+    attn = GatedLinearAttention(hidden_size=256, num_heads=4, rngs=nnx.Rngs(0))
+    y_BxTxD = attn(x_BxTxD)                  # [B, T, 256] -> [B, T, 256]
+
+:class:`GatedLinearAttention` is flash-linear-attention's ``GatedLinearAttention`` (chunk
+mode): q/k/v projections (key dim ``hidden_size * expand_k``, value dim
+``hidden_size * expand_v``), an optional causal short convolution on q, k and v, a low-rank
+data-dependent log-decay ``g = logsigmoid(x W_down W_up + b) / gate_logit_normalizer``,
+per-head RMSNorm of the output times a swish gate, and an output projection.
+
+Sequence parallelism: the layer runs :func:`zeco_jax.zeco_gla` (ZeCO All-Scan) over the
+mesh axis ``seq_axis`` when that axis has size > 1, else :func:`zeco_jax.chunk_gla`. The
+mesh comes from the call (``attn(x, mesh=mesh)``) or from ``jax.set_mesh``; the layer holds
+none, so without a mesh it is single-device GLA inside any jitted program.
+
+Parameters are float32 and carry ``logical_axes`` metadata (``embed``, ``heads``,
+``head_dim``, ``gate_rank`` or None per dimension) for a rule table that maps them to mesh
+axes (the repository's ``models/sharding.py`` is one). For low-precision compute cast the
+parameters (e.g. to bfloat16) before ``nnx.merge``: norms, gates, the GLA state and its
+accumulation stay float32 inside.
+
+What it does not do: decoding with a recurrent cache, or the rest of a block (MLP,
+residuals, embeddings).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zeco_jax.ops import chunk_gla
+from zeco_jax.parallel import zeco_gla
+from zeco_jax.scan import SCAN_METHODS
+
+LOGICAL_AXES_KEY = "logical_axes"   # the metadata key of every parameter's logical axis names
+
+
+def normal_param(rngs: nnx.Rngs, shape, std: float, logical_axes) -> nnx.Param:
+  """A float32 parameter drawn from N(0, std^2), tagged with its logical axis names."""
+  init = jax.random.normal(rngs.params(), shape, jnp.float32) * std
+  return nnx.Param(init, **{LOGICAL_AXES_KEY: tuple(logical_axes)})
+
+
+def constant_param(shape, value: float, logical_axes) -> nnx.Param:
+  return nnx.Param(jnp.full(shape, value, jnp.float32), **{LOGICAL_AXES_KEY: tuple(logical_axes)})
+
+
+def _dot(x, w):
+  return jnp.einsum("...i,io->...o", x, w.astype(x.dtype))
+
+
+class RMSNorm(nnx.Module):
+  """``x / rms(x) * weight`` over the last axis, in float32, returned in x's dtype."""
+
+  def __init__(self, dim: int, eps: float = 1e-6, *, logical_axes=("embed",)):
+    self.weight = constant_param((dim,), 1.0, logical_axes)
+    self.eps = eps
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (x32 * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class ShortConvolution(nnx.Module):
+  """Causal depthwise convolution over time, then SiLU (fla ``ShortConvolution``).
+
+  Written as shifted slices of a left-padded input, so under jit with T sharded XLA adds
+  the (size - 1)-token halo exchange between sequence shards itself.
+  """
+
+  def __init__(self, dim: int, size: int = 4, *, rngs: nnx.Rngs,
+               logical_axes=(None, "heads")):
+    self.weight = normal_param(rngs, (size, dim), size ** -0.5, logical_axes)
+    self.size = size
+
+  def __call__(self, x_BxTxC):
+    T = x_BxTxC.shape[1]
+    w = self.weight[...].astype(x_BxTxC.dtype)
+    padded = jnp.pad(x_BxTxC, ((0, 0), (self.size - 1, 0), (0, 0)))
+    return jax.nn.silu(sum(padded[:, j:j + T] * w[j] for j in range(self.size)))
+
+
+def _seq_size(mesh, axis: str) -> int:
+  if mesh is None:
+    mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or getattr(mesh, "empty", False):
+    return 1
+  return int(dict(mesh.shape).get(axis, 1))
+
+
+def gla_op(q, k, v, g, *, mesh=None, seq_axis: str = "seq", seq_method: str = "all_scan",
+           num_blocks: Optional[int] = None, chunk_size: int = 64, backend: str = "auto"):
+  """GLA over ``[B, T, H, K/V]``: ``zeco_gla`` over ``seq_axis`` when that mesh axis has
+  size > 1, else ``chunk_gla`` (on one seq shard, or with no mesh). Returns the output."""
+  if _seq_size(mesh, seq_axis) > 1:
+    kwargs = {} if num_blocks is None else {"num_blocks": num_blocks}
+    o, _ = zeco_gla(q, k, v, g, mesh=mesh, seq_axis=seq_axis, method=seq_method,
+                    chunk_size=chunk_size, backend=backend, **kwargs)
+  else:
+    o, _ = chunk_gla(q, k, v, g, chunk_size=chunk_size, backend=backend)
+  return o
+
+
+def check_gla_args(*, hidden_size: int, num_heads: int, expand_k: float = 0.5,
+                   expand_v: float = 1.0, gate_low_rank_dim: int = 16, chunk_size: int = 64,
+                   conv_size: int = 4, seq_method: str = "all_scan") -> None:
+  """Raises ValueError naming the argument when a :class:`GatedLinearAttention` setting is bad."""
+  for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads),
+                      ("gate_low_rank_dim", gate_low_rank_dim), ("chunk_size", chunk_size),
+                      ("conv_size", conv_size)):
+    if value <= 0:
+      raise ValueError(f"{name} must be positive, got {value}")
+  for name, ratio in (("key", expand_k), ("value", expand_v)):
+    dim = int(hidden_size * ratio)
+    if dim <= 0 or dim % num_heads:
+      raise ValueError(f"{name} dim {dim} (hidden_size * expand_{name[0]}) must be positive "
+                       f"and divisible by num_heads={num_heads}")
+  if chunk_size % 16:
+    raise ValueError(f"chunk_size must be a multiple of 16, got {chunk_size}")
+  if seq_method not in SCAN_METHODS:
+    raise ValueError(f"seq_method must be one of {tuple(SCAN_METHODS)} (zeco_jax.scan."
+                     f"SCAN_METHODS), got {seq_method!r}")
+
+
+class GatedLinearAttention(nnx.Module):
+  """The GLA token mixer: ``[B, T, hidden_size]`` -> ``[B, T, hidden_size]``.
+
+  Args:
+    hidden_size, num_heads: model width and heads; key dim ``hidden_size * expand_k`` and
+      value dim ``hidden_size * expand_v`` are split evenly over the heads.
+    gate_low_rank_dim: rank of the decay gate's ``x W_down W_up`` projection.
+    gate_logit_normalizer: ``g = logsigmoid(...) / gate_logit_normalizer`` (fla: 16).
+    gate_bias_init: initial gate bias; > 0 starts with slower decay (longer memory).
+    use_short_conv, conv_size: fla's causal short convolution (+ SiLU) on q, k and v.
+    norm_eps: the per-head output RMSNorm's epsilon.
+    init_std: std of every projection; ``output_init_std`` of the output projection
+      (default ``init_std``; a stack of L layers usually passes ``init_std / sqrt(2 L)``).
+    chunk_size, backend: passed to ``chunk_gla`` / ``zeco_gla``.
+    seq_axis, seq_method, num_blocks: the mesh axis the sequence is split over and
+      ``zeco_gla``'s method and pipeline blocks (None: ``zeco_gla``'s choice).
+  """
+
+  def __init__(self, hidden_size: int, num_heads: int, *, expand_k: float = 0.5,
+               expand_v: float = 1.0, gate_low_rank_dim: int = 16,
+               gate_logit_normalizer: float = 16.0, gate_bias_init: float = 0.0,
+               use_short_conv: bool = False, conv_size: int = 4, norm_eps: float = 1e-6,
+               init_std: float = 0.02, output_init_std: Optional[float] = None,
+               chunk_size: int = 64, backend: str = "auto", seq_axis: str = "seq",
+               seq_method: str = "all_scan", num_blocks: Optional[int] = None,
+               rngs: nnx.Rngs):
+    try:
+      check_gla_args(hidden_size=hidden_size, num_heads=num_heads, expand_k=expand_k,
+                     expand_v=expand_v, gate_low_rank_dim=gate_low_rank_dim,
+                     chunk_size=chunk_size, conv_size=conv_size, seq_method=seq_method)
+    except ValueError as e:
+      raise ValueError(f"GatedLinearAttention: {e}") from None
+    D, R = hidden_size, gate_low_rank_dim
+    Kd, Vd = int(hidden_size * expand_k), int(hidden_size * expand_v)
+    out_std = init_std if output_init_std is None else output_init_std
+    self.num_heads, self.gate_logit_normalizer = num_heads, gate_logit_normalizer
+    self.use_short_conv, self.chunk_size, self.backend = use_short_conv, chunk_size, backend
+    self.seq_axis, self.seq_method, self.num_blocks = seq_axis, seq_method, num_blocks
+    # Creation order fixes which random draws each parameter gets: keep it.
+    self.q_proj = normal_param(rngs, (D, Kd), init_std, ("embed", "heads"))
+    self.k_proj = normal_param(rngs, (D, Kd), init_std, ("embed", "heads"))
+    self.v_proj = normal_param(rngs, (D, Vd), init_std, ("embed", "heads"))
+    self.g_proj = normal_param(rngs, (D, Vd), init_std, ("embed", "heads"))  # output gate
+    self.gk_down = normal_param(rngs, (D, R), init_std, ("embed", "gate_rank"))
+    self.gk_up = normal_param(rngs, (R, Kd), init_std, ("gate_rank", "heads"))
+    self.gk_bias = constant_param((Kd,), gate_bias_init, ("heads",))
+    self.g_norm = RMSNorm(Vd // num_heads, norm_eps, logical_axes=("head_dim",))
+    self.o_proj = normal_param(rngs, (Vd, D), out_std, ("heads", "embed"))
+    if use_short_conv:
+      self.q_conv = ShortConvolution(Kd, conv_size, rngs=rngs)
+      self.k_conv = ShortConvolution(Kd, conv_size, rngs=rngs)
+      self.v_conv = ShortConvolution(Vd, conv_size, rngs=rngs)
+
+  def __call__(self, x_BxTxD, mesh=None):
+    B, T, _ = x_BxTxD.shape
+    H = self.num_heads
+    q = _dot(x_BxTxD, self.q_proj[...])
+    k = _dot(x_BxTxD, self.k_proj[...])
+    v = _dot(x_BxTxD, self.v_proj[...])
+    if self.use_short_conv:
+      q, k, v = self.q_conv(q), self.k_conv(k), self.v_conv(v)
+    q, k, v = (x.reshape(B, T, H, -1) for x in (q, k, v))
+    gate_logits = _dot(_dot(x_BxTxD, self.gk_down[...]), self.gk_up[...]).astype(jnp.float32)
+    g = jax.nn.log_sigmoid(gate_logits + self.gk_bias[...]) / self.gate_logit_normalizer
+    o_BxTxHxV = gla_op(q, k, v, g.reshape(B, T, H, -1), mesh=mesh, seq_axis=self.seq_axis,
+                       seq_method=self.seq_method, num_blocks=self.num_blocks,
+                       chunk_size=self.chunk_size, backend=self.backend)
+    gate = _dot(x_BxTxD, self.g_proj[...]).reshape(B, T, H, -1)
+    o = self.g_norm(o_BxTxHxV).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
+    return _dot(o.reshape(B, T, -1).astype(x_BxTxD.dtype), self.o_proj[...])
+
+
+__all__ = ["GatedLinearAttention", "RMSNorm", "ShortConvolution", "check_gla_args",
+           "constant_param", "gla_op", "normal_param", "LOGICAL_AXES_KEY"]
