@@ -16,6 +16,12 @@ same inputs and outputs resident.
     python3 benchmarks/kernels.py --check-only              # correctness only
     python3 benchmarks/kernels.py --smoke --no-fla          # tiny shapes, any machine
 
+Kernel configurations are passed explicitly: every Pallas timing and check runs with
+``pallas_kernels.default_config`` for the device's platform and the shape, changed by the
+JSON overrides of ``--base-tune`` (all of them) and ``--tune`` / ``--stage-tune`` /
+``--stage-sweep`` / ``--check-tune`` (one variant each), whose keys are
+``pallas_kernels.KernelConfig`` fields: e.g. ``--tune '[{"state_bv": 64}]'``.
+
 FLA's first call autotunes its Triton kernels for minutes per shape. To hide that, run FLA
 in a second process (``--no-pallas --ready-file R --go-file G --compare-outputs D``) beside
 ours (``--no-fla --wait-file R --save-outputs D``; ``touch G`` when ours exits): FLA tunes
@@ -25,7 +31,7 @@ autotuning times its kernels, so nothing of ours runs on the GPU beside it.)
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -41,8 +47,8 @@ import numpy as np  # noqa: E402
 
 from zeco_jax import chunk_gla  # noqa: E402
 from zeco_jax import chunked  # noqa: E402
+from zeco_jax import target  # noqa: E402
 import pallas_kernels  # noqa: E402
-from pallas_kernels import _common as cm  # noqa: E402
 
 SHAPES = [  # (name, B, T, H, K, V)
     ("paper B1 T16384 H16 K128 V128", 1, 16384, 16, 128, 128),
@@ -50,16 +56,21 @@ SHAPES = [  # (name, B, T, H, K, V)
 ]
 
 
-@contextlib.contextmanager
-def tuned(overrides):
-  """pallas_kernels TUNE with ``overrides`` inside the block (re-jit after a change)."""
-  saved = dict(cm.TUNE)
-  cm.TUNE.update(overrides)
-  try:
-    yield
-  finally:
-    cm.TUNE.clear()
-    cm.TUNE.update(saved)
+BASE = {}     # --base-tune: KernelConfig overrides applied to every configuration
+
+
+def config_for(B, T, H, K, V, overrides=None, dtype=jnp.bfloat16):
+  """The default kernel configuration for this device and shape, with ``--base-tune`` and
+  ``overrides`` (KernelConfig field names) applied."""
+  found = target.target_of()
+  base = pallas_kernels.default_config(found.platform, B, T, H, K, V, dtype,
+                                       sm_count=found.num_cores)
+  changes = {**BASE, **(overrides or {})}
+  unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(base)})
+  if unknown:
+    raise ValueError(f"unknown KernelConfig fields {unknown}; the fields are "
+                     f"{[f.name for f in dataclasses.fields(base)]}")
+  return dataclasses.replace(base, **changes)
 
 
 def rel(a, b):
@@ -82,9 +93,9 @@ def make_inputs(seed, B, T, H, K, V, *, strong=False):
   return q, k, v, g.astype(np.float32), do
 
 
-def jax_fns(backend, scale):
+def jax_fns(backend, scale, config=None):
   def fwd(q, k, v, g):
-    return chunk_gla(q, k, v, g, scale=scale, backend=backend)[0]
+    return chunk_gla(q, k, v, g, scale=scale, backend=backend, kernel_config=config)[0]
 
   def fwd_bwd(q, k, v, g, do):
     o, vjp = jax.vjp(fwd, q, k, v, g)
@@ -135,7 +146,7 @@ def jax_peak(exe):
     return float("nan")
 
 
-# Which stages a TUNE key changes (--stage-sweep times only those).
+# Which stages a KernelConfig field changes (--stage-sweep times only those).
 STAGE_OF_KEY = {"cumsum": ("chunk_cumsum",), "state": ("state_pass", "state_grad_pass"),
                 "scores": ("scores",), "diag": ("scores",), "da": ("score_grad",),
                 "out": ("output",), "dv": ("dv",), "dqdk_diag": ("dqdk_diag",),
@@ -150,44 +161,44 @@ def stages_of(tune):
   return names
 
 
-def stage_inputs(q, k, v, g, do, scale):
-  """The intermediates each stage reads, computed once under the current TUNE."""
+def stage_inputs(q, k, v, g, do, scale, config):
+  """The intermediates each stage reads, computed once under ``config``."""
   from pallas_kernels import grads, intra, state
-  C = 64
+  kw = dict(chunk_size=64, config=config)
   B, T, H, K = q.shape
   V = v.shape[-1]
   h0 = jnp.zeros((B, H, K, V), jnp.float32)
-  bc = jax.jit(lambda g: state.chunk_cumsum(g, chunk_size=C))(g)
-  h, _ = jax.jit(lambda k, v, bc: state.state_pass(k, v, bc, h0, chunk_size=C))(k, v, bc)
+  bc = jax.jit(lambda g: state.chunk_cumsum(g, **kw))(g)
+  h, _ = jax.jit(lambda k, v, bc: state.state_pass(k, v, bc, h0, **kw))(k, v, bc)
   dH, _ = jax.jit(lambda q, do, bc: state.state_grad_pass(q, do, bc, h0, scale=scale,
-                                                          chunk_size=C))(q, do, bc)
-  A = jax.jit(lambda q, k, bc: intra.scores(q, k, bc, chunk_size=C))(q, k, bc)
-  dA = jax.jit(lambda do, v: intra.score_grad(do, v, scale=scale, chunk_size=C))(do, v)
-  diag = jax.jit(lambda *a: grads.diag_grads(*a, chunk_size=C))(q, k, bc, dA)
+                                                          **kw))(q, do, bc)
+  A = jax.jit(lambda q, k, bc: intra.scores(q, k, bc, **kw))(q, k, bc)
+  dA = jax.jit(lambda do, v: intra.score_grad(do, v, scale=scale, **kw))(do, v)
+  diag = jax.jit(lambda *a: grads.diag_grads(*a, **kw))(q, k, bc, dA)
   return dict(h0=h0, bc=bc, h=h, dH=dH, A=A, dA=dA, diag=diag)
 
 
-def stage_times(q, k, v, g, do, scale, iters, reps, *, names=None, pre=None):
-  """Each Pallas kernel alone, on the benchmark inputs (where the time goes); ``names``:
-  only these stages; ``pre``: stage_inputs computed already."""
+def stage_times(q, k, v, g, do, scale, iters, reps, config, *, names=None, pre=None):
+  """Each Pallas kernel alone under ``config``, on the benchmark inputs (where the time
+  goes); ``names``: only these stages; ``pre``: stage_inputs computed already."""
   from pallas_kernels import grads, intra, state
-  C = 64
-  p = pre or stage_inputs(q, k, v, g, do, scale)
+  kw = dict(chunk_size=64, config=config)
+  p = pre or stage_inputs(q, k, v, g, do, scale, config)
   h0, bc, h, dH, A, dA, diag = (p[n] for n in ("h0", "bc", "h", "dH", "A", "dA", "diag"))
   stages = {
-      "chunk_cumsum": (lambda g: state.chunk_cumsum(g, chunk_size=C), (g,)),
-      "state_pass": (lambda k, v, bc: state.state_pass(k, v, bc, h0, chunk_size=C), (k, v, bc)),
-      "scores": (lambda q, k, bc: intra.scores(q, k, bc, chunk_size=C), (q, k, bc)),
-      "output": (lambda q, v, bc, h, A: intra.output(q, v, bc, h, A, scale=scale, chunk_size=C),
+      "chunk_cumsum": (lambda g: state.chunk_cumsum(g, **kw), (g,)),
+      "state_pass": (lambda k, v, bc: state.state_pass(k, v, bc, h0, **kw), (k, v, bc)),
+      "scores": (lambda q, k, bc: intra.scores(q, k, bc, **kw), (q, k, bc)),
+      "output": (lambda q, v, bc, h, A: intra.output(q, v, bc, h, A, scale=scale, **kw),
                  (q, v, bc, h, A)),
       "state_grad_pass": (lambda q, do, bc: state.state_grad_pass(q, do, bc, h0, scale=scale,
-                                                                  chunk_size=C), (q, do, bc)),
-      "score_grad": (lambda do, v: intra.score_grad(do, v, scale=scale, chunk_size=C), (do, v)),
-      "dv": (lambda k, bc, do, A, dH: grads.dv(k, bc, do, A, dH, scale=scale, chunk_size=C),
+                                                                  **kw), (q, do, bc)),
+      "score_grad": (lambda do, v: intra.score_grad(do, v, scale=scale, **kw), (do, v)),
+      "dv": (lambda k, bc, do, A, dH: grads.dv(k, bc, do, A, dH, scale=scale, **kw),
              (k, bc, do, A, dH)),
-      "dqdk_diag": (lambda q, k, bc, dA: grads.diag_grads(q, k, bc, dA, chunk_size=C),
+      "dqdk_diag": (lambda q, k, bc, dA: grads.diag_grads(q, k, bc, dA, **kw),
                     (q, k, bc, dA)),
-      "dqdk": (lambda *a: grads.dqdk(*a[:8], scale=scale, chunk_size=C, diag=a[8]),
+      "dqdk": (lambda *a: grads.dqdk(*a[:8], scale=scale, diag=a[8], **kw),
                (q, k, v, bc, do, h, dH, dA, diag)),
   }
   out = {}
@@ -259,34 +270,38 @@ def check_truth64(log):
     jax.config.update("jax_enable_x64", False)
   kw = dict(scale=K ** -0.5, initial_state=jnp.asarray(h0), chunk_size=64)
   a = [jnp.asarray(x) for x in (q, k, v, g, do)]
-  for label, mod in (("pallas", pallas_kernels.backend()), ("jnp", chunked)):
-    r = jax.jit(lambda *xs: mod.bwd(*xs, **kw))(*a, jnp.asarray(dht))
+  config = config_for(B, T, H, K, V, dtype=jnp.float32)
+  for label, mod, extra in (("pallas", pallas_kernels.backend(config.platform),
+                             dict(config=config)), ("jnp", chunked, {})):
+    r = jax.jit(lambda *xs: mod.bwd(*xs, **kw, **extra))(*a, jnp.asarray(dht))
     log(f"truth64 check {label}: " + " ".join(
         f"{n}={rel(x, t):.1e}" for n, x, t in zip(("dq", "dk", "dv", "dg"), r, truth)))
 
 
-def check_gpu(log):
-  """float32 + strong decay: Pallas vs the jnp chunk path (HIGHEST), fwd and all grads."""
+def check_gpu(log, overrides=None):
+  """float32 + strong decay: Pallas (default config with ``overrides``) vs the jnp chunk
+  path (HIGHEST), fwd and all grads."""
   ok = True
-  be = pallas_kernels.backend()
   for (B, T, H, K, V) in [(2, 256, 2, 64, 128), (1, 512, 2, 128, 256), (1, 192, 3, 256, 64)]:
+    config = config_for(B, T, H, K, V, overrides, dtype=jnp.float32)
+    be = pallas_kernels.backend(config.platform)
     q, k, v, g, do = make_inputs(1, B, T, H, K, V, strong=True)
     rng = np.random.default_rng(2)
     h0 = jnp.asarray(rng.standard_normal((B, H, K, V), np.float32))
     dht = jnp.asarray(rng.standard_normal((B, H, K, V), np.float32))
     kw = dict(scale=K ** -0.5, initial_state=h0, chunk_size=64)
     q, k, v, g, do = map(jnp.asarray, (q, k, v, g, do))
-    o1, s1 = jax.jit(lambda *a: be.fwd(*a, **kw))(q, k, v, g)
+    o1, s1 = jax.jit(lambda *a: be.fwd(*a, **kw, config=config))(q, k, v, g)
     o2, s2 = jax.jit(lambda *a: chunked.fwd(*a, **kw))(q, k, v, g)
-    r1 = jax.jit(lambda *a: be.bwd(*a, **kw))(q, k, v, g, do, dht)
+    r1 = jax.jit(lambda *a: be.bwd(*a, **kw, config=config))(q, k, v, g, do, dht)
     r2 = jax.jit(lambda *a: chunked.bwd(*a, **kw))(q, k, v, g, do, dht)
     errs = {"o": rel(o1, o2), "ht": rel(s1, s2)}
     errs.update({n: rel(a, b) for n, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), r1, r2)})
 
-    def op_vjp(backend):     # chunk_gla's custom_vjp: the backward with A and h kept
+    def op_vjp(backend):     # chunk_gla's custom_vjp: the backward with A kept
       def f(q, k, v, g, h0):
         return chunk_gla(q, k, v, g, scale=K ** -0.5, initial_state=h0, output_final_state=True,
-                         backend=backend)
+                         backend=backend, kernel_config=config if backend == "pallas" else None)
       return jax.jit(lambda *a: jax.vjp(f, *a)[1]((do, dht)))(q, k, v, g, h0)
 
     errs.update({f"op {n}": rel(a, b) for n, a, b in zip(
@@ -310,17 +325,22 @@ def main():
   ap.add_argument("--no-fla", action="store_true")
   ap.add_argument("--no-jnp", action="store_true")
   ap.add_argument("--stages", action="store_true", help="also time each Pallas kernel alone")
-  ap.add_argument("--tune", default="", help="JSON list of TUNE overrides to time (Pallas only)")
-  ap.add_argument("--base-tune", default="", help="JSON TUNE overrides applied to everything")
+  ap.add_argument("--tune", default="",
+                  help="JSON list of KernelConfig overrides to time (Pallas only)")
+  ap.add_argument("--base-tune", default="",
+                  help="JSON KernelConfig overrides applied to every configuration")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU run of the script)")
   ap.add_argument("--fla-stages", action="store_true", help="also time FLA's kernels one by one")
   ap.add_argument("--stage-tune", default="[{}]",
-                  help="JSON list of TUNE overrides under which --stages times each kernel")
+                  help="JSON list of KernelConfig overrides under which --stages times each "
+                  "kernel")
   ap.add_argument("--stage-sweep", default="",
-                  help="JSON list of TUNE overrides; each times only the stages its keys change")
+                  help="JSON list of KernelConfig overrides; each times only the stages its "
+                  "keys change")
   ap.add_argument("--only", default="", help="comma-separated shape indices to run (0, 1)")
   ap.add_argument("--no-pallas", action="store_true", help="skip the whole-op Pallas timings")
-  ap.add_argument("--check-tune", default="[{}]", help="JSON list of TUNE overrides to check")
+  ap.add_argument("--check-tune", default="[{}]",
+                  help="JSON list of KernelConfig overrides to check")
   ap.add_argument("--wait-file", default="", help="time nothing until this file exists")
   ap.add_argument("--wait-limit", type=float, default=300, help="seconds --wait-file waits at most")
   ap.add_argument("--save-outputs", default="", help="folder: our bf16 forward outputs (.npy)")
@@ -332,7 +352,8 @@ def main():
   args = ap.parse_args()
   lines = []
   if args.base_tune:
-    cm.TUNE.update(json.loads(args.base_tune))
+    BASE.update(json.loads(args.base_tune))
+  configs = {}
   shapes = [("smoke B1 T256 H2 K64 V128", 1, 256, 2, 64, 128)] if args.smoke else SHAPES
 
   t_start = time.perf_counter()
@@ -346,16 +367,14 @@ def main():
   ok = None
   QUIET["file"], QUIET["limit_s"] = args.wait_file or None, args.wait_limit
   if not args.skip_checks:
-    # FLA autotunes by timing its kernels: leave the GPU to it until it is done (in runs 9
-    # and 12, whose FLA tuning ran beside these checks, FLA measured 10-25% slower at the
-    # second shape than in runs 7 and 8).
+    # FLA autotunes by timing its kernels: leave the GPU to it until it is done (tuned
+    # beside these checks, it picks slower kernels: benchmarks/results/kernels_h200.md).
     wait_quiet()
     ok = True
     for ctune in json.loads(args.check_tune):
       if ctune:
-        log(f"checks with TUNE {json.dumps(ctune, separators=(',', ':'))}")
-      with tuned(ctune):
-        ok &= check_gpu(log)
+        log(f"checks with config overrides {json.dumps(ctune, separators=(',', ':'))}")
+      ok &= check_gpu(log, ctune)
     try:
       check_truth64(log)
     except Exception as e:  # noqa: BLE001
@@ -394,13 +413,14 @@ def main():
     if not args.no_jnp:
       variants.append(("jnp", {}))
     outs = {}
+    configs[name] = dataclasses.asdict(config_for(B, T, H, K, V))
     for vname, tune in variants:
       backend = "jax" if vname == "jnp" else "pallas"
       try:
-        f, fb = jax_fns(backend, scale)
-        with tuned(tune):      # TUNE is read at trace time: compile under it
-          f = compiled(f, q, k, v, g)
-          fb = compiled(fb, q, k, v, g, do)
+        config = None if backend == "jax" else config_for(B, T, H, K, V, tune)
+        f, fb = jax_fns(backend, scale, config)
+        f = compiled(f, q, k, v, g)
+        fb = compiled(fb, q, k, v, g, do)
         o = f(q, k, v, g)
         outs[vname] = np.asarray(o.astype(jnp.float32))
         if vname == "pallas" and args.save_outputs:
@@ -424,8 +444,8 @@ def main():
       for stune in json.loads(args.stage_tune):
         tag = f" {json.dumps(stune, separators=(',', ':'))}" if stune else ""
         try:
-          with tuned(stune):
-            times = stage_times(q, k, v, g, do, scale, args.iters, args.reps)
+          times = stage_times(q, k, v, g, do, scale, args.iters, args.reps,
+                              config_for(B, T, H, K, V, stune))
           for sname, ms in times.items():
             row[f"stage{tag} {sname} ms"] = ms
             log(f"{name} stage{tag} {sname}: {ms:.3f} ms")
@@ -433,17 +453,18 @@ def main():
           log(f"{name} stages{tag}: FAILED {e!r}")
     if args.stage_sweep:
       try:
-        pre = stage_inputs(q, k, v, g, do, scale)
-        base = stage_times(q, k, v, g, do, scale, args.iters, args.reps, pre=pre)
+        base_config = config_for(B, T, H, K, V)
+        pre = stage_inputs(q, k, v, g, do, scale, base_config)
+        base = stage_times(q, k, v, g, do, scale, args.iters, args.reps, base_config, pre=pre)
         for sname, ms in base.items():
           row[f"sweep base {sname} ms"] = ms
           log(f"{name} sweep base {sname}: {ms:.3f} ms")
         for stune in json.loads(args.stage_sweep):
           tag = json.dumps(stune, separators=(",", ":"))
           try:
-            with tuned(stune):
-              times = stage_times(q, k, v, g, do, scale, args.iters, args.reps,
-                                  names=stages_of(stune), pre=pre)
+            times = stage_times(q, k, v, g, do, scale, args.iters, args.reps,
+                                config_for(B, T, H, K, V, stune), names=stages_of(stune),
+                                pre=pre)
             for sname, ms in times.items():
               row[f"sweep {tag} {sname} ms"] = ms
               log(f"{name} sweep {tag} {sname}: {ms:.3f} ms (base {base[sname]:.3f})")
@@ -536,7 +557,8 @@ def main():
     log(f"waited {QUIET.get('waited_s', 0):.0f} s for {args.wait_file} before timing")
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "kernels.json"), "w") as fh:
-    json.dump({"results": results, "tune": cm.TUNE, "checks_ok": ok}, fh, indent=1, default=str)
+    json.dump({"results": results, "configs": configs, "base_overrides": BASE, "checks_ok": ok},
+              fh, indent=1, default=str)
   with open(os.path.join(args.out, "kernels.log"), "w") as fh:
     fh.write("\n".join(lines) + "\n")
 

@@ -1,41 +1,43 @@
-"""Pallas kernels for chunked GLA (spec section 2), plugged into :func:`zeco_jax.chunk_gla`.
+"""Pallas kernels for chunked GLA (``docs/design.md`` §2), plugged into :func:`zeco_jax.chunk_gla`.
 
-``backend()`` returns the module whose ``fwd`` / ``bwd`` follow the contract of
-:mod:`zeco_jax.chunked` (padded, validated inputs, layout ``[B, T, H, D]``):
+``backend(platform)`` returns the module whose ``fwd`` / ``bwd`` follow the contract of
+:mod:`zeco_jax.chunked` (padded, validated inputs, layout ``[B, T, H, D]``), with one more
+keyword, ``config``: a :class:`KernelConfig`, the frozen launch configuration
+(``default_config(platform, B, T, H, K, V, dtype)`` gives the defaults; ``docs/design.md``
+§8 and ``docs/kernels.md`` say how they are chosen).
 
-* GPU: :mod:`pallas_kernels.triton_backend`, pallas_call lowered through Triton.
-* CPU: the same kernels in the Pallas interpreter (tests). ``ZECO_PALLAS_INTERPRET=1``
-  forces the interpreter on any platform, ``=0`` forbids it.
-* TPU: :mod:`pallas_kernels.tpu_backend` (Mosaic TPU) exists, lowers and is tested in the
-  interpreter, but has never run on a TPU, so it is opt-in: ``ZECO_PALLAS_TPU=1``.
-  Without it ``backend()`` raises ImportError on TPU and ``chunk_gla(backend="auto")``
-  stays on the jnp path there.
+* ``"gpu"``: :mod:`pallas_kernels.triton_backend`, pallas_call lowered through Triton.
+* ``"cpu"``: the same kernels in the Pallas interpreter (tests).
+* ``"tpu"``: :mod:`pallas_kernels.tpu_backend` (Mosaic TPU). It lowers and is tested in the
+  interpreter but has never run on a TPU, so :func:`zeco_jax.chunk_gla` uses it only when
+  asked (``backend="pallas"``); ``"auto"`` stays on the jnp path there.
 
-Modules: ``state`` (chunk cumsum; sequential state pass and state-gradient pass, also in
-one launch), ``intra`` (intra-chunk scores: off-diagonal blocks by tensor-core dots,
-16 x 16 diagonal blocks exact in log space; dA; output), ``grads`` (dv; diagonal dq/dk
-terms; dq, dk, dg), ``overlap`` (state walks in the same launch as chunk-parallel stages,
-an option), ``triton_backend`` (composition), ``tpu_backend`` (the Mosaic TPU variant),
-``_common`` (helpers, launch parameters ``TUNE``).
+Modules: ``config`` (:class:`KernelConfig`, :func:`default_config`), ``state`` (chunk
+cumsum; sequential state pass and state-gradient pass, also in one launch), ``intra``
+(intra-chunk scores: off-diagonal blocks by tensor-core dots, 16 x 16 diagonal blocks
+exact in log space; dA; output), ``grads`` (dv; diagonal dq/dk terms; dq, dk, dg),
+``triton_backend`` (composition), ``tpu_backend`` (the Mosaic TPU variant), ``_common``
+(helpers, the launch).
 """
-import os
-
-import jax
-
-
-def _flag(name):
-  return os.environ.get(name, "") not in ("", "0", "false", "False")
+from pallas_kernels.config import KernelConfig
+from pallas_kernels.config import PLATFORMS
+from pallas_kernels.config import default_config
 
 
-def backend():
-  if jax.default_backend() == "tpu" and not _flag("ZECO_PALLAS_INTERPRET"):
-    if _flag("ZECO_PALLAS_TPU"):
-      from pallas_kernels import tpu_backend
-      return tpu_backend
-    raise ImportError("pallas_kernels: the Mosaic TPU variant has not run on a TPU yet; set "
-                      "ZECO_PALLAS_TPU=1 to use it, or use backend='jax'.")
-  from pallas_kernels import triton_backend
-  return triton_backend
+def backend(platform: str):
+  """The kernel module for a target platform (``"cpu"``, ``"gpu"`` or ``"tpu"``).
+
+  Imports it, so a broken kernel package raises here (ImportError, AttributeError), never
+  silently falls back.
+  """
+  if platform == "tpu":
+    from pallas_kernels import tpu_backend
+    return tpu_backend
+  if platform in ("gpu", "cpu"):
+    from pallas_kernels import triton_backend
+    return triton_backend
+  raise ValueError(f"pallas_kernels.backend: unknown `platform` {platform!r}; choose one of "
+                   f"{', '.join(map(repr, PLATFORMS))}.")
 
 
-__all__ = ["backend"]
+__all__ = ["KernelConfig", "PLATFORMS", "backend", "default_config"]

@@ -14,8 +14,7 @@ factor through the row before the sub-chunk (dq) or its last row (dk), one maske
 ``[C, C] x [C, BK]`` dot per sub-chunk in ``gla_dqdk`` (grid ``(B, H, N, K / BK)``, which
 also does the state terms and dg's reverse cumsum over the chunk); the diagonal 16 x 16
 blocks are exact in log space, one ``j`` at a time on ``[16, BK]`` tiles in
-``gla_dqdk_diag`` (grid ``(B, H, N, C / 16, K / BK)``, partial dq and dk in float32, or in
-the input dtype with ``TUNE["diag_grads_in_input_dtype"]``).
+``gla_dqdk_diag`` (grid ``(B, H, N, C / 16, K / BK)``, partial dq and dk in float32).
 """
 from __future__ import annotations
 
@@ -42,26 +41,22 @@ def _dv_kernel(k_ref, bc_ref, do_ref, a_ref, dh_ref, dv_ref, *, C, K, BK, BV, dt
   dv_ref[b, tc, hd, vs] = dv.astype(dv_ref.dtype)
 
 
-def dv(k, bc, do, A, dH, *, scale, chunk_size):
+def dv(k, bc, do, A, dH, *, scale, chunk_size, config):
   B, T, H, K = k.shape
   V = do.shape[-1]
   C = chunk_size
-  BK, BV = cm.block(K, cm.TUNE['dv_bk']), cm.block(V, cm.TUNE['dv_bv'])
+  BK, BV = cm.block(K, config.dv_bk), cm.block(V, config.dv_bv)
   kern = functools.partial(_dv_kernel, C=C, K=K, BK=BK, BV=BV, dt=k.dtype, scale=scale)
   return cm.call(kern, jax.ShapeDtypeStruct(do.shape, do.dtype), (B, H, T // C, V // BV),
-                 num_warps=cm.TUNE['dv_warps'], num_stages=cm.TUNE['dv_stages'],
+                 config=config, num_warps=config.dv_warps, num_stages=config.dv_stages,
                  name="gla_dv")(k, bc, do, A, dH)
 
 
-def _diag_grad_kernel(q_ref, k_ref, bc_ref, da_ref, dqd_ref, dkd_ref, **kw):
-  diag_grad_body(q_ref, k_ref, bc_ref, da_ref, dqd_ref, dkd_ref,
-                 *(pl.program_id(i) for i in range(5)), **kw)
-
-
-def diag_grad_body(q_ref, k_ref, bc_ref, da_ref, dqd_ref, dkd_ref, b, hd, n, s, ik, *, C, BK):
+def _diag_grad_kernel(q_ref, k_ref, bc_ref, da_ref, dqd_ref, dkd_ref, *, C, BK):
   """Diagonal-block terms of dq and dk for sub-chunk s, exact in log space:
   dq_r += sum_{j <= r} dA[r, j] k_j e^{bc_r - bc_j},  dk_i += sum_{j >= i} dA[j, i] q_j
   e^{bc_j - bc_i}, one j at a time on [16, BK] tiles (small: many programs per SM)."""
+  b, hd, n, s, ik = (pl.program_id(i) for i in range(5))
   r0 = n * C + s * S
   rows, ks = pl.ds(r0, S), pl.ds(ik * BK, BK)
   row = cm.iota((S, BK), 0)
@@ -133,23 +128,19 @@ def _dqdk_kernel(q_ref, k_ref, v_ref, bc_ref, do_ref, h_ref, dh_ref, da_ref, dqd
   dg_ref[b, tc, hd, ks] = cm.rev_cumsum(q * dq - k * dk) + d_last
 
 
-def diag_grad_grid(q, *, chunk_size):
+def diag_grads(q, k, bc, dA, *, chunk_size, config):
+  """(dq_d, dk_d) float32: the diagonal-block terms of dq and dk (``gla_dqdk_diag``)."""
   B, T, H, K = q.shape
-  BK = cm.block(K, cm.TUNE['dqdk_diag_bk'])
-  return (B, H, T // chunk_size, chunk_size // S, K // BK), dict(C=chunk_size, BK=BK)
-
-
-def diag_grads(q, k, bc, dA, *, chunk_size):
-  """(dq_d, dk_d): the diagonal-block terms of dq and dk (``gla_dqdk_diag``), in
-  ``diag_grads_dtype``."""
-  grid, params = diag_grad_grid(q, chunk_size=chunk_size)
-  part = jax.ShapeDtypeStruct(q.shape, cm.diag_grads_dtype(q.dtype))
-  return cm.call(functools.partial(_diag_grad_kernel, **params), (part, part), grid,
-                 num_warps=cm.TUNE['dqdk_diag_warps'], num_stages=cm.TUNE['dqdk_diag_stages'],
+  C = chunk_size
+  BK = cm.block(K, config.dqdk_diag_bk)
+  part = jax.ShapeDtypeStruct(q.shape, cm.F32)
+  return cm.call(functools.partial(_diag_grad_kernel, C=C, BK=BK), (part, part),
+                 (B, H, T // C, C // S, K // BK), config=config,
+                 num_warps=config.dqdk_diag_warps, num_stages=config.dqdk_diag_stages,
                  name="gla_dqdk_diag")(q, k, bc, dA)
 
 
-def dqdk(q, k, v, bc, do, h, dH, dA, *, scale, chunk_size, diag=None):
+def dqdk(q, k, v, bc, do, h, dH, dA, *, scale, chunk_size, config, diag=None):
   """Returns (dq, dk in q's dtype, dg float32), all [B, T, H, K]; ``h`` and ``dH`` are
   the N chunk states and their cotangents.
   ``diag``: the diagonal-block terms (dq_d, dk_d) when already computed."""
@@ -158,10 +149,11 @@ def dqdk(q, k, v, bc, do, h, dH, dA, *, scale, chunk_size, diag=None):
   C = chunk_size
   N = T // C
   f32 = jax.ShapeDtypeStruct(q.shape, cm.F32)
-  dq_d, dk_d = diag_grads(q, k, bc, dA, chunk_size=C) if diag is None else diag
-  BK, BV = cm.block(K, cm.TUNE['dqdk_bk']), cm.block(V, cm.TUNE['dqdk_bv'])
+  dq_d, dk_d = (diag_grads(q, k, bc, dA, chunk_size=C, config=config) if diag is None
+                else diag)
+  BK, BV = cm.block(K, config.dqdk_bk), cm.block(V, config.dqdk_bv)
   kern = functools.partial(_dqdk_kernel, C=C, V=V, BK=BK, BV=BV, dt=q.dtype, scale=scale)
   out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype), f32)
-  return cm.call(kern, out, (B, H, N, K // BK),
-                 num_warps=cm.TUNE['dqdk_warps'], num_stages=cm.TUNE['dqdk_stages'],
+  return cm.call(kern, out, (B, H, N, K // BK), config=config,
+                 num_warps=config.dqdk_warps, num_stages=config.dqdk_stages,
                  name="gla_dqdk")(q, k, v, bc, do, h, dH, dA, dq_d, dk_d)

@@ -25,13 +25,10 @@ from pallas_kernels import _common as cm
 S = cm.SUB
 
 
-def _scores_off_kernel(q_ref, k_ref, bc_ref, a_ref, **kw):
-  scores_off_body(q_ref, k_ref, bc_ref, a_ref, *(pl.program_id(i) for i in range(3)), **kw)
-
-
-def scores_off_body(q_ref, k_ref, bc_ref, a_ref, b, hd, n, *, C, K, KD, dt):
+def _scores_off_kernel(q_ref, k_ref, bc_ref, a_ref, *, C, K, KD, dt):
   """A for one chunk with zero diagonal blocks: for each sub-chunk s >= 1, rows of s times
   columns before s, through the reference row ``16 s - 1`` (both factors <= 1)."""
+  b, hd, n = (pl.program_id(i) for i in range(3))
   t0 = n * C
   tc = pl.ds(t0, C)
   row = cm.iota((C, KD), 0)
@@ -79,26 +76,19 @@ def _diag_kernel(q_ref, k_ref, bc_ref, a_in_ref, a_ref, *, C, K, KD):
       0, K // KD, k_slice, jnp.zeros((S, S), cm.F32))
 
 
-def scores_off_params(q, *, chunk_size):
-  K = q.shape[-1]
-  return dict(C=chunk_size, K=K, KD=cm.block(K, cm.TUNE['scores_kd']), dt=q.dtype)
-
-
-def scores(q, k, bc, *, chunk_size, A=None):
-  """A [B, H, N, C, C] float32: unscaled, zero above the diagonal. With ``A`` given (its
-  off-diagonal blocks already computed), only the diagonal blocks are added."""
+def scores(q, k, bc, *, chunk_size, config):
+  """A [B, H, N, C, C] float32: unscaled, zero above the diagonal."""
   B, T, H, K = q.shape
   C = chunk_size
   N = T // C
   a_shape = jax.ShapeDtypeStruct((B, H, N, C, C), cm.F32)
-  if A is None:
-    off = functools.partial(_scores_off_kernel, **scores_off_params(q, chunk_size=C))
-    A = cm.call(off, a_shape, (B, H, N), num_warps=cm.TUNE['scores_warps'],
-                num_stages=cm.TUNE['scores_stages'], name="gla_scores")(q, k, bc)
-  KD = cm.block(K, cm.TUNE['diag_kd'])
-  diag = functools.partial(_diag_kernel, C=C, K=K, KD=KD)
-  return cm.call(diag, a_shape, (B, H, N, C // S), num_warps=cm.TUNE['diag_warps'],
-                 num_stages=cm.TUNE['diag_stages'], name="gla_scores_diag",
+  off = functools.partial(_scores_off_kernel, C=C, K=K, KD=cm.block(K, config.scores_kd),
+                          dt=q.dtype)
+  A = cm.call(off, a_shape, (B, H, N), config=config, num_warps=config.scores_warps,
+              num_stages=config.scores_stages, name="gla_scores")(q, k, bc)
+  diag = functools.partial(_diag_kernel, C=C, K=K, KD=cm.block(K, config.diag_kd))
+  return cm.call(diag, a_shape, (B, H, N, C // S), config=config, num_warps=config.diag_warps,
+                 num_stages=config.diag_stages, name="gla_scores_diag",
                  aliases={3: 0})(q, k, bc, A)
 
 
@@ -114,14 +104,14 @@ def _da_kernel(do_ref, v_ref, da_ref, *, C, V, BV, dt, scale):
   da_ref[b, hd, n] = jnp.where(cm.iota((C, C), 0) >= cm.iota((C, C), 1), scale * da, 0.0)
 
 
-def score_grad(do, v, *, scale, chunk_size):
+def score_grad(do, v, *, scale, chunk_size, config):
   """dA = tril(scale * do v^T) [B, H, N, C, C] float32."""
   B, T, H, V = v.shape
   C = chunk_size
-  BV = cm.block(V, cm.TUNE['da_bv'])
+  BV = cm.block(V, config.da_bv)
   kern = functools.partial(_da_kernel, C=C, V=V, BV=BV, dt=v.dtype, scale=scale)
   return cm.call(kern, jax.ShapeDtypeStruct((B, H, T // C, C, C), cm.F32), (B, H, T // C),
-                 num_warps=cm.TUNE['da_warps'], num_stages=cm.TUNE['da_stages'],
+                 config=config, num_warps=config.da_warps, num_stages=config.da_stages,
                  name="gla_score_grad")(do, v)
 
 
@@ -136,14 +126,14 @@ def _output_kernel(q_ref, v_ref, bc_ref, h_ref, a_ref, o_ref, *, C, K, BK, BV, d
   o_ref[b, tc, hd, vs] = (scale * o).astype(o_ref.dtype)
 
 
-def output(q, v, bc, h, A, *, scale, chunk_size):
+def output(q, v, bc, h, A, *, scale, chunk_size, config):
   """o = scale * ((q e^bc) h[n] + A v): [B, T, H, V] in v's dtype."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   C = chunk_size
   N = T // C
-  BK, BV = cm.block(K, cm.TUNE['out_bk']), cm.block(V, cm.TUNE['out_bv'])
+  BK, BV = cm.block(K, config.out_bk), cm.block(V, config.out_bv)
   kern = functools.partial(_output_kernel, C=C, K=K, BK=BK, BV=BV, dt=q.dtype, scale=scale)
   return cm.call(kern, jax.ShapeDtypeStruct(v.shape, v.dtype), (B, H, N, V // BV),
-                 num_warps=cm.TUNE['out_warps'], num_stages=cm.TUNE['out_stages'],
+                 config=config, num_warps=config.out_warps, num_stages=config.out_stages,
                  name="gla_output")(q, v, bc, h, A)

@@ -18,7 +18,6 @@ is the only sequential work in the algorithm.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -33,59 +32,44 @@ def _cumsum_kernel(g_ref, bc_ref, *, C, KD):
   bc_ref[b, t, hd, ks] = jnp.cumsum(g_ref[b, t, hd, ks].astype(cm.F32), axis=0)
 
 
-def chunk_cumsum(g, *, chunk_size):
+def chunk_cumsum(g, *, chunk_size, config):
   """bc [B, T, H, K] float32: cumulative sum of g within each chunk of ``chunk_size``."""
   B, T, H, K = g.shape
   C = chunk_size
-  KD = cm.block(K, cm.TUNE["cumsum_kd"])
+  KD = cm.block(K, config.cumsum_kd)
   kern = functools.partial(_cumsum_kernel, C=C, KD=KD)
   return cm.call(kern, jax.ShapeDtypeStruct(g.shape, cm.F32), (B, H, T // C, K // KD),
-                 num_warps=cm.TUNE["cumsum_warps"], num_stages=1,
+                 config=config, num_warps=config.cumsum_warps, num_stages=1,
                  name="gla_chunk_cumsum")(g)
 
 
-def walk_tiles(B, H, K, V, *, walks=1):
-  """[BK, BV] state tile of a walk. ``TUNE["state_bv"] = None`` (default) picks BV in
-  32..128 so that the launch's ``walks * B * H * (K / BK) * (V / BV)`` programs come
-  closest to the GPU's SM count (larger tile on a tie): a walk is a chain of dependent
-  chunk steps, fastest with about one program per SM (measured on the H200, run 8:
-  state pass 0.45 ms with 128 programs against 0.55 ms with 64 and 0.72 with 32 at B1
-  H16 K128 V128; 0.14 ms with 128 against 0.20 with 256 and 0.43 with 512 at B8 H4 V256).
-  """
-  BK = cm.block(K, cm.TUNE["state_bk"])
-  if cm.TUNE["state_bv"]:
-    return BK, cm.block(V, cm.TUNE["state_bv"])
-  target = cm.TUNE["state_programs"] or cm.sm_count()
-  options = sorted({cm.block(V, cap) for cap in (32, 64, 128)}, reverse=True)
-  progs = lambda bv: walks * B * H * (K // BK) * (V // bv)
-  return BK, min(options, key=lambda bv: abs(math.log(progs(bv) / target)))
-
-
-def walk_params(k, v, *, chunk_size, walks=1):
-  """(grid, kernel keywords) of a state walk: one program per [BK, BV] state tile;
-  ``walks``: how many walks share the launch (for the tile choice)."""
+def walk_params(k, v, *, chunk_size, config, both=False):
+  """(grid, kernel keywords) of a state walk: one program per [BK, BV] state tile, BV
+  ``config.state_both_bv`` when both walks share the launch (``both``), else
+  ``config.state_bv`` (:func:`pallas_kernels.default_config` picks them per shape)."""
   B, T, H, K = k.shape
   V = v.shape[-1]
-  BK, BV = walk_tiles(B, H, K, V, walks=walks)
+  BK = cm.block(K, config.state_bk)
+  BV = cm.block(V, config.state_both_bv if both else config.state_bv)
   return (B, H, K // BK, V // BV), dict(C=chunk_size, N=T // chunk_size, BK=BK, BV=BV,
                                         dt=k.dtype)
 
 
-def walk_outputs(k, v, *, chunk_size, states, grads):
+def walk_outputs(k, v, *, chunk_size, config, states, grads):
   """Output shapes: the state pass's (h [B, H, N, K, V], final) and/or the gradient
   pass's (dH [B, H, N, K, V], dh0); h and dH in ``state_store_dtype``, the rest float32."""
   B, T, H, K = k.shape
   V = v.shape[-1]
   N = T // chunk_size
-  store = cm.state_store_dtype(k.dtype)
+  store = cm.state_store_dtype(config, k.dtype)
   last = jax.ShapeDtypeStruct((B, H, K, V), cm.F32)
   return ((jax.ShapeDtypeStruct((B, H, N, K, V), store), last) if states else ()) + (
       (jax.ShapeDtypeStruct((B, H, N, K, V), store), last) if grads else ())
 
 
-def walk_call(kernel, out, grid, name):
-  return cm.call(kernel, out, grid, num_warps=cm.TUNE['state_warps'],
-                 num_stages=cm.TUNE['state_stages'], name=name)
+def walk_call(kernel, out, grid, name, config):
+  return cm.call(kernel, out, grid, config=config, num_warps=config.state_warps,
+                 num_stages=config.state_stages, name=name)
 
 
 def _state_walk(k_ref, v_ref, bc_ref, h0_ref, h_ref, ht_ref, b, hd, ik, iv, *, C, N, BK, BV,
@@ -108,14 +92,14 @@ def _state_kernel(k_ref, v_ref, bc_ref, h0_ref, h_ref, ht_ref, **kw):
               **kw)
 
 
-def state_pass(k, v, bc, h0, *, chunk_size):
+def state_pass(k, v, bc, h0, *, chunk_size, config):
   """Returns (h [B, H, N, K, V]: the state entering each chunk, in
-  ``state_store_dtype`` (the input dtype with ``TUNE["states_in_input_dtype"]``, else
+  ``state_store_dtype`` (the input dtype with ``config.states_in_input_dtype``, else
   float32), and the final state [B, H, K, V] in float32."""
-  grid, kw = walk_params(k, v, chunk_size=chunk_size)
-  out = walk_outputs(k, v, chunk_size=chunk_size, states=True, grads=False)
-  return walk_call(functools.partial(_state_kernel, **kw), out, grid,
-                   "gla_state_pass")(k, v, bc, h0)
+  grid, kw = walk_params(k, v, chunk_size=chunk_size, config=config)
+  out = walk_outputs(k, v, chunk_size=chunk_size, config=config, states=True, grads=False)
+  return walk_call(functools.partial(_state_kernel, **kw), out, grid, "gla_state_pass",
+                   config)(k, v, bc, h0)
 
 
 def _grad_walk(q_ref, do_ref, bc_ref, dht_ref, dh_ref, dh0_ref, b, hd, ik, iv, *, C, N, BK, BV,
@@ -139,12 +123,12 @@ def _state_grad_kernel(q_ref, do_ref, bc_ref, dht_ref, dh_ref, dh0_ref, **kw):
              *(pl.program_id(i) for i in range(4)), **kw)
 
 
-def state_grad_pass(q, do, bc, dht, *, scale, chunk_size):
+def state_grad_pass(q, do, bc, dht, *, scale, chunk_size, config):
   """Returns (dH [B, H, N, K, V] cotangent of the state leaving each chunk, dh0 [B, H, K, V])."""
-  grid, kw = walk_params(q, do, chunk_size=chunk_size)
-  out = walk_outputs(q, do, chunk_size=chunk_size, states=False, grads=True)
+  grid, kw = walk_params(q, do, chunk_size=chunk_size, config=config)
+  out = walk_outputs(q, do, chunk_size=chunk_size, config=config, states=False, grads=True)
   return walk_call(functools.partial(_state_grad_kernel, scale=scale, **kw), out, grid,
-                   "gla_state_grad_pass")(q, do, bc, dht)
+                   "gla_state_grad_pass", config)(q, do, bc, dht)
 
 
 def _both_kernel(k_ref, v_ref, q_ref, do_ref, bc_ref, h0_ref, dht_ref, h_ref, ht_ref, dh_ref,
@@ -158,13 +142,13 @@ def _both_kernel(k_ref, v_ref, q_ref, do_ref, bc_ref, h0_ref, dht_ref, h_ref, ht
                          scale=scale, **kw))
 
 
-def both_passes(q, k, v, do, bc, h0, dht, *, scale, chunk_size):
+def both_passes(q, k, v, do, bc, h0, dht, *, scale, chunk_size, config):
   """The state pass and the state-gradient pass in one launch (the backward needs both and
   they are independent): twice the programs of either, so the two sequential walks run
   side by side on the GPU instead of one after the other. Returns (h, dH, dh0)."""
-  (B, *rest), kw = walk_params(k, v, chunk_size=chunk_size, walks=2)
-  out = walk_outputs(k, v, chunk_size=chunk_size, states=True, grads=True)
+  (B, *rest), kw = walk_params(k, v, chunk_size=chunk_size, config=config, both=True)
+  out = walk_outputs(k, v, chunk_size=chunk_size, config=config, states=True, grads=True)
   kern = functools.partial(_both_kernel, B=B, scale=scale, **kw)
-  h, _, dH, dh0 = walk_call(kern, out, (2 * B, *rest), "gla_state_passes")(
+  h, _, dH, dh0 = walk_call(kern, out, (2 * B, *rest), "gla_state_passes", config)(
       k, v, q, do, bc, h0, dht)
   return h, dH, dh0

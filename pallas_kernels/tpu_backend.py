@@ -2,9 +2,13 @@
 
 Status: checked for lowering to Mosaic TPU on CPU (``lowering_platforms=("tpu",)``) and
 tested in the Pallas interpreter against the reference; **never run on TPU hardware**
-(no TPU is lent). Not selected automatically: ``pallas_kernels.backend()`` keeps TPU on
-the jnp path until this has been measured on a chip; call ``tpu_backend.fwd / bwd``
-directly (or ``ZECO_PALLAS_TPU=1``) to use it.
+(no TPU is lent). Not selected automatically: on a TPU target ``chunk_gla(backend="auto")``
+stays on the jnp path until this has been measured on a chip; ``backend="pallas"`` uses it
+(``pallas_kernels.backend("tpu")``).
+
+Same contract as :mod:`zeco_jax.chunked`, plus ``config`` (a
+:class:`pallas_kernels.KernelConfig`; only its ``interpret`` is read here). No scalar-decay
+path yet: a per-head scalar g is broadcast over K at entry, its gradient summed at exit.
 
 TPU-shaped rather than GPU-shaped: inputs go head-major ``[B*H, T, D]`` (one XLA
 transpose) so every block is a dense ``[C, D]`` VMEM tile; the chunk axis is the
@@ -173,13 +177,13 @@ def _from_head_major(x, B, H):
   return x.reshape(B, H, T, D).transpose(0, 2, 1, 3)
 
 
-def _params():
-  if cm.interpret_mode():
+def _params(config):
+  if config.interpret:
     return None
   return pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
 
 
-def _forward(q, k, v, g, h0, *, scale, C, emit_h):
+def _forward(q, k, v, g, h0, *, scale, C, emit_h, config):
   BH, T, K = q.shape
   V = v.shape[-1]
   N = T // C
@@ -194,16 +198,17 @@ def _forward(q, k, v, g, h0, *, scale, C, emit_h):
   return pl.pallas_call(
       kern, out_shape=tuple(out_shape), grid=(BH, N),
       in_specs=[tile(K), tile(K), tile(V), tile(K), state_spec], out_specs=tuple(out_specs),
-      scratch_shapes=[pltpu.VMEM((K, V), F32)], compiler_params=_params(),
-      interpret=cm.interpret_mode(), name="gla_tpu_fwd")(q, k, v, g, h0)
+      scratch_shapes=[pltpu.VMEM((K, V), F32)], compiler_params=_params(config),
+      interpret=config.interpret, name="gla_tpu_fwd")(q, k, v, g, h0)
 
 
-def fwd(q, k, v, g, *, scale, initial_state, chunk_size):
+def fwd(q, k, v, g, *, scale, initial_state, chunk_size, config):
   B, T, H, K = q.shape
   C = chunk_size
+  g = cm.per_dim_decay(g, q.shape)
   o, final = _forward(*map(_head_major, (q, k, v, g)),
                       initial_state.reshape(B * H, K, v.shape[-1]).astype(F32),
-                      scale=scale, C=C, emit_h=False)
+                      scale=scale, C=C, emit_h=False, config=config)
   return _from_head_major(o, B, H), final.reshape(B, H, K, v.shape[-1])
 
 
@@ -247,14 +252,15 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, do_ref, h_ref, dht_ref,
     dh0_ref[...] = new
 
 
-def bwd(q, k, v, g, do, dht, *, scale, initial_state, chunk_size):
+def bwd(q, k, v, g, do, dht, *, scale, initial_state, chunk_size, config):
   B, T, H, K = q.shape
   V = v.shape[-1]
   C = chunk_size
   N = T // C
-  qh, kh, vh, gh, doh = map(_head_major, (q, k, v, g, do.astype(v.dtype)))
+  qh, kh, vh, gh, doh = map(_head_major, (q, k, v, cm.per_dim_decay(g, q.shape),
+                                          do.astype(v.dtype)))
   _, _, hs = _forward(qh, kh, vh, gh, initial_state.reshape(B * H, K, V).astype(F32),
-                      scale=scale, C=C, emit_h=True)
+                      scale=scale, C=C, emit_h=True, config=config)
   rev = lambda D: pl.BlockSpec((None, C, D), lambda i, n: (i, N - 1 - n, 0))
   state_spec = pl.BlockSpec((None, K, V), lambda i, n: (i, 0, 0))
   h_spec = pl.BlockSpec((None, None, K, V), lambda i, n: (i, N - 1 - n, 0, 0))
@@ -266,8 +272,9 @@ def bwd(q, k, v, g, do, dht, *, scale, initial_state, chunk_size):
       kern, out_shape=out_shape, grid=(B * H, N),
       in_specs=[rev(K), rev(K), rev(V), rev(K), rev(V), h_spec, state_spec],
       out_specs=(rev(K), rev(K), rev(V), rev(K), state_spec),
-      scratch_shapes=[pltpu.VMEM((K, V), F32)], compiler_params=_params(),
-      interpret=cm.interpret_mode(), name="gla_tpu_bwd")(
+      scratch_shapes=[pltpu.VMEM((K, V), F32)], compiler_params=_params(config),
+      interpret=config.interpret, name="gla_tpu_bwd")(
           qh, kh, vh, gh, doh, hs, dht.reshape(B * H, K, V).astype(F32))
   back = lambda x: _from_head_major(x, B, H)
-  return back(dq), back(dk), back(dv), back(dg), dh0.reshape(B, H, K, V)
+  return (back(dq), back(dk), back(dv), cm.decay_grad(back(dg), g),
+          dh0.reshape(B, H, K, V))

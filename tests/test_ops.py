@@ -1,11 +1,16 @@
-"""chunk_gla (backend="jax") against the token-by-token reference, and its contracts."""
+"""chunk_gla (backend="jax") against the token-by-token reference, and its contracts:
+the backend contract (g as given), dispatch by the target platform."""
+import types
+import warnings
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import zeco_jax
 from helpers import cotangents, gla_inputs, loss_and_grads, rel_err
-from zeco_jax import chunk_gla, recurrent_gla
+from zeco_jax import chunk_gla, chunked, ops, recurrent_gla, target
 from zeco_jax.ops import resolve_backend
 
 
@@ -22,6 +27,7 @@ def test_chunk_gla_matches_recurrence(decay, initial):
   assert rel_err(s_c, s_r) <= 1e-5
   assert set(g_c) == set(g_r)
   for name in g_r:                          # float32 gradients
+    assert g_c[name].shape == g_r[name].shape, name
     assert rel_err(g_c[name], g_r[name]) <= 1e-4, name
 
 
@@ -70,6 +76,118 @@ def test_backward_keeps_no_per_token_states():
 
 def test_auto_backend_is_jax_on_cpu():
   assert resolve_backend("auto") == "jax"
+  assert resolve_backend("auto", platform="cpu") == "jax"
+
+
+@pytest.mark.parametrize("decay", ["dim", "scalar", None])
+def test_backends_receive_g_as_given(monkeypatch, decay):
+  """The backend contract: g reaches fwd / bwd per-dim, per-head scalar or None, not
+  broadcast; the custom_vjp's dg has g's own shape."""
+  seen = []
+  fwd, bwd = chunked.fwd, chunked.bwd
+
+  def spy_fwd(q, k, v, g, **kw):
+    seen.append(None if g is None else g.shape)
+    return fwd(q, k, v, g, **kw)
+
+  def spy_bwd(q, k, v, g, *rest, **kw):
+    out = bwd(q, k, v, g, *rest, **kw)
+    seen.append(None if out[3] is None else out[3].shape)
+    return out
+
+  monkeypatch.setattr(chunked, "fwd", spy_fwd)
+  monkeypatch.setattr(chunked, "bwd", spy_bwd)
+  q, k, v, g, _ = gla_inputs(18, 1, 32, 2, 8, 16, decay=decay)
+  (o, _), vjp = jax.vjp(lambda *a: chunk_gla(*a, chunk_size=32, backend="jax"), q, k, v, g)
+  dg = vjp((jnp.ones_like(o), None))[3]
+  expected = None if g is None else g.shape
+  assert seen == [expected, expected]
+  assert (dg is None) if g is None else (dg.shape == g.shape)
+
+
+def test_resolve_backend_follows_the_platform():
+  """'auto' picks by the target platform given (no such device needed): Pallas on gpu,
+  jnp on cpu silently, jnp on tpu with one warning per process; 'pallas' is honoured."""
+  ops._say_jax_fallback.cache_clear()
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    assert resolve_backend("auto", platform="gpu") == "pallas"
+    assert resolve_backend("auto", platform="cpu") == "jax"
+    assert not caught
+    assert resolve_backend("auto", platform="tpu") == "jax"
+    assert resolve_backend("auto", platform="tpu", name="zeco_gla") == "jax"
+    assert len(caught) == 1 and "tpu" in str(caught[0].message)
+  for platform in ("cpu", "gpu", "tpu"):
+    assert resolve_backend("pallas", platform=platform) == "pallas"
+    assert resolve_backend("jax", platform=platform) == "jax"
+  with pytest.raises(ValueError, match="platform"):
+    resolve_backend("auto", platform="cuda")
+
+
+def test_platform_of_a_mesh():
+  """The mesh decides the platform and the core count: a CPU mesh of the simulated
+  devices, and a stand-in mesh of GPU devices (only its devices' attributes are read)."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("seq",))
+  q = jnp.ones((1, 16, 1, 8))
+  assert target.platform_of(q, mesh=mesh) == "cpu"
+  gpu = types.SimpleNamespace(platform="cuda", core_count=132)
+  gpu_mesh = types.SimpleNamespace(devices=np.array([gpu, gpu], dtype=object))
+  assert target.target_of(q, mesh=gpu_mesh) == target.Target("gpu", 132)
+  assert resolve_backend("auto", platform=target.platform_of(q, mesh=gpu_mesh)) == "pallas"
+
+
+def _abstract_mesh(platform, kind, cores):
+  device_cls = getattr(jax.sharding, "AbstractDevice", None)
+  if device_cls is None:
+    pytest.skip("this jax has no jax.sharding.AbstractDevice")
+  device = device_cls(device_kind=kind, num_cores=cores, platform=platform)
+  return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+
+
+def _traced(mesh, backend, **kw):
+  """chunk_gla's forward + backward traced (not run) for the context ``mesh``'s target."""
+  sd = jax.ShapeDtypeStruct
+  args = [sd((1, 64, 1, 64), jnp.bfloat16)] * 2 + [sd((1, 64, 1, 64), jnp.bfloat16),
+                                                   sd((1, 64, 1, 64), jnp.float32)]
+
+  def loss(q, k, v, g):
+    return jnp.sum(chunk_gla(q, k, v, g, backend=backend, **kw)[0].astype(jnp.float32))
+
+  with jax.sharding.use_abstract_mesh(mesh):
+    return str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args))
+
+
+def test_chunk_gla_dispatches_by_the_target_mesh():
+  """A program traced for a GPU or TPU target on this CPU host gets that target's
+  kernels: compiled (not interpreted) Triton launches for the GPU with the state-walk
+  tiles chosen for its SM count; the jnp path for a TPU under 'auto' (said once), the
+  Mosaic TPU kernels under 'pallas'."""
+  gpu = _traced(_abstract_mesh("gpu", "NVIDIA H200", 132), "auto")
+  assert "pallas_call" in gpu and "interpret=True" not in gpu
+  assert "num_warps=4" in gpu and "gla_state_passes" in gpu
+  ops._say_jax_fallback.cache_clear()
+  tpu = _abstract_mesh("tpu", "TPU v5 lite", 1)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    assert "pallas_call" not in _traced(tpu, "auto")
+    assert len(caught) == 1
+  assert "gla_tpu_fwd" in _traced(tpu, "pallas")
+
+
+def test_broken_kernel_package_raises(monkeypatch):
+  """An ImportError inside pallas_kernels surfaces; it never turns into the jnp path."""
+  kernels = pytest.importorskip("pallas_kernels")
+
+  def broken(platform):
+    raise ImportError(f"kernels for {platform} failed to import")
+
+  monkeypatch.setattr(kernels, "backend", broken)
+  q, k, v, g, _ = gla_inputs(19, T=32)
+  with pytest.raises(ImportError, match="failed to import"):
+    chunk_gla(q, k, v, g, backend="pallas")
+  with pytest.raises(ImportError, match="failed to import"):
+    resolve_backend("auto", platform="gpu")
+  chunk_gla(q, k, v, g, backend="jax")            # the jnp path does not need the kernels
 
 
 @pytest.mark.parametrize("make_args,match", [
@@ -93,6 +211,8 @@ def test_bad_options_raise_value_error():
     chunk_gla(q, k, v, g, chunk_size=20)
   with pytest.raises(ValueError, match="backend"):
     chunk_gla(q, k, v, g, backend="cuda")
+  with pytest.raises(ValueError, match="kernel_config"):
+    chunk_gla(q, k, v, g, kernel_config="fast")
   with pytest.raises(ValueError, match="scale"):
     chunk_gla(q, k, v, g, scale="0.5")
 

@@ -90,7 +90,9 @@ def check_choice(value, choices, *, arg: str, name: str) -> None:
 
 
 def full_log_decay(g, B, T, H, K):
-  """g as float32 ``[B, T, H, K]``: zeros for None, broadcast over K for scalar decay."""
+  """g as float32 ``[B, T, H, K]``: zeros for None, broadcast over K for scalar decay
+  (for code that needs the per-dim form; :func:`zeco_jax.chunk_gla`'s backends get g as
+  given)."""
   if g is None:
     return jnp.zeros((B, T, H, K), jnp.float32)
   g = g.astype(jnp.float32)

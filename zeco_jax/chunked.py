@@ -1,4 +1,4 @@
-"""The chunked GLA algorithm in plain jnp: forward and explicit backward (spec section 2).
+"""The chunked GLA algorithm in plain jnp: forward and explicit backward (``docs/design.md`` §2).
 
 This is the ``backend="jax"`` path of :func:`zeco_jax.chunk_gla` and the template the
 Pallas kernels follow stage by stage:
@@ -8,7 +8,9 @@ Pallas kernels follow stage by stage:
 
 Layout inside this module is head-major chunks, ``[B, H, N, C, D]``; the public layout
 ``[B, T, H, D]`` is converted once at entry. ``T`` must be a multiple of ``chunk_size``
-(:func:`zeco_jax.chunk_gla` pads). All math is float32.
+(:func:`zeco_jax.chunk_gla` pads). All math is float32. The log-decay g is per-dim
+``[B, T, H, K]``, per-head scalar ``[B, T, H]`` (broadcast over K here: no specialised
+scalar path) or None (no decay); its gradient comes back in the same shape.
 
 Stability: a chunk's cumulative log-decay ``b`` can reach -5 * 64 = -320, so ``exp(-b)``
 overflows. Every exponent used here is a difference that is <= 0: the intra-chunk scores
@@ -146,13 +148,23 @@ def state_grad_pass(qc, doc, b, dht, scale):
   return jnp.moveaxis(dH, 0, 2), dh0
 
 
+def _decay_chunks(g, shape, C):
+  """g ([B,T,H,K], [B,T,H] or None) as float32 chunks [B,H,N,C,K]."""
+  if g is None:
+    g = jnp.zeros(shape, jnp.float32)
+  elif g.ndim == 3:
+    g = jnp.broadcast_to(g.astype(jnp.float32)[..., None], shape)
+  return to_chunks(g, C)
+
+
 def fwd(q, k, v, g, *, scale, initial_state, chunk_size):
-  """Forward. q, k [B,T,H,K]; v [B,T,H,V]; g float32 [B,T,H,K]; T % chunk_size == 0.
+  """Forward. q, k [B,T,H,K]; v [B,T,H,V]; g [B,T,H,K], [B,T,H] or None; T % chunk_size == 0.
 
   Returns (o [B,T,H,V] in v's dtype, final_state float32 [B,H,K,V]).
   """
   C = chunk_size
-  qc, kc, vc, gc = (to_chunks(x, C) for x in (q, k, v, g))
+  qc, kc, vc = (to_chunks(x, C) for x in (q, k, v))
+  gc = _decay_chunks(g, q.shape, C)
   b = jnp.cumsum(gc, axis=-2)
   h, final = state_pass(kc, vc, b, initial_state.astype(jnp.float32))
   intra = _IntraDecay(b)
@@ -162,9 +174,11 @@ def fwd(q, k, v, g, *, scale, initial_state, chunk_size):
 
 
 def bwd(q, k, v, g, do, dht, *, scale, initial_state, chunk_size):
-  """Backward of :func:`fwd`. Returns (dq, dk, dv, dg float32, dh0 float32)."""
+  """Backward of :func:`fwd`. Returns (dq, dk, dv, dg float32 in g's shape or None,
+  dh0 float32)."""
   C = chunk_size
-  qc, kc, vc, gc, doc = (to_chunks(x, C) for x in (q, k, v, g, do))
+  qc, kc, vc, doc = (to_chunks(x, C) for x in (q, k, v, do))
+  gc = _decay_chunks(g, q.shape, C)
   b = jnp.cumsum(gc, axis=-2)
   h, _ = state_pass(kc, vc, b, initial_state.astype(jnp.float32))
   dH, dh0 = state_grad_pass(qc, doc, b, dht.astype(jnp.float32), scale)
@@ -184,6 +198,10 @@ def bwd(q, k, v, g, do, dht, *, scale, initial_state, chunk_size):
   db = qc * dq - kc * dk
   d_last = jnp.exp(b_last[..., 0, :]) * jnp.sum(h * dH, axis=-1) + jnp.sum(kc * dk_state, axis=-2)
   db = db.at[..., -1, :].add(d_last)
-  dg = jnp.flip(jnp.cumsum(jnp.flip(db, -2), axis=-2), -2)
-  return (from_chunks(dq, q.dtype), from_chunks(dk, k.dtype), from_chunks(dv, v.dtype),
-          from_chunks(dg, jnp.float32), dh0)
+  dg = from_chunks(jnp.flip(jnp.cumsum(jnp.flip(db, -2), axis=-2), -2), jnp.float32)
+  if g is None:
+    dg = None
+  elif g.ndim == 3:
+    dg = jnp.sum(dg, axis=-1)
+  return (from_chunks(dq, q.dtype), from_chunks(dk, k.dtype), from_chunks(dv, v.dtype), dg,
+          dh0)
