@@ -1,145 +1,105 @@
-"""Config files for ``train.py``: load by name or path, override from the command line, validate.
+"""Configs for ``train.py``: every field with its default, and start-up validation.
 
-A config is a small Python file defining ``CONFIG``, a nested dict with the sections
-``model`` (fields of :class:`models.GLAConfig`), ``data``, ``train`` and ``mesh``; its
-docstring says how to run it, on what, how long it takes and what it should reach.
-Missing fields take the defaults in :data:`DEFAULTS`; a key that is not in DEFAULTS is an
-error (a typo must not silently train the wrong thing).
+A config file (``configs/tiny_mqar.py``, ...) defines ``get_config()``, which returns
+:func:`defaults` with some fields changed; its docstring says how to run it, on what, how
+long it takes and what it reaches. ``train.py`` reads it with ml_collections'
+``config_flags.DEFINE_config_file(..., lock_config=True)``, so any field can be overridden
+from the command line (``--config.model.num_layers=4 --config.train.lr=3e-4``) and a field
+that does not exist is an error, in a config file as on the command line (a typo must not
+silently train the wrong thing). :func:`validate` checks a config against the devices at
+start-up and raises ValueError naming the field.
+
+Sections: ``model`` (the fields of :class:`models.GLAConfig`), ``data``, ``train``, and
+``mesh`` ("auto" or "data=N,seq=M").
 """
 from __future__ import annotations
 
-import ast
-import copy
 import dataclasses
-import importlib.util
 import os
-from typing import Any, Mapping, Sequence
+import typing
 
+import ml_collections
+from ml_collections.config_dict import placeholder
+
+from models import sharding
 from models.gla import GLAConfig
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
-DEFAULTS: dict[str, Any] = {
-    "model": {f.name: f.default for f in dataclasses.fields(GLAConfig)},
-    "data": {
-        "kind": "mqar",          # "mqar" (generated) or "text" (bytes of a file or folder)
-        "path": None,            # text: a file or a folder (read recursively)
-        "seq_len": 2048,
-        "batch_size": 8,         # global batch (split over the data axis)
-        "seed": 0,
-        # MQAR (models/data.py): key-value pairs, later queries of those keys (answer hidden).
-        "layout": "boundaries",  # pairs before each segment boundary, queries after; or "start"
-        "num_segments": 4,       # boundaries layout: segments (= seq shards at seq=4)
-        "query_window": 256,     # boundaries layout: queries in a segment's first N tokens
-        "num_keys": 64,          # key alphabet; values use another num_keys tokens
-        "num_pairs": 8,          # pairs per episode
-        "num_queries": 64,       # queried positions per episode (keys repeat)
-        "query_from": 0.25,      # start layout: queries at positions >= query_from * seq_len
-    },
-    "train": {
-        "steps": 1000,
-        "lr": 1e-3,
-        "min_lr_ratio": 0.1,
-        "warmup_steps": 100,
-        "weight_decay": 0.1,
-        "b1": 0.9,
-        "b2": 0.95,
-        "grad_clip": 1.0,
-        "compute_dtype": "float32",   # or "bfloat16" (params and optimizer stay float32)
-        "seed": 0,                    # parameter init
-        "log_every": 10,
-        "eval_every": 0,              # 0: only at the end
-        "eval_batches": 4,
-        "checkpoint_every": 100,
-        "keep_checkpoints": 3,
-        "async_checkpointing": True,
-        "stop_after": None,           # stop at this step as if interrupted (tests, demos)
-        "workdir": None,              # default runs/<config name>
-        "sharding_rules": {},         # logical axis -> mesh axis overrides, e.g. {"embed": "data"}
-    },
-    # "auto": seq = largest of 4, 2, 1 dividing the device count, data = the rest.
-    "mesh": "auto",
-}
-
-
-def _load_file(path: str) -> dict:
-  spec = importlib.util.spec_from_file_location(f"zeco_config_{abs(hash(path))}", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  if not hasattr(module, "CONFIG"):
-    raise ValueError(f"config {path}: defines no CONFIG dict")
-  return module.CONFIG
-
-
-def resolve_path(name_or_path: str) -> str:
-  if os.path.isfile(name_or_path):
-    return name_or_path
-  candidate = os.path.join(HERE, name_or_path + ("" if name_or_path.endswith(".py") else ".py"))
-  if os.path.isfile(candidate):
-    return candidate
-  names = sorted(f[:-3] for f in os.listdir(HERE) if f.endswith(".py") and not f.startswith("_"))
-  raise ValueError(f"config {name_or_path!r}: neither a file nor one of {names}")
-
-
-def _merge(base: dict, update: Mapping, where: str) -> dict:
-  out = copy.deepcopy(base)
-  for key, value in update.items():
-    if key not in base:
-      raise ValueError(f"config: unknown key {where}{key!r}; known: {sorted(base)}")
-    if isinstance(base[key], dict) and key != "sharding_rules":
-      if not isinstance(value, Mapping):
-        raise ValueError(f"config: {where}{key} must be a dict, got {value!r}")
-      out[key] = _merge(base[key], value, f"{where}{key}.")
+def _model_defaults() -> dict:
+  """GLAConfig's fields; an Optional field with default None becomes a typed placeholder."""
+  hints = typing.get_type_hints(GLAConfig)
+  out = {}
+  for field in dataclasses.fields(GLAConfig):
+    if field.default is None:
+      (kind,) = [t for t in typing.get_args(hints[field.name]) if t is not type(None)]
+      out[field.name] = placeholder(kind)
     else:
-      out[key] = value
+      out[field.name] = field.default
   return out
 
 
-def parse_value(text: str):
-  """A command-line value: a Python literal (4, 1e-3, True, None, "x", {...}) or a string."""
-  try:
-    return ast.literal_eval(text)
-  except (ValueError, SyntaxError):
-    return text
+def defaults() -> ml_collections.ConfigDict:
+  """Every config field with its default value, locked (no new fields)."""
+  config = ml_collections.ConfigDict({
+      "model": _model_defaults(),
+      "data": {
+          "kind": "mqar",          # "mqar" (generated) or "text" (bytes of a file or folder)
+          "path": placeholder(str),  # text: a file or a folder (read recursively)
+          "seq_len": 2048,
+          "batch_size": 8,         # global batch (split over the data axis)
+          "seed": 0,
+          # MQAR (models/data.py): key-value pairs, later queries of those keys (answer hidden).
+          "layout": "boundaries",  # pairs before each segment boundary, queries after; or "start"
+          "num_segments": 4,       # boundaries layout: segments (= seq shards at seq=4)
+          "query_window": 256,     # boundaries layout: queries in a segment's first N tokens
+          "num_keys": 64,          # key alphabet; values use another num_keys tokens
+          "num_pairs": 8,          # pairs per episode
+          "num_queries": 64,       # queried positions per episode (keys repeat)
+          "query_from": 0.25,      # start layout: queries at positions >= query_from * seq_len
+      },
+      "train": {
+          "steps": 1000,
+          "lr": 1e-3,
+          "min_lr_ratio": 0.1,
+          "warmup_steps": 100,
+          "weight_decay": 0.1,
+          "b1": 0.9,
+          "b2": 0.95,
+          "grad_clip": 1.0,
+          "compute_dtype": "float32",   # or "bfloat16" (params and optimizer stay float32)
+          "seed": 0,                    # parameter init
+          "log_every": 10,
+          "eval_every": 0,              # 0: only at the end
+          "eval_batches": 4,
+          "checkpoint_every": 100,      # 0: no checkpoints
+          "keep_checkpoints": 3,
+          "async_checkpointing": True,
+          # End this invocation at that step (checkpointed); the same command resumes.
+          "stop_after": placeholder(int),
+          # Mesh axis of each logical axis (models/sharding.py), e.g. embed=data for FSDP.
+          "sharding_rules": {name: axis if axis is not None else placeholder(str)
+                             for name, axis in sharding.DEFAULT_RULES},
+      },
+      # "auto": seq = largest of 4, 2, 1 dividing the device count, data = the rest.
+      "mesh": "auto",
+  })
+  config.lock()
+  return config
 
 
-def apply_overrides(cfg: dict, overrides: Sequence[str]) -> dict:
-  """``["model.num_layers=4", "train.lr=3e-4"]`` -> a new config."""
-  cfg = copy.deepcopy(cfg)
-  for item in overrides:
-    if "=" not in item:
-      raise ValueError(f"--set {item!r}: expected section.key=value")
-    dotted, text = item.split("=", 1)
-    keys = dotted.strip().split(".")
-    node, schema = cfg, DEFAULTS
-    for key in keys[:-1]:
-      if not isinstance(schema, dict) or key not in schema:
-        raise ValueError(f"--set {item!r}: unknown section {key!r}")
-      node, schema = node[key], schema[key]
-    if not isinstance(schema, dict) or keys[-1] not in schema:
-      known = sorted(schema) if isinstance(schema, dict) else []
-      raise ValueError(f"--set {item!r}: unknown key {dotted!r}; known here: {known}")
-    node[keys[-1]] = parse_value(text)
-  return cfg
+MESH_AXES = ("data", "seq")
 
 
-def load(name_or_path: str = "tiny_mqar", overrides: Sequence[str] = ()) -> dict:
-  path = resolve_path(name_or_path)
-  cfg = _merge(DEFAULTS, _load_file(path), "")
-  cfg = apply_overrides(cfg, overrides)
-  cfg["name"] = os.path.splitext(os.path.basename(path))[0]
-  return cfg
-
-
-def parse_mesh(text) -> dict:
-  """``"data=2,seq=4"`` or a dict -> ``{"data": 2, "seq": 4}``; "auto" stays "auto"."""
-  if text == "auto" or isinstance(text, dict):
+def parse_mesh(text: str) -> dict:
+  """``"data=2,seq=4"`` -> ``{"data": 2, "seq": 4}``; "auto" stays "auto"."""
+  if text == "auto":
     return text
   out = {}
   for part in str(text).split(","):
     name, _, size = part.partition("=")
-    if name.strip() not in ("data", "seq") or not size.strip().isdigit():
-      raise ValueError(f"--mesh {text!r}: expected data=N,seq=M")
+    if name.strip() not in MESH_AXES or not size.strip().isdigit():
+      raise ValueError(f"mesh {text!r}: expected 'auto' or data=N,seq=M "
+                       f"(--config.mesh=data=2,seq=4)")
     out[name.strip()] = int(size)
   return out
 
@@ -153,18 +113,22 @@ def resolve_mesh(mesh, num_devices: int) -> dict:
   if mesh["data"] < 1 or mesh["seq"] < 1 or mesh["data"] * mesh["seq"] != num_devices:
     raise ValueError(f"mesh data={mesh['data']} x seq={mesh['seq']} = "
                      f"{mesh['data'] * mesh['seq']} devices, but {num_devices} are available; "
-                     "the axes must multiply to the device count (e.g. --mesh data="
+                     "the axes must multiply to the device count (e.g. --config.mesh=data="
                      f"{num_devices // mesh['seq'] if num_devices % mesh['seq'] == 0 else 1},"
                      f"seq={mesh['seq'] if num_devices % mesh['seq'] == 0 else num_devices}).")
   return mesh
 
 
-def validate(cfg: dict, num_devices: int) -> dict:
-  """Checks a loaded config against the devices; returns the resolved mesh shape."""
-  mesh = resolve_mesh(cfg["mesh"], num_devices)
-  model = GLAConfig(**cfg["model"])
+def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict:
+  """Checks a config against the devices; returns the resolved mesh shape.
+
+  Raises:
+    ValueError: naming the field, its value and what would fit.
+  """
+  mesh = resolve_mesh(config.mesh, num_devices)
+  model = GLAConfig(**config.model.to_dict())
   model.validate()
-  data, train = cfg["data"], cfg["train"]
+  data, train = config.data.to_dict(), config.train.to_dict()
   T, B = data["seq_len"], data["batch_size"]
   if T % (mesh["seq"] * model.chunk_size):
     raise ValueError(f"data.seq_len={T} is not divisible by seq axis ({mesh['seq']}) x "
@@ -200,7 +164,8 @@ def validate(cfg: dict, num_devices: int) -> dict:
       raise ValueError(f"data.kind='text' needs data.path, an existing file or folder; got "
                        f"{data['path']!r}")
     if model.vocab_size < 256:
-      raise ValueError(f"byte-level text needs model.vocab_size >= 256, got {model.vocab_size}")
+      raise ValueError(f"byte-level text needs model.vocab_size >= 256, got "
+                       f"{model.vocab_size} (--config.model.vocab_size=256)")
   else:
     raise ValueError(f"data.kind must be 'mqar' or 'text', got {data['kind']!r}")
   if train["compute_dtype"] not in ("float32", "bfloat16"):
@@ -209,4 +174,12 @@ def validate(cfg: dict, num_devices: int) -> dict:
   if train["steps"] < 1 or train["warmup_steps"] < 0 or train["warmup_steps"] >= train["steps"]:
     raise ValueError(f"train.steps={train['steps']} must be >= 1 and > train.warmup_steps="
                      f"{train['warmup_steps']}")
+  if train["log_every"] < 1:
+    raise ValueError(f"train.log_every={train['log_every']} must be >= 1")
+  if train["stop_after"] is not None and train["stop_after"] < 1:
+    raise ValueError(f"train.stop_after={train['stop_after']} must be >= 1 (or unset)")
+  for name, axis in train["sharding_rules"].items():
+    if axis not in (None,) + MESH_AXES:
+      raise ValueError(f"train.sharding_rules.{name}={axis!r}: a mesh axis must be one of "
+                       f"{MESH_AXES}")
   return mesh

@@ -1,8 +1,9 @@
 """Tiny GLA on multi-query associative recall (MQAR): the default of ``python train.py``.
 
-Run:   python train.py            (same as: python train.py --config tiny_mqar)
-On:    CPU, 8 simulated devices (made by train.py), mesh data=2 x seq=4; on a GPU/TPU
-       host the real devices (mesh "auto": seq = 4, 2 or 1 dividing the device count).
+Run:   python train.py           (same as: python train.py --config configs/tiny_mqar.py)
+On:    CPU, 8 simulated devices (train.py's default --local-device-count on a CPU-only
+       host), mesh data=2 x seq=4; on a GPU/TPU host the real devices (mesh "auto":
+       seq = 4, 2 or 1 dividing the device count).
 Task:  MQAR, sequences of 2048 tokens (512 per seq shard) in 32 segments of 64 tokens.
        Each segment ends with 8 fresh key-value pairs (32 keys, 32 values; keys new
        relative to the previous episode); the first 56 tokens of the next segment hold
@@ -18,38 +19,18 @@ Reach: eval accuracy 0.9996 on 31,744 held-out queries; 1.0000 on the 3,072 whos
        is on an earlier seq shard (>= 0.9 by step 300; measured 2026-11-30,
        benchmarks/results/train_tiny_mqar_cpu.txt).
 """
-CONFIG = {
-    "model": {
-        "vocab_size": 128,
-        "hidden_size": 64,
-        "num_layers": 1,
-        "num_heads": 1,
-        "intermediate_size": 128,
-        "chunk_size": 64,
-        "use_short_conv": True,
-        "gate_bias_init": 2.0,
-        "init_std": 0.15,
-    },
-    "data": {
-        "kind": "mqar",
-        "layout": "boundaries",
-        "num_segments": 32,
-        "query_window": 56,
-        "seq_len": 2048,
-        "batch_size": 8,
-        "num_keys": 32,
-        "num_pairs": 8,
-        "num_queries": 32,
-    },
-    "train": {
-        "steps": 600,
-        "lr": 1e-2,
-        "warmup_steps": 20,
-        "weight_decay": 0.01,
-        "log_every": 10,
-        "eval_every": 100,
-        "eval_batches": 4,
-        "checkpoint_every": 100,
-    },
-    "mesh": "auto",
-}
+import configs
+
+
+def get_config():
+  config = configs.defaults()
+  config.model.update(
+      vocab_size=128, hidden_size=64, num_layers=1, num_heads=1, intermediate_size=128,
+      chunk_size=64, use_short_conv=True, gate_bias_init=2.0, init_std=0.15)
+  config.data.update(
+      kind="mqar", layout="boundaries", num_segments=32, query_window=56, seq_len=2048,
+      batch_size=8, num_keys=32, num_pairs=8, num_queries=32)
+  config.train.update(
+      steps=600, lr=1e-2, warmup_steps=20, weight_decay=0.01, log_every=10, eval_every=100,
+      eval_batches=4, checkpoint_every=100)
+  return config

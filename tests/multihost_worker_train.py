@@ -1,66 +1,54 @@
 """Helper for tests/test_multihost_train.py: restore a train.py checkpoint, dump the params.
 
-    python tests/multihost_worker_train.py WORKDIR OUT.npz --config tiny_mqar \\
-        --mesh data=1,seq=8 --set KEY=VALUE ...                     # one process
-    python -m zeco_jax.launch --processes 2 --devices-per-process 4 -- \\
-        tests/multihost_worker_train.py WORKDIR OUT.npz ...          # two processes
+    PYTHONPATH=. python -m zeco_jax.launch --processes 2 --devices-per-process 4 -- \\
+        tests/multihost_worker_train.py --workdir W --out OUT.npz \\
+        --config.mesh=data=1,seq=8 --config.model.num_layers=2 ...
 
-Builds the same experiment train.py would (config, mesh, abstract sharded state), restores
-the latest checkpoint under WORKDIR/checkpoints with orbax onto the (global) mesh, and
-process 0 writes the step and every parameter, gathered to the host, to OUT.npz (keys are
-the parameter paths). One process gets 8 simulated CPU devices unless XLA_FLAGS says
-otherwise.
+Builds the same experiment train.py would (config with its overrides, mesh, abstract
+sharded state), restores the latest checkpoint under W/checkpoints with orbax onto the
+(global) mesh, and process 0 writes the step and every parameter, gathered to the host, to
+OUT.npz (keys are the parameter paths). Processes and devices: the launcher's environment.
 """
-import argparse
 import os
-import sys
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from absl import app, flags
+from ml_collections import config_flags
+
+from zeco_jax import distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(ROOT, "configs", "tiny_mqar.py"), lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "train.py's workdir", required=True)
+_OUT = flags.DEFINE_string("out", None, "the .npz file to write", required=True)
 
 
-def main(argv=None):
-  p = argparse.ArgumentParser()
-  p.add_argument("workdir")
-  p.add_argument("out")
-  p.add_argument("--config", default="tiny_mqar")
-  p.add_argument("--mesh", default=None)
-  p.add_argument("--set", action="append", default=[])
-  args = p.parse_args(argv)
-
-  from zeco_jax import distributed
-  distributed.initialize()           # no-op in one process; the launcher's env otherwise
+def main(argv):
+  del argv
+  distributed.initialize()           # from the launcher's environment
   import jax
   import numpy as np
   import orbax.checkpoint as ocp
   from jax.experimental import multihost_utils
 
   import configs
-  import train
+  import trainer
 
-  cfg = configs.load(args.config, args.set)
-  if args.mesh:
-    cfg["mesh"] = configs.parse_mesh(args.mesh)
-  mesh_shape = configs.validate(cfg, len(jax.devices()))
-  exp = train.get_experiment(cfg, mesh_shape)
-  mngr = ocp.CheckpointManager(os.path.abspath(os.path.join(args.workdir, "checkpoints")))
+  mesh_shape = configs.validate(_CONFIG.value, len(jax.devices()))
+  exp = trainer.Experiment(_CONFIG.value, trainer.make_mesh(mesh_shape))
+  mngr = ocp.CheckpointManager(os.path.abspath(os.path.join(_WORKDIR.value, "checkpoints")))
   step = mngr.latest_step()
   if step is None:
-    raise SystemExit(f"no checkpoint under {args.workdir}/checkpoints")
+    raise SystemExit(f"no checkpoint under {_WORKDIR.value}/checkpoints")
   state = mngr.restore(step, args=ocp.args.StandardRestore(exp.abstract_state))
   params = multihost_utils.process_allgather(state["params"], tiled=True)
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   arrays = {jax.tree_util.keystr(path): np.asarray(x) for path, x in flat}
   if distributed.is_main_process():
-    np.savez(args.out, __step__=np.asarray(step), **arrays)
+    np.savez(_OUT.value, __step__=np.asarray(step), **arrays)
   print(f"restored step {step}: {len(arrays)} arrays on {jax.process_count()} process(es), "
         f"{len(jax.devices())} devices")
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)

@@ -1,37 +1,47 @@
 """The GLA model: parameters' logical axes, use inside a user's jit, causality, and that
 loss and gradients do not depend on how the sequence is split (seq = 1, 4, 8)."""
-import os
-import sys
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from flax import nnx  # noqa: E402
-
-import configs  # noqa: E402
-import train  # noqa: E402
-from conftest import rel_err  # noqa: E402
-from models import GLALM, GLAConfig, sharding  # noqa: E402
-from models.data import Dataset  # noqa: E402
+import configs.tiny_mqar
+import trainer
+from conftest import rel_err
+from models import GLALM, GLAConfig, sharding
+from models.data import Dataset
+from zeco_jax.nn import GatedLinearAttention
 
 SMALL = GLAConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2,
                   intermediate_size=64, chunk_size=16)
 
 
+# configs/tiny_mqar.py made small enough for tests (SMALL's model, 128-token sequences).
+TINY = {
+    "model": dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2,
+                  intermediate_size=64, chunk_size=16),
+    "data": dict(seq_len=128, batch_size=2, num_keys=16, num_pairs=4, num_queries=16,
+                 num_segments=4, query_window=24),
+    "train": dict(steps=20, warmup_steps=2, lr=3e-3, log_every=5, eval_every=0,
+                  eval_batches=1, checkpoint_every=0),
+}
+
+
 def tiny_cfg(**train_overrides):
-  cfg = configs.load("tiny_mqar", [
-      "model.vocab_size=64", "model.hidden_size=32", "model.num_layers=2",
-      "model.num_heads=2", "model.intermediate_size=64", "model.chunk_size=16",
-      "data.seq_len=128", "data.batch_size=2", "data.num_keys=16", "data.num_pairs=4",
-      "data.num_queries=16", "data.num_segments=4", "data.query_window=24", "train.steps=20",
-      "train.warmup_steps=2", "train.lr=3e-3", "train.log_every=5", "train.eval_every=0",
-      "train.eval_batches=1", "train.checkpoint_every=0"])
-  for key, value in train_overrides.items():
-    cfg["train"][key] = value
-  return cfg
+  """The TINY config as train.py builds it from configs/tiny_mqar.py and its overrides."""
+  config = configs.tiny_mqar.get_config()
+  for section, fields in TINY.items():
+    config[section].update(fields)
+  config.train.update(train_overrides)
+  return config
+
+
+def tiny_flags(**train_overrides) -> list:
+  """The same config as train.py command-line overrides (--config.SECTION.FIELD=VALUE)."""
+  fields = {**{f"{s}.{k}": v for s, kv in TINY.items() for k, v in kv.items()},
+            **{f"train.{k}": v for k, v in train_overrides.items()}}
+  return [f"--config.{name}={value}" for name, value in fields.items()]
 
 
 def test_every_param_has_logical_axes_and_a_rule():
@@ -47,6 +57,16 @@ def test_every_param_has_logical_axes_and_a_rule():
       None, "data")
   with pytest.raises(ValueError, match="unknown logical axes"):
     sharding.rules_from_config({"embedding": "data"})
+
+
+def test_gla_layer_errors_name_the_argument():
+  with pytest.raises(ValueError, match=r"GatedLinearAttention: key dim 15 \(hidden_size \* "
+                     r"expand_k\) must be positive and divisible by num_heads=4"):
+    GatedLinearAttention(30, 4, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="chunk_size must be a multiple of 16, got 24"):
+    GatedLinearAttention(32, 2, chunk_size=24, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="seq_method must be one of"):
+    GatedLinearAttention(32, 2, seq_method="pipeline", rngs=nnx.Rngs(0))
 
 
 def test_layer_inside_a_user_jit_and_causal():
@@ -88,11 +108,8 @@ def per_mesh(devices):
   cfg = tiny_cfg(steps=3, warmup_steps=1)
   out = {}
   for mesh in ({"data": 1, "seq": 1}, {"data": 2, "seq": 4}, {"data": 1, "seq": 8}):
-    exp = train.Experiment(cfg, jax.make_mesh(
-        (mesh["data"], mesh["seq"]), ("data", "seq"),
-        axis_types=(jax.sharding.AxisType.Auto,) * 2,
-        devices=devices[:mesh["data"] * mesh["seq"]]))
-    data = Dataset(cfg["data"])
+    exp = trainer.Experiment(cfg, trainer.make_mesh(mesh, devices[:mesh["data"] * mesh["seq"]]))
+    data = Dataset(cfg.data.to_dict())
     state = exp.init_state()
     loss, _, grads = exp.loss_and_grad(state["params"], exp.put_batch(data.batch(0)))
     losses = []

@@ -1,19 +1,12 @@
-"""train.py as 2 processes x 4 CPU devices (issue 5), against the 8-device single process.
+"""train.py as 2 processes x 4 CPU devices, against the 8-device single process.
 
 * a 5-step run as 2 processes (mesh data=1,seq=8: the sequence spans both processes) logs
   the same losses as the same run in one process with 8 devices;
 * the checkpoint the 2-process run wrote restores in a 1-process run with identical params
   (and equal to what 2 processes restore from it, and to the single-process run's).
 
-Skipped until ``train.py --help`` lists ``--coordinator`` (i.e. train.py calls
-``zeco_jax.distributed.from_cli`` / ``initialize``); it becomes live by itself then.
-
-The train.py CLI this assumes (all of it exists today except the multi-process flags):
-    python train.py --config tiny_mqar --mesh data=1,seq=8 --set train.steps=5 \\
-        --set ... --workdir DIR --no-progress \\
-        [--coordinator HOST:PORT --num-processes N --process-id I]
-and, when run as N processes: only process 0 writes DIR/metrics.jsonl (rows with "step"
-and "loss"); every process saves through orbax to DIR/checkpoints.
+When run as N processes, only process 0 writes WORKDIR/metrics.jsonl (rows with "step" and
+"loss"); every process saves through orbax to WORKDIR/checkpoints.
 """
 import json
 import os
@@ -23,37 +16,20 @@ import sys
 import numpy as np
 import pytest
 
+from test_model import tiny_flags
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-TRAIN = os.path.join(ROOT, "train.py")
 RESTORE = os.path.join(HERE, "multihost_worker_train.py")
 
-# The small model of tests/test_model.py::tiny_cfg, 5 steps, one checkpoint at the end.
-SETTINGS = [
-    "model.vocab_size=64", "model.hidden_size=32", "model.num_layers=2",
-    "model.num_heads=2", "model.intermediate_size=64", "model.chunk_size=16",
-    "data.seq_len=128", "data.batch_size=2", "data.num_keys=16", "data.num_pairs=4",
-    "data.num_queries=16", "data.query_from=0.25", "data.num_segments=4", "data.query_window=24",
-    "train.steps=5", "train.warmup_steps=2",
-    "train.lr=3e-3", "train.log_every=1", "train.eval_every=0", "train.eval_batches=0",
-    "train.checkpoint_every=5", "train.async_checkpointing=False",
-]
-CONFIG = ["--config", "tiny_mqar", "--mesh", "data=1,seq=8"]
+# The small model of tests/test_model.py::TINY, 5 steps, one checkpoint at the end.
+CONFIG = [*tiny_flags(steps=5, log_every=1, eval_batches=0, checkpoint_every=5,
+                      async_checkpointing=False), "--config.mesh=data=1,seq=8"]
 
 
 def _env():
-  return dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def train_supports_multiprocess():
-  if not os.path.exists(TRAIN):
-    pytest.skip("train.py does not exist")
-  out = subprocess.run([sys.executable, TRAIN, "--help"], cwd=ROOT, env=_env(),
-                       capture_output=True, text=True, timeout=120)
-  if "--coordinator" not in out.stdout:
-    pytest.skip("train.py does not accept --coordinator yet (issue 4/5: call "
-                "zeco_jax.distributed.add_cli_args / from_cli)")
+  # The restore worker imports the repository's modules (configs, trainer) by name.
+  return dict(os.environ, PYTHONPATH=ROOT)
 
 
 def launch(processes, devices, program, timeout=420):
@@ -68,8 +44,7 @@ def launch(processes, devices, program, timeout=420):
 
 
 def train_args(workdir):
-  return [TRAIN, *CONFIG, *(a for s in SETTINGS for a in ("--set", s)), "--workdir",
-          str(workdir), "--no-progress"]
+  return ["train.py", *CONFIG, "--workdir", str(workdir), "--progress=lines"]
 
 
 def losses(workdir):
@@ -97,8 +72,7 @@ def test_two_process_training_matches_single_process(runs):
 
 
 def restore(workdir, out, processes):
-  program = [RESTORE, str(workdir), str(out), *CONFIG,
-             *(a for s in SETTINGS for a in ("--set", s))]
+  program = [RESTORE, "--workdir", str(workdir), "--out", str(out), *CONFIG]
   launch(processes, 8 // processes, program)
   return dict(np.load(out))
 

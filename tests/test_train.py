@@ -1,4 +1,5 @@
-"""train.py: config validation, exact resume, and a SIGKILL during an async save."""
+"""train.py and the trainer: config validation, the command line, exact resume, and a SIGKILL
+during an async save."""
 import json
 import os
 import signal
@@ -6,90 +7,106 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
+import pytest
+
+import configs
+import configs.gla_1b3
+import configs.gla_340m
+import configs.tiny_mqar
+import trainer
+from test_model import tiny_cfg, tiny_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-import configs  # noqa: E402
-import train  # noqa: E402
-from test_model import tiny_cfg  # noqa: E402
 
 
 def _flat(tree):
-  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+  return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
 
 
 # --- configs ---------------------------------------------------------------------------
 
 def test_configs_load_and_validate():
-  for name in ("tiny_mqar", "gla_340m", "gla_1b3"):
-    cfg = configs.load(name)
-    assert cfg["name"] == name
-  cfg = configs.load(os.path.join(ROOT, "configs", "tiny_mqar.py"), ["model.num_layers=4"])
-  assert cfg["model"]["num_layers"] == 4
-  assert configs.validate(cfg, 8) == {"data": 2, "seq": 4}
+  assert configs.validate(configs.tiny_mqar.get_config(), 8) == {"data": 2, "seq": 4}
+  for module in (configs.gla_340m, configs.gla_1b3):
+    config = module.get_config()
+    config.data.kind = "mqar"                 # text needs a corpus path
+    assert configs.validate(config, 8) == {"data": 2, "seq": 4}
+  config = tiny_cfg()
+  config.mesh = "data=1,seq=8"
+  assert configs.validate(config, 8) == {"data": 1, "seq": 8}
 
 
 def test_config_errors_are_clear():
-  with pytest.raises(ValueError, match="unknown key 'model.num_layer'"):
-    configs.load("tiny_mqar", ["model.num_layer=4"])
-  with pytest.raises(ValueError, match="neither a file nor one of"):
-    configs.load("no_such_config")
-  cfg = configs.load("tiny_mqar")
-  cfg["mesh"] = configs.parse_mesh("data=2,seq=2")
+  config = configs.tiny_mqar.get_config()
+  with pytest.raises(AttributeError, match='Did you mean "num_layers"'):
+    config.model.num_layer = 4                # locked: no new fields, in files or flags
+  config.mesh = "data=2,seq=2"
   with pytest.raises(ValueError, match="must multiply to the device count"):
-    configs.validate(cfg, 8)
-  cfg = configs.load("tiny_mqar", ["data.seq_len=1000"])
-  cfg["mesh"] = {"data": 2, "seq": 4}
+    configs.validate(config, 8)
+  config = configs.tiny_mqar.get_config()
+  config.data.seq_len = 1000
   with pytest.raises(ValueError, match="not divisible by seq axis"):
-    configs.validate(cfg, 8)
-  with pytest.raises(ValueError, match="expected data=N,seq=M"):
+    configs.validate(config, 8)
+  config = configs.tiny_mqar.get_config()
+  config.model.seq_method = "pipeline"
+  with pytest.raises(ValueError, match="seq_method must be one of"):
+    configs.validate(config, 8)
+  config = configs.tiny_mqar.get_config()
+  config.train.sharding_rules.embed = "model"
+  with pytest.raises(ValueError, match="sharding_rules.embed='model'"):
+    configs.validate(config, 8)
+  with pytest.raises(ValueError, match="expected 'auto' or data=N,seq=M"):
     configs.parse_mesh("data=2,tensor=4")
+
+
+def _train_cli(*args, timeout=120):
+  return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,
+                        text=True, timeout=timeout)
+
+
+def test_command_line_errors_name_the_field():
+  typo = _train_cli("--config=configs/tiny_mqar.py", "--config.model.num_layer=4")
+  assert typo.returncode == 1 and 'Did you mean "num_layers"' in typo.stderr, typo.stderr
+  mesh = _train_cli("--config.mesh=data=2,seq=2")
+  assert mesh.returncode == 1, mesh.stderr
+  assert "config error: mesh data=2 x seq=2 = 4 devices, but 8 are available" in mesh.stderr
 
 
 # --- resume ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory, devices):
-  cfg = tiny_cfg(steps=20, checkpoint_every=10,
-                 workdir=str(tmp_path_factory.mktemp("straight")))
-  return train.run(cfg, progress=False, verbose=False)
+  cfg = tiny_cfg(steps=20, checkpoint_every=10)
+  return trainer.train_and_evaluate(cfg, str(tmp_path_factory.mktemp("straight")),
+                                    progress="off")
 
 
 def test_resume_is_exact(straight_run, tmp_path):
-  cfg = tiny_cfg(steps=20, checkpoint_every=10, stop_after=10, workdir=str(tmp_path))
-  first = train.run(cfg, progress=False, verbose=False)
+  cfg = tiny_cfg(steps=20, checkpoint_every=10, stop_after=10)
+  first = trainer.train_and_evaluate(cfg, str(tmp_path), progress="off")
   assert first["step"] == 10 and sorted(first["losses"]) == list(range(1, 11))
-  cfg["train"]["stop_after"] = None
-  second = train.run(cfg, progress=False, verbose=False)
+  cfg.train.stop_after = None
+  second = trainer.train_and_evaluate(cfg, str(tmp_path), progress="off")
   assert second["start_step"] == 10 and second["step"] == 20
   losses = {**first["losses"], **second["losses"]}
   assert losses == straight_run["losses"]
-  for a, b in zip(_flat(second["params"]), _flat(straight_run["params"])):
+  for a, b in zip(_flat(second["state"]["params"]), _flat(straight_run["state"]["params"])):
     np.testing.assert_array_equal(a, b)
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert {r["step"] for r in rows if "loss" in r} == set(range(1, 21))
   assert (tmp_path / "loss.png").exists()
+  assert os.listdir(tmp_path / "tensorboard")
 
 
 def test_sigkill_during_async_save_resumes_from_last_complete(straight_run, tmp_path):
   """A subprocess saving every step is SIGKILLed right after an async save starts."""
   workdir = str(tmp_path)
-  cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--no-progress", "--workdir", workdir]
-  for item in ("model.vocab_size=64", "model.hidden_size=32", "model.num_layers=2",
-               "model.num_heads=2", "model.intermediate_size=64", "model.chunk_size=16",
-               "data.seq_len=128", "data.batch_size=2", "data.num_keys=16", "data.num_pairs=4",
-               "data.num_queries=16", "data.num_segments=4", "data.query_window=24",
-               "train.steps=20",
-               "train.warmup_steps=2", "train.lr=3e-3", "train.log_every=5",
-               "train.eval_every=0", "train.eval_batches=1", "train.checkpoint_every=1",
-               "train.keep_checkpoints=2"):
-    cmd += ["--set", item]
+  cmd = [sys.executable, "train.py", "--progress=lines", "--workdir", workdir,
+         *tiny_flags(steps=20, checkpoint_every=1, keep_checkpoints=2)]
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          cwd=ROOT, env=dict(os.environ))
+                          cwd=ROOT)
   killed_at, deadline, lines = None, time.time() + 240, []
   try:
     for line in proc.stdout:
@@ -110,10 +127,10 @@ def test_sigkill_during_async_save_resumes_from_last_complete(straight_run, tmp_
   leftovers = os.listdir(ckpt_dir)
   assert any(name.isdigit() and int(name) >= 5 for name in leftovers), leftovers
 
-  cfg = tiny_cfg(steps=20, checkpoint_every=1, keep_checkpoints=2, workdir=workdir)
-  resumed = train.run(cfg, progress=False, verbose=False)
+  cfg = tiny_cfg(steps=20, checkpoint_every=1, keep_checkpoints=2)
+  resumed = trainer.train_and_evaluate(cfg, workdir, progress="off")
   assert 5 <= resumed["start_step"] <= 7 and resumed["step"] == 20
   for s, loss in resumed["losses"].items():
     assert loss == straight_run["losses"][s], s
-  for a, b in zip(_flat(resumed["params"]), _flat(straight_run["params"])):
+  for a, b in zip(_flat(resumed["state"]["params"]), _flat(straight_run["state"]["params"])):
     np.testing.assert_array_equal(a, b)

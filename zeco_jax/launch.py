@@ -1,7 +1,7 @@
 """Local multi-process launcher: N JAX processes on 127.0.0.1 with simulated CPU devices.
 
     python -m zeco_jax.launch --processes 2 --devices-per-process 4 [--timeout S] \\
-        -- train.py --config tiny_mqar --mesh data=1,seq=8
+        -- train.py --config.mesh=data=1,seq=8
     python -m zeco_jax.launch --processes 2 --devices-per-process 4 -- -m my.module ARGS
 
 Each process gets ``JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>``, ``JAX_NUM_PROCESSES``,

@@ -1,0 +1,333 @@
+"""The trainer behind ``train.py``: state, steps, checkpoints, evaluation and the loop.
+
+:class:`Experiment` holds everything compiled for one (model, optimizer, mesh, batch
+shape): the parameter and optimizer-state shardings derived from the logical-axis rule
+table (``models/sharding.py``), and three ``jax.jit`` programs with explicit in/out
+shardings: ``train_step`` (AdamW, warmup + cosine decay, gradient clipping, optional bf16
+compute with float32 params), ``eval_step`` and ``loss_and_grad``. Batches have B over
+``data`` and T over ``seq``.
+
+:func:`train_and_evaluate` runs a config in a workdir: orbax ``CheckpointManager`` (every
+N steps, keep k, async, atomic) and resume from the latest complete checkpoint; the data of
+step s is a function of (seed, s), so a resumed run continues exactly. Each process builds
+only its own rows and tokens of every batch; process 0 writes the metrics
+(:mod:`metrics`) and prints.
+
+What it does not do: pipeline or tensor parallelism; choose devices or start processes
+(``train.py`` does, through ``zeco_jax.distributed``).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+import configs
+import metrics
+from models import GLALM, GLAConfig, sharding
+from models.data import Dataset
+from zeco_jax import distributed
+
+
+def make_mesh(shape: dict, devices=None) -> jax.sharding.Mesh:
+  """A ``(data, seq)`` mesh with Auto axes (jit + GSPMD outside the seq shard_map)."""
+  axis_types = (jax.sharding.AxisType.Auto,) * 2
+  kwargs = {} if devices is None else {"devices": devices}
+  return jax.make_mesh((shape["data"], shape["seq"]), ("data", "seq"), axis_types=axis_types,
+                       **kwargs)
+
+
+def masked_loss(logits, batch):
+  """Mean next-token NLL and accuracy over ``mask`` (float32)."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+  mask = batch["mask"]
+  count = jnp.maximum(jnp.sum(mask), 1.0)
+  correct = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
+  return jnp.sum(nll * mask) / count, {"accuracy": jnp.sum(correct * mask) / count,
+                                        "nll_sum": jnp.sum(nll * mask),
+                                        "correct": jnp.sum(correct * mask), "count": count,
+                                        "correct_at": correct}
+
+
+class Experiment:
+  """Everything compiled for one (model, optimizer, mesh, batch shape): built once, reused."""
+
+  def __init__(self, config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh):
+    self.config, self.mesh = config, mesh
+    self.model_cfg = GLAConfig(**config.model.to_dict())
+    train = config.train
+    self.rules = sharding.rules_from_config(train.sharding_rules.to_dict())
+    abstract = nnx.eval_shape(lambda: GLALM(self.model_cfg, rngs=nnx.Rngs(0)))
+    self.graphdef, _ = nnx.split(abstract)
+    self.axes = sharding.logical_axes(abstract)
+    self.param_shardings = sharding.param_shardings(self.axes, mesh, self.rules)
+    self.replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    self.batch_sharding = sharding.batch_sharding(mesh, self.rules)
+    self.compute_dtype = jnp.dtype(train.compute_dtype)
+
+    self.schedule = optax.warmup_cosine_decay_schedule(
+        0.0, train.lr, train.warmup_steps, train.steps, end_value=train.lr * train.min_lr_ratio)
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # no norms/biases
+    self.tx = optax.chain(
+        optax.clip_by_global_norm(train.grad_clip),
+        optax.adamw(self.schedule, b1=train.b1, b2=train.b2, weight_decay=train.weight_decay,
+                    mask=decay_mask))
+
+    seed, model_cfg = train.seed, self.model_cfg
+
+    def init_params():
+      return nnx.to_pure_dict(nnx.state(GLALM(model_cfg, rngs=nnx.Rngs(seed)), nnx.Param))
+
+    abstract_params = jax.eval_shape(init_params)
+    abstract_opt = jax.eval_shape(self.tx.init, abstract_params)
+    opt_shardings = optax.tree_map_params(
+        self.tx, lambda _, s: s, abstract_opt,
+        self.param_shardings, transform_non_params=lambda _: self.replicated)
+    self.state_shardings = {"params": self.param_shardings, "opt_state": opt_shardings,
+                            "step": self.replicated}
+    batch_shardings = {k: self.batch_sharding for k in ("inputs", "targets", "mask")}
+
+    self._init_params = init_params
+    self._init_opt = jax.jit(self.tx.init, out_shardings=opt_shardings)
+    self.abstract_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        {"params": abstract_params, "opt_state": abstract_opt,
+         "step": jax.ShapeDtypeStruct((), jnp.int32)}, self.state_shardings)
+
+    def loss_fn(params, batch):
+      if self.compute_dtype != jnp.float32:
+        params = jax.tree.map(lambda p: p.astype(self.compute_dtype), params)
+      logits = nnx.merge(self.graphdef, params)(batch["inputs"], mesh=mesh)
+      return masked_loss(logits, batch)
+
+    def loss_and_grad(params, batch):
+      (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+      aux.pop("correct_at")
+      return loss, aux, grads
+
+    def train_step(state, batch):
+      loss, aux, grads = loss_and_grad(state["params"], batch)
+      updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
+      params = optax.apply_updates(state["params"], updates)
+      step_metrics = {"loss": loss, "accuracy": aux["accuracy"],
+                      "grad_norm": optax.global_norm(grads), "lr": self.schedule(state["step"])}
+      return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, step_metrics
+
+    def eval_step(params, batch):
+      aux = loss_fn(params, batch)[1]
+      correct = aux.pop("correct_at")           # [B, T]: argmax == target
+      aux["cross_correct"] = jnp.sum(correct * batch["cross"])
+      aux["cross_count"] = jnp.sum(batch["cross"])
+      return aux
+
+    self.loss_and_grad = jax.jit(loss_and_grad,
+                                 in_shardings=(self.param_shardings, batch_shardings),
+                                 out_shardings=(self.replicated, self.replicated,
+                                                self.param_shardings))
+    self.train_step = jax.jit(train_step, in_shardings=(self.state_shardings, batch_shardings),
+                              out_shardings=(self.state_shardings, self.replicated),
+                              donate_argnums=0)
+    self.eval_step = jax.jit(eval_step, in_shardings=(
+        self.param_shardings, {**batch_shardings, "cross": self.batch_sharding}),
+        out_shardings=self.replicated)
+
+  def init_state(self) -> dict:
+    """Fresh train state, placed with ``state_shardings``.
+
+    The parameters are built eagerly on the host CPU (op by op, deterministic, the same
+    values on every process) and then placed shard by shard: one jit of the whole model's
+    initialisers took 26 s to compile on CPU for gla_340m and longer than the run's budget
+    on the H200. The optimizer state (zeros) is one small jit with the right shardings.
+    """
+    try:
+      where = jax.default_device(jax.local_devices(backend="cpu")[0])
+    except RuntimeError:          # JAX_PLATFORMS without cpu: eager on the default device
+      where = contextlib.nullcontext()
+    with where:
+      host = jax.tree.map(np.asarray, self._init_params())
+    place = lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
+    params = jax.tree.map(place, host, self.param_shardings)
+    return {"params": params, "opt_state": self._init_opt(params),
+            "step": place(np.zeros((), np.int32), self.replicated)}
+
+  def local_index(self, global_shape) -> tuple:
+    """(rows, tokens): the part of a ``[B, T]`` global batch this process's devices hold."""
+    return distributed.process_local_index(global_shape, self.mesh, self.batch_sharding)
+
+  def put_batch(self, local_rows: dict, global_shape=None) -> dict:
+    """This process's rows (full length) -> global arrays with B over ``data``, T over ``seq``.
+
+    ``global_shape`` ``(B, T)`` defaults to the rows' own shape (one process: the whole batch).
+    """
+    if global_shape is None:
+      global_shape = next(iter(local_rows.values())).shape
+    tokens = self.local_index(global_shape)[1]
+    return distributed.global_batch({k: v[:, tokens] for k, v in local_rows.items()},
+                                    self.mesh, self.batch_sharding,
+                                    global_shape={k: tuple(global_shape) for k in local_rows})
+
+
+def checkpoint_manager(workdir: str, train: ml_collections.ConfigDict):
+  """orbax manager of ``WORKDIR/checkpoints`` (None when ``train.checkpoint_every`` is 0)."""
+  if not train.checkpoint_every:
+    return None
+  options = ocp.CheckpointManagerOptions(
+      save_interval_steps=train.checkpoint_every, max_to_keep=train.keep_checkpoints,
+      enable_async_checkpointing=train.async_checkpointing, create=True)
+  return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")),
+                               options=options)
+
+
+def evaluate(exp: Experiment, dataset: Dataset, params, num_batches: int) -> dict:
+  """Loss and accuracy over ``num_batches`` held-out batches (and on cross-shard queries)."""
+  totals = None
+  shape = (dataset.cfg["batch_size"], dataset.cfg["seq_len"])
+  for i in range(num_batches):
+    batch = dataset.eval_batch(i, num_shards=exp.mesh.shape["seq"],
+                               rows=exp.local_index(shape)[0])
+    out = exp.eval_step(params, exp.put_batch(batch, shape))
+    out = {k: float(v) for k, v in jax.device_get(out).items()}
+    totals = out if totals is None else {k: totals[k] + out[k] for k in out}
+  result = {"eval_loss": totals["nll_sum"] / totals["count"],
+            "eval_accuracy": totals["correct"] / totals["count"],
+            "eval_queries": int(totals["count"])}
+  if totals["cross_count"]:
+    result["eval_cross_shard_accuracy"] = totals["cross_correct"] / totals["cross_count"]
+    result["eval_cross_shard_queries"] = int(totals["cross_count"])
+  return result
+
+
+def _eval_line(step: int, ev: dict) -> str:
+  cross = (f" (cross-shard queries: {ev['eval_cross_shard_accuracy']:.4f} of "
+           f"{ev['eval_cross_shard_queries']})" if "eval_cross_shard_accuracy" in ev else "")
+  return f"step {step}: eval loss {ev['eval_loss']:.4f} accuracy {ev['eval_accuracy']:.4f}{cross}"
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
+                       progress: str = "bar") -> dict:
+  """Trains (or resumes) per ``config`` in ``workdir``; returns a summary of the run.
+
+  Args:
+    config: a config of :mod:`configs` (validated here against the devices).
+    workdir: ``checkpoints/``, ``metrics.jsonl``, ``tensorboard/`` and ``loss.png`` go here;
+      a workdir with checkpoints resumes from the latest complete one.
+    progress: "bar" (tqdm), "lines" (plain log lines) or "off" (nothing printed).
+
+  Returns:
+    ``start_step``, ``step``, ``losses`` (step -> loss of this invocation), ``evals``,
+    ``final_eval``, ``wall_s``, ``compile_s``, ``tokens_per_s`` (steady state),
+    ``num_params`` and ``state`` (the final train state, global arrays).
+  """
+  devices = jax.devices()
+  mesh_shape = configs.validate(config, len(devices))
+  train, data_cfg = config.train, config.data.to_dict()
+  os.makedirs(workdir, exist_ok=True)
+  main_process = distributed.is_main_process()   # the one process that writes and prints
+  if not main_process:
+    progress = "off"
+  say = (lambda text: print(text, flush=True)) if progress != "off" else (lambda text: None)
+  exp = Experiment(config, make_mesh(mesh_shape))
+  dataset = Dataset(data_cfg)
+  mngr = checkpoint_manager(workdir, train)
+
+  latest = mngr.latest_step() if mngr is not None else None
+  if latest is not None:
+    state = mngr.restore(latest, args=ocp.args.StandardRestore(exp.abstract_state))
+    say(f"resumed from {workdir}/checkpoints step {latest}")
+  else:
+    state = exp.init_state()
+  start = int(jax.device_get(state["step"]))
+  stop = min(train.steps, train.stop_after or train.steps)
+  tokens_per_step = data_cfg["batch_size"] * data_cfg["seq_len"]
+  n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
+  say(f"{workdir}: {n_params / 1e6:.2f}M params, mesh data={mesh_shape['data']} "
+      f"seq={mesh_shape['seq']} on {len(devices)} {devices[0].platform} devices, "
+      f"batch {data_cfg['batch_size']} x {data_cfg['seq_len']} tokens, steps {start}->{stop}")
+
+  bar = metrics.Progress(stop, start, progress)
+  writer = metrics.MetricWriter(workdir, enabled=main_process)
+  losses, pending = {}, []
+  t_start = time.time()
+  t_window, window_steps, compile_s, steady = time.time(), 0, None, []
+  summary = {"start_step": start, "evals": {}}
+
+  def log_eval(step):
+    ev = evaluate(exp, dataset, state["params"], train.eval_batches)
+    writer.write(step, ev)
+    writer.flush()
+    bar.write(_eval_line(step, ev))
+    return ev
+
+  global_shape = (data_cfg["batch_size"], data_cfg["seq_len"])
+  my_rows = exp.local_index(global_shape)[0]      # this process builds only these rows
+  next_batch = dataset.batch(start, my_rows) if start < stop else None
+  for step in range(start, stop):
+    batch = exp.put_batch(next_batch, global_shape)
+    state, step_metrics = exp.train_step(state, batch)
+    if step + 1 < stop:
+      next_batch = dataset.batch(step + 1, my_rows)   # host work overlaps the async step
+    pending.append((step + 1, step_metrics))
+    done = step + 1
+    if compile_s is None:
+      jax.block_until_ready(step_metrics)
+      compile_s = time.time() - t_window
+      bar.write(f"first step (compile included): {compile_s:.1f}s")
+      t_window = time.time()
+    else:
+      window_steps += 1
+    if done % train.log_every == 0 or done == stop:
+      rows = jax.device_get([m for _, m in pending])
+      now = time.time()
+      tok_s = tokens_per_step * window_steps / max(now - t_window, 1e-9) if window_steps else 0.0
+      if window_steps:
+        steady.append((window_steps, now - t_window))
+      for (s, _), row in zip(pending, rows):
+        row = {k: float(v) for k, v in row.items()}
+        losses[s] = row["loss"]
+        writer.write(s, {**row, "tokens_per_s": tok_s, "elapsed_s": now - t_start})
+      writer.flush()
+      info = {"loss": float(rows[-1]["loss"]), "tok/s": f"{tok_s:,.0f}"}
+      if data_cfg["kind"] == "mqar":
+        info["acc"] = float(rows[-1]["accuracy"])
+      bar.update(done, len(pending), info)
+      pending, t_window, window_steps = [], time.time(), 0
+    if mngr is not None and (done % train.checkpoint_every == 0 or done == stop):
+      mngr.save(done, args=ocp.args.StandardSave(state), force=done == stop)
+      bar.write(f"checkpoint: step {done} save started")   # the async write is in flight
+    if train.eval_every and done % train.eval_every == 0 and done != stop:
+      summary["evals"][done] = log_eval(done)
+  bar.close()
+  if mngr is not None:
+    mngr.wait_until_finished()
+    mngr.close()
+  final_step = int(jax.device_get(state["step"]))
+  if train.eval_batches and (final_step == train.steps or train.stop_after is None):
+    summary["final_eval"] = log_eval(final_step)
+  writer.close()
+  if main_process:
+    metrics.plot_metrics(writer.path, os.path.join(workdir, "loss.png"))
+  steps_timed = sum(n for n, _ in steady)
+  summary.update({
+      "step": final_step, "losses": losses, "wall_s": time.time() - t_start,
+      "compile_s": compile_s, "workdir": workdir, "num_params": n_params, "state": state,
+      "tokens_per_s": (tokens_per_step * steps_timed / sum(t for _, t in steady)
+                       if steps_timed else None)})
+  if "final_eval" in summary:
+    ev = summary["final_eval"]
+    cross = (f", on the {ev['eval_cross_shard_queries']} queries whose pair is on an earlier "
+             f"seq shard {ev['eval_cross_shard_accuracy']:.4f}"
+             if "eval_cross_shard_accuracy" in ev else "")
+    say(f"final step {final_step}: eval loss {ev['eval_loss']:.4f}, accuracy "
+        f"{ev['eval_accuracy']:.4f} over {ev['eval_queries']} scored positions in "
+        f"{train.eval_batches} x {data_cfg['batch_size']} held-out sequences{cross}; "
+        f"wall {summary['wall_s']:.0f}s")
+  return summary
