@@ -29,6 +29,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import configs
+import metrics
 import trainer
 from zeco_jax import distributed
 
@@ -38,7 +39,7 @@ DEFAULT_CPU_DEVICES = 8      # python train.py on a CPU-only host: mesh data=2 x
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "checkpoints, metrics.jsonl, tensorboard/ "
                                "and loss.png (default: runs/<config file name>)")
-_PROGRESS = flags.DEFINE_enum("progress", "bar", list(trainer.metrics.PROGRESS_MODES),
+_PROGRESS = flags.DEFINE_enum("progress", "bar", list(metrics.PROGRESS_MODES),
                               "a tqdm bar, plain log lines, or nothing")
 # Several processes (zeco_jax.distributed.initialize; default: the JAX_* environment
 # variables, else SLURM / TPU-pod detection, else one process).
