@@ -119,7 +119,8 @@ class Experiment:
       updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
       params = optax.apply_updates(state["params"], updates)
       step_metrics = {"loss": loss, "accuracy": aux["accuracy"],
-                      "grad_norm": optax.global_norm(grads), "lr": self.schedule(state["step"])}
+                      "grad_norm": optax.tree_utils.tree_norm(grads),
+                      "lr": self.schedule(state["step"])}
       return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, step_metrics
 
     def eval_step(params, batch):

@@ -37,7 +37,9 @@ def mqar_batch(seed: int, step: int, *, batch_size: int, seq_len: int, num_keys:
                num_pairs: int, num_queries: int, query_from: float = 0.25,
                layout: str = "boundaries", num_segments: int = 4,
                query_window: int = 256, rows=None) -> dict:
-  """One MQAR batch (or only its ``rows``, a slice; each row has its own random stream). Pad token 0; keys 1..num_keys; values num_keys+1..2*num_keys.
+  """One MQAR batch, or only its ``rows`` (a slice; each row has its own random stream).
+
+  Pad token 0; keys 1..num_keys; values num_keys+1..2*num_keys.
 
   ``layout="start"`` (Zoology): ``num_pairs`` pairs at the start, ``num_queries`` queries
   at positions >= ``query_from * seq_len``.
