@@ -1,6 +1,6 @@
 """Reference GLA in plain jnp, float32 math: the spec every fast path is tested against.
 
-Two forms of the same function (spec section 1 and 2):
+Two forms of the same function (docs/design.md §1 and §2):
 
 * :func:`recurrent_gla` walks the tokens one by one with ``lax.scan``. It is the
   definition and nothing else; it keeps a ``[K, V]`` state per token for autodiff, so
@@ -63,7 +63,7 @@ def recurrent_gla(q, k, v, g=None, *, scale=None, initial_state=None,
 
 def chunk_gla_reference(q, k, v, g=None, *, scale=None, initial_state=None,
                         output_final_state=False, chunk_size=64):
-  """Chunked GLA with exact log-space decays inside each chunk (spec section 2).
+  """Chunked GLA with exact log-space decays inside each chunk (docs/design.md §2).
 
   Same signature and result as :func:`recurrent_gla`; any ``T`` (padded internally with
   ``k = v = 0`` and ``g = 0``, which leaves the state unchanged).
