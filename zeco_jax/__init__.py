@@ -10,6 +10,12 @@ Public API:
   DiagonalDecay, DenseTransition       (zeco_jax.transitions)
   zeco_gla, zeco_gla_local             sequence-parallel GLA over a mesh axis
   debug.checked                        checkify wrapper that reports positive log-decays
+
+Submodules imported on their own: ``zeco_jax.nn`` (Flax NNX layers: GatedLinearAttention,
+RMSNorm, ShortConvolution; not imported here, so ``import zeco_jax`` needs no flax),
+``zeco_jax.target`` (the platform a computation is compiled for), ``zeco_jax.scan`` (the
+cost models), ``zeco_jax.hlo_stats``, ``zeco_jax.distributed``. Kernel configuration:
+``pallas_kernels.KernelConfig`` and ``pallas_kernels.default_config``.
 """
 from zeco_jax import debug
 from zeco_jax import transitions
