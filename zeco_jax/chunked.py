@@ -13,9 +13,13 @@ Layout inside this module is head-major chunks, ``[B, H, N, C, D]``; the public 
 scalar path) or None (no decay); its gradient comes back in the same shape.
 
 Stability: a chunk's cumulative log-decay ``b`` can reach -5 * 64 = -320, so ``exp(-b)``
-overflows. Every exponent used here is a difference that is <= 0: the intra-chunk scores
-use 16-token sub-chunks, each with a reference row (both factors <= 1), and the diagonal
-sub-chunk blocks use exact pairwise decays in log space.
+overflows. Every exponent used here is <= 0: the intra-chunk scores use 16-token
+sub-chunks, each with a reference row (both factors <= 1), and the diagonal sub-chunk
+blocks use exact pairwise decays in log space. Precision: no exponent is a difference of
+two cumulative sums (``b_r - b_i`` cancels in float32 when the chunk holds a large
+log-decay such as -1e4); each is a sum of same-sign g's over the interval it spans, built
+from sub-chunk prefixes, suffixes and totals (:class:`_ChunkDecay`), so the op is exact to
+float32 for any mix of per-token log-decays in [-1e4, 0].
 
 Memory: the backward recomputes the chunk states instead of saving them, so what lives
 between forward and backward is the inputs alone: O(T * (K + V)) per head.
@@ -51,29 +55,67 @@ def _sub(C):
   return SUB_CHUNK if C % SUB_CHUNK == 0 else C
 
 
-class _IntraDecay:
-  """Decay factors for the intra-chunk pair terms ``exp(b_r - b_i)``, i <= r.
+def _rev_cumsum(x, axis):
+  """Inclusive reverse cumsum as a true reverse sum (flip, cumsum, flip): never
+  ``total - cumsum + x``, which cancels when one term dominates."""
+  return jnp.flip(jnp.cumsum(jnp.flip(x, axis), axis=axis), axis)
 
-  Rows are split into sub-chunks ``a`` of S tokens with reference ``ref_a = b`` at the
-  sub-chunk's first row. For i before sub-chunk a the decay factors as
-  ``exp(b_r - ref_a) * exp(ref_a - b_i)`` (``q_fac``, ``k_fac``, both <= 1); inside the
-  sub-chunk it is taken exactly (``diag``, [.., Ns, S, S, K]).
+
+class _ChunkDecay:
+  """Every decay factor of a chunk, each exponent a sum of same-sign log-decays.
+
+  All g <= 0, so a sum of g's over an interval is exact to a few ulps of itself; a
+  difference of two chunk cumsums ``b_r - b_i`` is not (absolute error ~ eps * |b|, 1e-3
+  with a -1e4 token in the chunk). So no exponent here is formed as a difference. Per
+  16-token sub-chunk a (tokens r, i inside it):
+
+    p_r   = sum of g over [start of a, r]        (inclusive prefix in the sub-chunk)
+    s_i   = sum of g over (i, end of a]          (exclusive suffix, a true reverse cumsum)
+    tot_a = sum of g over the sub-chunk
+    mid[a, c] = sum of tot over the sub-chunks strictly between c and a (a masked sum over
+      the few sub-chunks; c = -1 is "before the chunk", a = Ns "after the chunk")
+
+  and then, with c(i) the sub-chunk of i:
+
+    b_r       = mid[a, -1] + p_r                 (from the chunk start: ``exp_b``)
+    b_C - b_i = s_i + mid[Ns, c(i)]              (to the chunk end: ``to_end``)
+    b_C       = mid[Ns, -1]                      (the chunk's decay: ``total``)
+    b_r - b_i = p_r + mid[a, c(i)] + s_i         (c(i) < a: ``q_fac`` * ``k_fac``, both <= 1)
+    b_r - b_i = sum of g over (i, r]             (same sub-chunk: ``diag``, a masked cumsum)
+
+  Shapes: g ``[.., C, K]``; exp_b, to_end ``[.., C, K]``; total ``[.., K]``; q_fac
+  ``[.., Ns, S, K]``; k_fac ``[.., Ns, C, K]`` (the reference row of sub-chunk a is the
+  row before it); diag ``[.., Ns, S, S, K]``.
   """
 
-  def __init__(self, b):
-    *lead, C, K = b.shape
+  def __init__(self, g):
+    *lead, C, K = g.shape
     S = _sub(C)
     Ns = C // S
     self.S, self.Ns, self.C = S, Ns, C
-    b_sub = b.reshape(*lead, Ns, S, K)
-    ref = b_sub[..., :1, :]                                      # [.., Ns, 1, K]
-    self.q_fac = jnp.exp(b_sub - ref)                            # [.., Ns, S, K]
-    before = (jnp.arange(C)[None, :] < (jnp.arange(Ns) * S)[:, None])   # [Ns, C]
-    k_exp = jnp.where(before[:, :, None], ref - b[..., None, :, :], -jnp.inf)
-    self.k_fac = jnp.exp(k_exp)                                  # [.., Ns, C, K]
+    gs = g.reshape(*lead, Ns, S, K)
+    p = jnp.cumsum(gs, axis=-2)
+    g_next = jnp.concatenate([gs[..., 1:, :], jnp.zeros_like(gs[..., :1, :])], axis=-2)
+    s = _rev_cumsum(g_next, -2)
+    tot = p[..., -1, :]                                          # [.., Ns, K]
+    # mid[a, c + 1] = sum_{c < a' < a} tot[a'] for a in 0..Ns, c in -1..Ns-1.
+    a = jnp.arange(Ns + 1)[:, None, None]
+    c = jnp.arange(-1, Ns)[None, :, None]
+    a2 = jnp.arange(Ns)[None, None, :]
+    between = (c < a2) & (a2 < a)                                # [Ns+1, Ns+1, Ns]
+    mid = jnp.sum(jnp.where(between[..., None], tot[..., None, None, :, :], 0.0), axis=-2)
+    self.exp_b = jnp.exp(mid[..., :Ns, 0:1, :] + p).reshape(*lead, C, K)
+    self.to_end = jnp.exp(s + mid[..., Ns, 1:, None, :]).reshape(*lead, C, K)
+    self.total = jnp.exp(mid[..., Ns, 0, :])                     # [.., K]
+    self.q_fac = jnp.exp(p)
+    earlier = jnp.arange(Ns)[None, :] < jnp.arange(Ns)[:, None]  # [a, c]: c < a
+    k_exp = jnp.where(earlier[:, :, None, None], s[..., None, :, :, :] + mid[..., :Ns, 1:, None, :],
+                      -jnp.inf)                                  # [.., Ns, Ns, S, K]
+    self.k_fac = jnp.exp(k_exp).reshape(*lead, Ns, C, K)
+    r_gt_i = jnp.arange(S)[:, None] > jnp.arange(S)[None, :]     # [r, i]
+    inside = jnp.cumsum(jnp.where(r_gt_i[:, :, None], gs[..., :, None, :], 0.0), axis=-3)
     causal = jnp.tril(jnp.ones((S, S), bool))
-    diff = b_sub[..., :, None, :] - b_sub[..., None, :, :]       # [.., Ns, S, S, K]
-    self.diag = jnp.exp(jnp.where(causal[:, :, None], diff, -jnp.inf))
+    self.diag = jnp.exp(jnp.where(causal[:, :, None], inside, -jnp.inf))
     self.eye = jnp.eye(Ns, dtype=jnp.float32)
 
   def split_rows(self, x):
@@ -110,40 +152,37 @@ class _IntraDecay:
     return off + diag.reshape(q.shape)
 
 
-def state_pass(kc, vc, b, h0):
+def state_pass(kc, vc, dec, h0):
   """States entering each chunk and the final state.
 
-  Args: kc [B,H,N,C,K], vc [B,H,N,C,V], b chunk-local cumulative log-decay [B,H,N,C,K],
+  Args: kc [B,H,N,C,K], vc [B,H,N,C,V], dec the chunks' :class:`_ChunkDecay`,
     h0 [B,H,K,V]. Returns (h [B,H,N,K,V] entering each chunk, final [B,H,K,V]).
   """
-  b_last = b[..., -1:, :]
-  increment = _ein("bhnik,bhniv->bhnkv", kc * jnp.exp(b_last - b), vc)
-  decay = jnp.exp(b_last[..., 0, :])                              # [B, H, N, K]
+  increment = _ein("bhnik,bhniv->bhnkv", kc * dec.to_end, vc)
 
   def step(h, xs):
-    dec, inc = xs
-    return dec[..., None] * h + inc, h
+    d, inc = xs
+    return d[..., None] * h + inc, h
 
-  h0 = match_varying(h0, increment, decay)
-  final, h = lax.scan(step, h0, (jnp.moveaxis(decay, 2, 0), jnp.moveaxis(increment, 2, 0)))
+  h0 = match_varying(h0, increment, dec.total)
+  final, h = lax.scan(step, h0, (jnp.moveaxis(dec.total, 2, 0), jnp.moveaxis(increment, 2, 0)))
   return jnp.moveaxis(h, 0, 2), final
 
 
-def state_grad_pass(qc, doc, b, dht, scale):
+def state_grad_pass(qc, doc, dec, dht, scale):
   """Cotangents of the states leaving each chunk, and of the initial state (reverse scan).
 
-  dH[N-1] = dht;  dH[n-1] = exp(b_last[n]) * dH[n] + scale * (q e^b)[n]^T do[n].
+  dH[N-1] = dht;  dH[n-1] = exp(b_C[n]) * dH[n] + scale * (q e^b)[n]^T do[n].
   Returns (dH [B,H,N,K,V], dh0 [B,H,K,V]).
   """
-  local = scale * _ein("bhnrk,bhnrv->bhnkv", qc * jnp.exp(b), doc)
-  decay = jnp.exp(b[..., -1, :])
+  local = scale * _ein("bhnrk,bhnrv->bhnkv", qc * dec.exp_b, doc)
 
   def step(dh, xs):
-    dec, loc = xs
-    return dec[..., None] * dh + loc, dh
+    d, loc = xs
+    return d[..., None] * dh + loc, dh
 
-  dht = match_varying(dht, local, decay)
-  dh0, dH = lax.scan(step, dht, (jnp.moveaxis(decay, 2, 0), jnp.moveaxis(local, 2, 0)),
+  dht = match_varying(dht, local, dec.total)
+  dh0, dH = lax.scan(step, dht, (jnp.moveaxis(dec.total, 2, 0), jnp.moveaxis(local, 2, 0)),
                      reverse=True)
   return jnp.moveaxis(dH, 0, 2), dh0
 
@@ -164,12 +203,10 @@ def fwd(q, k, v, g, *, scale, initial_state, chunk_size):
   """
   C = chunk_size
   qc, kc, vc = (to_chunks(x, C) for x in (q, k, v))
-  gc = _decay_chunks(g, q.shape, C)
-  b = jnp.cumsum(gc, axis=-2)
-  h, final = state_pass(kc, vc, b, initial_state.astype(jnp.float32))
-  intra = _IntraDecay(b)
-  o = scale * (_ein("bhnrk,bhnkv->bhnrv", qc * jnp.exp(b), h)
-               + _ein("bhnri,bhniv->bhnrv", intra.scores(qc, kc), vc))
+  dec = _ChunkDecay(_decay_chunks(g, q.shape, C))
+  h, final = state_pass(kc, vc, dec, initial_state.astype(jnp.float32))
+  o = scale * (_ein("bhnrk,bhnkv->bhnrv", qc * dec.exp_b, h)
+               + _ein("bhnri,bhniv->bhnrv", dec.scores(qc, kc), vc))
   return from_chunks(o, v.dtype), final
 
 
@@ -178,27 +215,24 @@ def bwd(q, k, v, g, do, dht, *, scale, initial_state, chunk_size):
   dh0 float32)."""
   C = chunk_size
   qc, kc, vc, doc = (to_chunks(x, C) for x in (q, k, v, do))
-  gc = _decay_chunks(g, q.shape, C)
-  b = jnp.cumsum(gc, axis=-2)
-  h, _ = state_pass(kc, vc, b, initial_state.astype(jnp.float32))
-  dH, dh0 = state_grad_pass(qc, doc, b, dht.astype(jnp.float32), scale)
-  intra = _IntraDecay(b)
+  dec = _ChunkDecay(_decay_chunks(g, q.shape, C))
+  h, _ = state_pass(kc, vc, dec, initial_state.astype(jnp.float32))
+  dH, dh0 = state_grad_pass(qc, doc, dec, dht.astype(jnp.float32), scale)
   causal = jnp.tril(jnp.ones((C, C), bool))
-  scores = intra.scores(qc, kc)
+  scores = dec.scores(qc, kc)
   dA = jnp.where(causal, scale * _ein("bhnrv,bhniv->bhnri", doc, vc), 0.0)
-  b_last = b[..., -1:, :]
-  k_to_end = jnp.exp(b_last - b)                                   # [B,H,N,C,K], <= 1
-  dq = scale * _ein("bhnrv,bhnkv->bhnrk", doc, h) * jnp.exp(b) + intra.row_side(dA, kc)
-  dk_state = _ein("bhniv,bhnkv->bhnik", vc, dH) * k_to_end
-  dk = intra.col_side(dA, qc) + dk_state
+  dq = scale * _ein("bhnrv,bhnkv->bhnrk", doc, h) * dec.exp_b + dec.row_side(dA, kc)
+  dk_state = _ein("bhniv,bhnkv->bhnik", vc, dH) * dec.to_end
+  dk = dec.col_side(dA, qc) + dk_state
   dv = (scale * _ein("bhnri,bhnrv->bhniv", scores, doc)
-        + _ein("bhnik,bhnkv->bhniv", kc * k_to_end, dH))
-  # d(loss)/d(b): +q*dq for every exp(+b_r), -k*dk for every exp(-b_i), and the chunk's
-  # total decay b_last (through exp(b_last) h and the state increments) on the last row.
+        + _ein("bhnik,bhnkv->bhniv", kc * dec.to_end, dH))
+  # d(loss)/d(b) with b the chunk cumsum: +q*dq for every exp(+b_r), -k*dk for every
+  # exp(-b_i), and the chunk's total decay b_C (through exp(b_C) h and the state
+  # increments) on the last row; dg is its reverse cumsum (a true one: _rev_cumsum).
   db = qc * dq - kc * dk
-  d_last = jnp.exp(b_last[..., 0, :]) * jnp.sum(h * dH, axis=-1) + jnp.sum(kc * dk_state, axis=-2)
+  d_last = dec.total * jnp.sum(h * dH, axis=-1) + jnp.sum(kc * dk_state, axis=-2)
   db = db.at[..., -1, :].add(d_last)
-  dg = from_chunks(jnp.flip(jnp.cumsum(jnp.flip(db, -2), axis=-2), -2), jnp.float32)
+  dg = from_chunks(_rev_cumsum(db, -2), jnp.float32)
   if g is None:
     dg = None
   elif g.ndim == 3:
