@@ -7,7 +7,8 @@ Two forms of the same function (docs/design.md §1 and §2):
   use it on short sequences only.
 * :func:`chunk_gla_reference` is the chunked form written the obvious way: inside a
   chunk every pair ``(r, i)`` gets its exact decay ``exp(b_r - b_i)`` in log space
-  (a ``[C, C, K]`` tensor per chunk), between chunks a ``lax.scan`` carries the state.
+  (a ``[C, C, K]`` tensor per chunk, each exponent the sum of g over ``(i, r]``, never a
+  difference of cumsums), between chunks a ``lax.scan`` carries the state.
   It is stable under any decay, and slow and memory-hungry on purpose.
 
 Neither is meant to be fast; :func:`zeco_jax.chunk_gla` is.
@@ -78,24 +79,29 @@ def chunk_gla_reference(q, k, v, g=None, *, scale=None, initial_state=None,
   # [B, T, H, D] -> [N, B, H, C, D]: chunk-major so lax.scan walks the chunks.
   to_chunks = lambda x: x.reshape(B, N, C, H, -1).transpose(1, 0, 3, 2, 4)
   qc, kc, vc, gc = map(to_chunks, (q_, k_, v_, g_))
-  bc = jnp.cumsum(gc, axis=-2)                     # chunk-local cumulative log-decay
+  # Every exponent is a sum of same-sign g's over the interval it spans (never a difference
+  # b_r - b_i of cumsums: it cancels in float32 once the chunk holds a large log-decay).
+  bc = jnp.cumsum(gc, axis=-2)                     # b_r: g over [chunk start, r]
+  g_next = jnp.concatenate([gc[..., 1:, :], jnp.zeros_like(gc[..., :1, :])], axis=-2)
+  to_end = jnp.flip(jnp.cumsum(jnp.flip(g_next, -2), axis=-2), -2)   # g over (i, chunk end]
   causal = jnp.tril(jnp.ones((C, C), bool))
+  after = ~causal.T                                # [r, i]: r > i
   h0 = (jnp.zeros((B, H, K, V), f32) if initial_state is None
         else initial_state.astype(f32))
 
   def chunk(h_BxHxKxV, xs):
-    q_c, k_c, v_c, b_c = xs                       # [B, H, C, D]
-    # Exact pairwise decay exp(b_r - b_i), masked to i <= r before exp (no overflow).
-    diff = b_c[..., :, None, :] - b_c[..., None, :, :]          # [B, H, C, C, K]
-    decay = jnp.exp(jnp.where(causal[:, :, None], diff, -jnp.inf))
+    q_c, k_c, v_c, g_c, b_c, e_c = xs             # [B, H, C, D]
+    # Exact pairwise decay exp(g over (i, r]): a cumsum along r of g masked to r > i,
+    # masked to i <= r before exp (no overflow).
+    within = jnp.cumsum(jnp.where(after[:, :, None], g_c[..., :, None, :], 0.0), axis=-3)
+    decay = jnp.exp(jnp.where(causal[:, :, None], within, -jnp.inf))   # [B, H, C, C, K]
     scores = jnp.einsum("bhrk,bhik,bhrik->bhri", q_c, k_c, decay, precision=_HI)
     o = scale * (jnp.einsum("bhrk,bhkv->bhrv", q_c * jnp.exp(b_c), h_BxHxKxV, precision=_HI)
                  + jnp.einsum("bhri,bhiv->bhrv", scores, v_c, precision=_HI))
-    b_last = b_c[..., -1:, :]
-    h_next = (jnp.exp(b_last[..., 0, :])[..., None] * h_BxHxKxV
-              + jnp.einsum("bhik,bhiv->bhkv", k_c * jnp.exp(b_last - b_c), v_c, precision=_HI))
+    h_next = (jnp.exp(b_c[..., -1, :])[..., None] * h_BxHxKxV
+              + jnp.einsum("bhik,bhiv->bhkv", k_c * jnp.exp(e_c), v_c, precision=_HI))
     return h_next, o
 
-  S, oc = lax.scan(chunk, h0, (qc, kc, vc, bc))
+  S, oc = lax.scan(chunk, h0, (qc, kc, vc, gc, bc, to_end))
   o = oc.transpose(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T].astype(v.dtype)
   return o, (S if output_final_state else None)
