@@ -17,7 +17,10 @@ the forward is one fused kernel (state, scores and output per chunk) and the bac
 two (state recompute; reverse pass with the state gradient in scratch and every chunk
 gradient). Mosaic has no cumsum: chunk-local cumsums are triangular float32 matmuls
 (precision HIGHEST). Sub-chunk structure as on GPU: 16-row sub-chunks, reference rows,
-exact log-space diagonal blocks, written with full-chunk masks so every op is 2-D.
+exact log-space diagonal blocks, written with full-chunk masks so every op is 2-D. Every
+decay exponent is a sum of same-sign log-decays over the interval it spans, never a
+difference of chunk cumsums (:class:`_Chunk`): exact to float32 for any mix of per-token
+log-decays in [-1e4, 0].
 """
 from __future__ import annotations
 
@@ -59,26 +62,53 @@ def _mexp(mask, x):
 
 
 class _Chunk:
-  """Log-decays of one chunk and the masks the sub-chunk scheme needs ([C, K] values)."""
+  """Log-decays of one chunk and the masks the sub-chunk scheme needs ([C, K] values).
+
+  No exponent is a difference of two cumulative sums (in float32 ``b_r - b_i`` loses
+  ~eps * |b|, 1e-3 once a chunk holds a -1e4 log-decay): each is a sum of same-sign g's
+  over the interval it spans (``zeco_jax.chunked._ChunkDecay`` has the same scheme):
+  ``p`` g over [sub-chunk start, r], ``s`` g over (i, sub-chunk end] (triangular matmuls
+  within each 16-row sub-chunk), the sub-chunk totals ``tots[a]`` ([1, K]), and sums of
+  totals accumulated term by term: ``b`` = g over [chunk start, r], ``to_end`` = g over
+  (i, chunk end], ``total`` = the chunk's ([1, K]), ``mid[a]`` = per row i of a sub-chunk
+  before a, g over the sub-chunks strictly between i's and a. The diagonal blocks add
+  the g's of the pair's interval one row offset at a time (see :func:`_scores`).
+  """
 
   def __init__(self, g):
     C, K = g.shape
-    self.C, self.K = C, K
+    self.C, self.K, self.g = C, K, g
     r, c = _iota(C, 0), _iota(C, 1)
-    self.b = _exact((r >= c).astype(F32), g)                       # inclusive cumsum
-    self.b_last = self.b[C - 1:C, :]                                # [1, K]
+    same = (r // S) == (c // S)
+    self.p = _exact((same & (r >= c)).astype(F32), g)
+    self.s = _exact((same & (c > r)).astype(F32), g)
+    self.exp_p = jnp.exp(self.p)
     self.row = lax.broadcasted_iota(jnp.int32, (C, K), 0)
+    self.off = self.row % S
     self.rc, self.cc = r, c
-
-  def ref(self, a):
-    """b at the row before sub-chunk a ([1, K]; 0 for a = 0)."""
-    return jnp.zeros((1, self.K), F32) if a == 0 else self.b[a * S - 1:a * S, :]
-
-  def end(self, a):
-    return self.b[a * S + S - 1:a * S + S, :]
+    zero = jnp.zeros((C, K), F32)
+    before, acc, total = zero, zero, jnp.zeros((1, K), F32)
+    self.mid = []
+    for a in range(C // S):
+      tot = self.p[a * S + S - 1:a * S + S, :]
+      self.mid.append(acc)                       # sum over a' < a with i before a' * S
+      acc = acc + jnp.where(self.row < a * S, tot, 0.0)
+      before = before + jnp.where(self.row >= a * S + S, tot, 0.0)
+      total = total + tot
+    self.b = before + self.p                     # g over [chunk start, r]
+    self.to_end = self.s + acc                   # g over (i, chunk end]
+    self.total = total                           # g over the chunk, [1, K]
 
   def in_sub(self, a):
     return (self.row >= a * S) & (self.row < a * S + S)
+
+  def k_fac(self, a):
+    """exp(g over (i, start of sub-chunk a)) for rows i before sub-chunk a, else 0."""
+    return _mexp(self.row < a * S, self.s + self.mid[a])
+
+  def q_fac(self, a):
+    """exp(g over [start of sub-chunk a, r]) for rows r in sub-chunk a, else 0."""
+    return jnp.where(self.in_sub(a), self.exp_p, 0.0)
 
   def pick(self, j):
     """One-hot [C, C]: row r selects column (r // S) * S + j (same sub-chunk, offset j)."""
@@ -86,52 +116,59 @@ class _Chunk:
 
 
 def _scores(ch, q, k, dt):
-  """A[r, i] = sum_k q_r k_i exp(b_r - b_i), i <= r: [C, C] float32."""
-  C, b = ch.C, ch.b
+  """A[r, i] = sum_k q_r k_i exp(b_r - b_i), i <= r: [C, C] float32.
+
+  Diagonal blocks: for column offset j (descending) ``acc`` holds g over
+  (j, r] of each row's sub-chunk, grown by one g per step (a sum, never a difference).
+  """
+  C = ch.C
   A = jnp.zeros((C, C), F32)
   for a in range(1, C // S):
-    ref = ch.ref(a)
-    q_fac = q * _mexp(ch.in_sub(a), b - ref)
-    k_fac = k * _mexp(ch.row < a * S, ref - b)
-    A = A + _mm(q_fac, k_fac, dt, tb=True)
-  for j in range(S):
+    A = A + _mm(q * ch.q_fac(a), k * ch.k_fac(a), dt, tb=True)
+  acc = jnp.zeros((C, ch.K), F32)
+  for j in reversed(range(S)):
     P = ch.pick(j)
-    k_sel, b_sel = _exact(P, k), _exact(P, b)
-    val = jnp.sum(q * k_sel * _mexp(ch.row % S >= j, b - b_sel), axis=1, keepdims=True)
+    k_sel, g_sel = _exact(P, k), _exact(P, ch.g)
+    val = jnp.sum(q * k_sel * _mexp(ch.off >= j, acc), axis=1, keepdims=True)
     A = A + P * val
+    acc = acc + jnp.where(ch.off >= j, g_sel, 0.0)
   return A
 
 
 def _row_side(ch, dA, k, dt):
   """sum_i dA[r, i] k_i exp(b_r - b_i): [C, K]."""
-  C, b = ch.C, ch.b
+  C = ch.C
   out = jnp.zeros((C, ch.K), F32)
   for a in range(1, C // S):
-    ref = ch.ref(a)
-    part = _mm(dA, k * _mexp(ch.row < a * S, ref - b), dt)
-    out = out + part * _mexp(ch.in_sub(a), b - ref)
-  for j in range(S):
+    out = out + _mm(dA, k * ch.k_fac(a), dt) * ch.q_fac(a)
+  acc = jnp.zeros((C, ch.K), F32)
+  for j in reversed(range(S)):
     P = ch.pick(j)
-    k_sel, b_sel = _exact(P, k), _exact(P, b)
+    k_sel, g_sel = _exact(P, k), _exact(P, ch.g)
     dA_sel = jnp.sum(dA * P, axis=1, keepdims=True)
-    out = out + dA_sel * k_sel * _mexp(ch.row % S >= j, b - b_sel)
+    out = out + dA_sel * k_sel * _mexp(ch.off >= j, acc)
+    acc = acc + jnp.where(ch.off >= j, g_sel, 0.0)
   return out
 
 
 def _col_side(ch, dA, q, dt):
-  """sum_r dA[r, i] q_r exp(b_r - b_i): [C, K]."""
-  C, b = ch.C, ch.b
+  """sum_r dA[r, i] q_r exp(b_r - b_i): [C, K].
+
+  Diagonal blocks: for row offset j (ascending) ``acc`` holds g over (i, j] of each
+  column's sub-chunk.
+  """
+  C = ch.C
   out = jnp.zeros((C, ch.K), F32)
-  for a in range(C // S - 1):
-    end = ch.end(a)
-    part = _mm(dA, q * _mexp(ch.row >= a * S + S, b - end), dt, ta=True)
-    out = out + part * _mexp(ch.in_sub(a), end - b)
+  for a in range(1, C // S):
+    out = out + _mm(dA, q * ch.q_fac(a), dt, ta=True) * ch.k_fac(a)
   dA_t = dA.T
+  acc = jnp.zeros((C, ch.K), F32)
   for j in range(S):
     P = ch.pick(j)
-    q_sel, b_sel = _exact(P, q), _exact(P, b)
+    q_sel, g_sel = _exact(P, q), _exact(P, ch.g)
+    acc = acc + jnp.where(ch.off < j, g_sel, 0.0)
     dA_sel = jnp.sum(dA_t * P, axis=1, keepdims=True)
-    out = out + dA_sel * q_sel * _mexp(ch.row % S <= j, b_sel - b)
+    out = out + dA_sel * q_sel * _mexp(ch.off <= j, acc)
   return out
 
 
@@ -159,7 +196,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, h0_ref, o_ref, ht_ref, *h_out, scale
   A = _scores(ch, q, k, dt)
   o = _mm(q * jnp.exp(ch.b), h, dt) + _mm(A, v, dt)
   o_ref[...] = (scale * o).astype(o_ref.dtype)
-  h = _col(jnp.exp(ch.b_last)) * h + _mm(k * jnp.exp(ch.b_last - ch.b), v, dt, ta=True)
+  h = _col(jnp.exp(ch.total)) * h + _mm(k * jnp.exp(ch.to_end), v, dt, ta=True)
   state[...] = h
 
   @pl.when(n == N - 1)
@@ -231,20 +268,20 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, do_ref, h_ref, dht_ref,
   A = _scores(ch, q, k, dt)
   causal = _iota(C, 0) >= _iota(C, 1)
   dA = jnp.where(causal, scale * _mm(do, v, dt, tb=True), 0.0)
-  k_end = jnp.exp(ch.b_last - ch.b)
+  k_end = jnp.exp(ch.to_end)
   dq = scale * _mm(do, h, dt, tb=True) * jnp.exp(ch.b) + _row_side(ch, dA, k, dt)
   dk_state = _mm(v, dH, dt, tb=True) * k_end
   dk = _col_side(ch, dA, q, dt) + dk_state
   dv = scale * _mm(A, do, dt, ta=True) + _mm(k * k_end, dH, dt)
   db = q * dq - k * dk
-  d_last = (jnp.exp(ch.b_last) * jnp.sum(h * dH, axis=1, keepdims=True).T
+  d_last = (jnp.exp(ch.total) * jnp.sum(h * dH, axis=1, keepdims=True).T
             + jnp.sum(k * dk_state, axis=0, keepdims=True))
   dg = _exact((ch.rc <= ch.cc).astype(F32), db) + d_last         # reverse cumsum + total term
   dq_ref[...] = dq.astype(dq_ref.dtype)
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
   dg_ref[...] = dg
-  new = _col(jnp.exp(ch.b_last)) * dH + scale * _mm(q * jnp.exp(ch.b), do, dt, ta=True)
+  new = _col(jnp.exp(ch.total)) * dH + scale * _mm(q * jnp.exp(ch.b), do, dt, ta=True)
   dstate[...] = new
 
   @pl.when(n == N - 1)
