@@ -227,13 +227,25 @@ def _communicates(eqn) -> bool:
       _communicates(e) for j in _sub_jaxprs(eqn) for e in j.eqns)
 
 
+def _find_shard_map(eqns):
+  """The first shard_map equation, also inside a jit (zeco_gla jits its shard_map)."""
+  for eqn in eqns:
+    if eqn.primitive.name == "shard_map":
+      return eqn
+    for inner in _sub_jaxprs(eqn):
+      found = _find_shard_map(inner.eqns)
+      if found is not None:
+        return found
+  return None
+
+
 def _local_pass_depends_on_received_state(method):
   """Does any input of the local chunked pass depend on a collective's result?"""
   mesh = seq_mesh(4)
   q, k, v, g, _ = gla_inputs(11, B, 64, H, K, V)
   jaxpr = jax.make_jaxpr(lambda *a: zeco_gla(*a, mesh=mesh, method=method, chunk_size=16))(
       q, k, v, g).jaxpr
-  body = next(e for e in jaxpr.eqns if e.primitive.name == "shard_map").params["jaxpr"]
+  body = _find_shard_map(jaxpr.eqns).params["jaxpr"]
   tainted, local_calls, comm = set(), [], 0
   for eqn in body.eqns:
     ins = [x for x in eqn.invars if isinstance(x, jax.extend.core.Var)]

@@ -45,9 +45,8 @@ def check_gla_inputs(q, k, v, g, initial_state, scale, *, name: str,
   if not q.dtype == k.dtype == v.dtype:
     raise ValueError(f"{name}: `q`, `k`, `v` must share one dtype, got {q.dtype}, {k.dtype}, "
                      f"{v.dtype}. Cast them to one (e.g. bfloat16) before the call.")
-  if T == 0:
-    raise ValueError(f"{name}: the sequence is empty (T = 0 in q {q.shape}).")
   V = v.shape[3]
+  _check_no_empty_dim(B, T, H, K, V, q.shape, v.shape, name=name)
   scalar_decay = False
   if g is not None:
     if _shape(g) == (B, T, H):
@@ -73,6 +72,24 @@ def check_gla_inputs(q, k, v, g, initial_state, scale, *, name: str,
   if chunk_size is not None:
     check_chunk_size(chunk_size, name=name)
   return GlaArgs(B, T, H, K, V, float(scale), scalar_decay)
+
+
+def _check_no_empty_dim(B, T, H, K, V, q_shape, v_shape, *, name: str) -> None:
+  """Every size must be >= 1: K = 0 has no scale K ** -0.5, V = 0 no state blocks, and
+  an empty B, T or H is nothing to compute (and a zero-size grid to a kernel)."""
+  empty = (
+      (B, "B", "q", q_shape, "an empty batch: skip the call"),
+      (T, "T", "q", q_shape, "an empty sequence: skip the call (its final state is "
+       "`initial_state`)"),
+      (H, "H", "q", q_shape, "no heads: pass H >= 1"),
+      (K, "K", "q", q_shape, "no key dimension: pass K >= 1 (the scale K ** -0.5 and the "
+       "[K, V] state need it)"),
+      (V, "V", "v", v_shape, "no value dimension: pass V >= 1 (the [K, V] state needs it)"),
+  )
+  for size, dim, arg, shape, what_and_fix in empty:
+    if size == 0:
+      raise ValueError(f"{name}: `{arg}` has {dim} = 0 (shape {shape}); every dimension "
+                       f"must be >= 1. {dim} = 0 is {what_and_fix}.")
 
 
 def check_chunk_size(chunk_size, *, name: str, multiple_of: int = 1) -> None:

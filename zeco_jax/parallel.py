@@ -27,10 +27,12 @@ with a dense transition (docs/design.md §7) reuses it with its own steps 1 and 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zeco_jax import _checks
@@ -118,11 +120,19 @@ def _over_keys(factor):
 
 
 def _segment_state(k, v, g):
-  """S_p from one GEMM: sum_t (k_t * exp(c_L - c_t)) v_t^T, each factor <= 1."""
+  """S_p from one GEMM: sum_t (k_t * exp(sum of g over (t, L])) v_t^T, each factor <= 1.
+
+  The exponent is a true suffix sum (a reverse cumsum of g shifted by one token), never
+  the difference ``c_L - c_t`` of two prefix sums: that difference cancels when the
+  prefix sums are large (a -1e4 spike makes every later c about 1e4, whose float32 ulp
+  is 1e-3) and loses the small decays after it.
+  """
   k_decayed = k.astype(jnp.float32)
   if g is not None:
-    c = jnp.cumsum(g.astype(jnp.float32), axis=1)
-    k_decayed = k_decayed * _over_keys(jnp.exp(c[:, -1:] - c))
+    g = g.astype(jnp.float32)
+    later = jnp.concatenate([g[:, 1:], jnp.zeros_like(g[:, :1])], axis=1)   # g_{t+1}
+    after_t = jnp.flip(jnp.cumsum(jnp.flip(later, axis=1), axis=1), axis=1)
+    k_decayed = k_decayed * _over_keys(jnp.exp(after_t))
   return jnp.einsum("bthk,bthv->bhkv", k_decayed, v.astype(jnp.float32), precision=_HI)
 
 
@@ -176,7 +186,8 @@ def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
       (log-decay, <= 0): global arrays whose T axis is (or will be) split contiguously over
       ``seq_axis``. Other mesh axes (say B over ``data``, H over ``tensor``) are left to
       the compiler as they are: the shard_map is manual over ``seq_axis`` only.
-    mesh: a ``jax.sharding.Mesh``; default: the mesh set with ``jax.set_mesh``.
+    mesh: a ``jax.sharding.Mesh`` (Auto or Explicit axes; passing it is enough, no
+      ``jax.set_mesh`` needed); default: the mesh set with ``jax.set_mesh``.
     seq_axis: the mesh axis the sequence is split over; T must be divisible by its size.
     method: a key of :data:`zeco_jax.scan.SCAN_METHODS`: ``"all_scan"`` (ZeCO's
       pipelined All-Scan), ``"all_gather"`` (LASP-2), ``"ring"`` (LASP-1, no overlap) or
@@ -188,7 +199,8 @@ def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
 
   Returns:
     ``(o, final_state)`` as :func:`zeco_jax.chunk_gla`: o sharded like q over T; the final
-    state of the whole sequence (float32) or None.
+    state of the whole sequence (float32, replicated over ``seq_axis``: one all-reduce of
+    one state in the forward, none in the backward) or None.
   """
   name = "zeco_gla"
   args = _check_args(q, k, v, g, initial_state, scale, chunk_size, method, name=name)
@@ -204,34 +216,83 @@ def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
   _resolve_num_blocks(num_blocks, method, P_size, args.B, args.H, args.K, args.V, name=name)
 
   batch_spec, head_spec = _explicit_batch_head(q, mesh, seq_axis)
+  options = _Options(method, num_blocks, chunk_size, args.scale, output_final_state, backend,
+                     kernel_config)
+  o, final = _sharded_gla(q, k, v, g, initial_state, mesh=mesh, seq_axis=seq_axis,
+                          batch_spec=batch_spec, head_spec=head_spec, options=options)
+  return o, final
+
+
+class _Options(NamedTuple):
+  """zeco_gla's static options, hashable: part of the jit cache key of _sharded_gla."""
+  method: str
+  num_blocks: Optional[int]
+  chunk_size: int
+  scale: float
+  output_final_state: bool
+  backend: str
+  kernel_config: object
+
+
+# Jitted so that an eager call compiles once per shape and options instead of running the
+# shard_map body op by op (seconds for a tiny input); under an outer jit it is inlined.
+@functools.partial(jax.jit, static_argnames=("mesh", "seq_axis", "batch_spec", "head_spec",
+                                             "options"))
+def _sharded_gla(q, k, v, g, initial_state, *, mesh, seq_axis, batch_spec, head_spec,
+                 options):
+  """zeco_gla after its checks: the shard_map over ``seq_axis`` (and over the Explicit
+  mesh axes B and H are split over, ``batch_spec`` / ``head_spec``)."""
+  opt = options
   manual = {seq_axis} | _axes_in(batch_spec) | _axes_in(head_spec)
   seq4 = P(batch_spec, seq_axis, head_spec, None)
   g_spec = None if g is None else P(batch_spec, seq_axis, *([head_spec, None][:g.ndim - 2]))
   h0_spec = None if initial_state is None else P(batch_spec, head_spec, None, None)
+  state_spec = P(batch_spec, head_spec, None, None)
   if manual != {seq_axis}:
     # Explicit mesh axes: B and H stay split as the caller split them, by making the
     # shard_map manual over those axes too (each shard then works on its own rows / heads).
-    q, k, v = (jax.sharding.reshard(x, seq4) for x in (q, k, v))
-    g = None if g is None else jax.sharding.reshard(g, g_spec)
+    # A NamedSharding, not a bare spec: the caller may have passed `mesh=` without
+    # setting it as the context mesh.
+    place = lambda x, spec: jax.sharding.reshard(x, _on(mesh, spec))
+    q, k, v = (place(x, seq4) for x in (q, k, v))
+    g = None if g is None else place(g, g_spec)
     if initial_state is not None:
-      initial_state = jax.sharding.reshard(initial_state, h0_spec)
+      initial_state = place(initial_state, h0_spec)
 
   def body(q, k, v, g, h0):
-    o, after = zeco_gla_local(q, k, v, g, axis_name=seq_axis, method=method,
-                              num_blocks=num_blocks, chunk_size=chunk_size, scale=scale,
-                              initial_state=h0, output_final_state=True, backend=backend,
-                              kernel_config=kernel_config)
-    return o, after[None]
+    o, after = zeco_gla_local(q, k, v, g, axis_name=seq_axis, method=opt.method,
+                              num_blocks=opt.num_blocks, chunk_size=opt.chunk_size,
+                              scale=opt.scale, initial_state=h0,
+                              output_final_state=opt.output_final_state,
+                              backend=opt.backend, kernel_config=opt.kernel_config)
+    if not opt.output_final_state:
+      return o
+    return o, _from_last_rank(after, seq_axis)
 
   # Pallas calls (and the Pallas interpreter on CPU) do not carry shard_map's varying-axes
   # types through their bodies, so that check is off around them; JAX then inserts the
   # psums for replicated inputs itself.
   run = jax.shard_map(body, mesh=mesh, in_specs=(seq4, seq4, seq4, g_spec, h0_spec),
-                      out_specs=(seq4, P(seq_axis, batch_spec, head_spec)), axis_names=manual,
-                      check_vma=(backend != "pallas"))
-  o, after_each = run(q, k, v, g, initial_state)
-  if not output_final_state:
-    return o, None
-  if manual != {seq_axis}:   # explicit sharding: slicing one seq shard needs it replicated
-    after_each = jax.sharding.reshard(after_each, P(None, batch_spec, head_spec))
-  return o, after_each[-1]
+                      out_specs=(seq4, state_spec) if opt.output_final_state else seq4,
+                      axis_names=manual, check_vma=(opt.backend != "pallas"))
+  if opt.output_final_state:
+    return run(q, k, v, g, initial_state)
+  return run(q, k, v, g, initial_state), None
+
+
+def _from_last_rank(after, axis_name):
+  """The last rank's state on every rank of ``axis_name``: the final state, replicated.
+
+  One all-reduce of one state in the forward (only the last rank contributes), so the
+  shard_map's output needs no slicing of a seq-sharded array, which Explicit mesh axes
+  refuse; its transpose sends nothing (the cotangent of a replicated output is already
+  on every rank), so the backward's communication is the All-Scan's alone.
+  """
+  last = lax.axis_index(axis_name) == lax.axis_size(axis_name) - 1
+  return lax.psum(jnp.where(last, after, jnp.zeros_like(after)), axis_name)
+
+
+def _on(mesh, spec):
+  """``spec`` on ``mesh``: a NamedSharding for a concrete mesh (it needs no context mesh),
+  the bare spec for the abstract context mesh."""
+  return NamedSharding(mesh, spec) if isinstance(mesh, Mesh) else spec
