@@ -7,11 +7,15 @@ installed (the ``train`` extra), the same scalars as TensorBoard events under
 (loss, tokens/s, ETA), plain log lines, or nothing. :func:`plot_metrics` draws
 ``loss.png`` from ``metrics.jsonl``. Only the process that writes (process 0 of a
 multi-process run) should enable them; the others get no-op instances.
+
+Neither loses a run: the writer reopens ``metrics.jsonl`` when it was deleted or replaced
+under it (the rows after that are kept), and the plot only warns when it cannot be drawn.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 PROGRESS_MODES = ("bar", "lines", "off")
@@ -23,6 +27,7 @@ class MetricWriter:
   def __init__(self, workdir: str, enabled: bool = True):
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._file = open(self.path, "a") if enabled else None
+    self._reopened = 0           # times the file was found deleted or replaced
     self._tb = None
     if enabled:
       try:
@@ -32,9 +37,24 @@ class MetricWriter:
       if SummaryWriter is not None:
         self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
+  def _check_file(self) -> None:
+    """Reopens (recreates) ``metrics.jsonl`` if it is no longer the file we hold open."""
+    try:
+      same = os.path.samestat(os.stat(self.path), os.fstat(self._file.fileno()))
+    except OSError:              # deleted, or its folder is gone
+      same = False
+    if not same:
+      self._file.close()
+      os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+      self._file = open(self.path, "a")
+      self._reopened += 1
+      print(f"metrics: {self.path} was deleted or replaced; writing a new one",
+            file=sys.stderr, flush=True)
+
   def write(self, step: int, scalars: dict) -> None:
     if self._file is None:
       return
+    self._check_file()
     self._file.write(json.dumps({"step": step, **scalars}) + "\n")
     if self._tb is not None:
       for name, value in scalars.items():
@@ -95,24 +115,40 @@ class Progress:
       self.bar.close()
 
 
-def plot_metrics(metrics_path: str, png_path: str) -> None:
-  """Train loss (log scale) and eval accuracy against step; nothing without matplotlib."""
+def plot_metrics(metrics_path: str, png_path: str) -> bool:
+  """Train loss (log scale) and eval accuracy against step; never raises.
+
+  Returns whether ``png_path`` was written: not without matplotlib, rows or a readable
+  ``metrics_path`` (a warning on stderr says why).
+  """
+  try:
+    return _plot(metrics_path, png_path)
+  except Exception as e:   # noqa: BLE001 (a plot must not fail a finished run)
+    print(f"metrics: no plot {png_path} ({type(e).__name__}: {e})", file=sys.stderr,
+          flush=True)
+    return False
+
+
+def _plot(metrics_path: str, png_path: str) -> bool:
   try:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError:
-    return
+    return False
   train, evals = {}, {}
   with open(metrics_path) as f:
     for line in f:
-      row = json.loads(line)
+      try:
+        row = json.loads(line)
+      except ValueError:          # a line cut short by a kill
+        continue
       if "loss" in row:
         train[row["step"]] = row        # a resumed run's rows replace the lost ones
       if "eval_accuracy" in row:
         evals[row["step"]] = row
   if not train:
-    return
+    return False
   steps = sorted(train)
   fig, ax = plt.subplots(figsize=(7, 4))
   ax.plot(steps, [train[s]["loss"] for s in steps], lw=1, label="train loss")
@@ -129,3 +165,4 @@ def plot_metrics(metrics_path: str, png_path: str) -> None:
   fig.tight_layout()
   fig.savefig(png_path, dpi=100)
   plt.close(fig)
+  return True

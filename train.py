@@ -8,7 +8,14 @@
 
 The config is a file of ``configs/`` (ml_collections ``get_config()``); every field can be
 overridden as ``--config.SECTION.FIELD=VALUE`` and an unknown field is an error. Rerunning
-a command resumes from its workdir's latest checkpoint (default workdir: runs/<config>).
+a command resumes from its workdir's latest checkpoint that restores (default workdir:
+runs/<config>).
+
+Exit codes: 0 trained to ``train.steps`` (or ``train.stop_after``), or the checkpoint is
+already exactly there; 1 a config error (any field's type or range, checked before anything
+compiles), a checkpoint past the step asked for, a checkpoint of another model, or no
+checkpoint that restores; 3 the run diverged (``train.max_bad_steps`` non-finite steps in a
+row; the last finite checkpoint is kept). Each failure is one line on stderr.
 
 Devices: on a CPU-only host the run gets 8 simulated CPU devices (``--local-device-count``;
 ``$ZECO_LOCAL_DEVICE_COUNT`` or an ``XLA_FLAGS`` device count take precedence); GPU/TPU
@@ -22,6 +29,7 @@ This file is the command line and the start-up only; the trainer is :mod:`traine
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import jax
@@ -57,9 +65,24 @@ CONFIG_ERRORS = (flags.Error, AttributeError, KeyError, TypeError, ValueError, O
 
 
 def config_error(e: BaseException) -> str:
+  """One line: the flag, its value, what the field allows (configs/schema.py) and why."""
   while e.args and isinstance(e.args[0], BaseException):   # ml_collections nests them
     e = e.args[0]
-  return f"train.py: {e.args[0] if e.args else e}"
+  text = str(e.args[0] if e.args else e)
+  # ml_collections' own type check of an override: "flag --config.train.lr=abc: could not
+  # convert string to float: 'abc'"; add what the field takes.
+  bad_value = re.match(r"flag --config\.([\w.]+)=(.*?): (.*)", text, re.S)
+  if bad_value and configs.schema.allowed(bad_value[1]):
+    name, value, why = bad_value.groups()
+    return f"config error: {name}={value!r}: {configs.schema.allowed(name)} ({why})"
+  return f"train.py: {text}"
+
+
+def define_config_flag(flag_values=flags.FLAGS, default: str = DEFAULT_CONFIG) -> None:
+  """``--config FILE`` with its ``--config.SECTION.FIELD=VALUE`` overrides (locked)."""
+  config_flags.DEFINE_config_file(
+      "config", default, "a config file (configs/*.py); override its fields as "
+      "--config.model.num_layers=4", flag_values=flag_values, lock_config=True)
 
 
 def parse_flags(argv):
@@ -96,15 +119,17 @@ def main(argv):
     sys.exit(f"config error: {e}")
   name = os.path.splitext(os.path.basename(config_flags.get_config_filename(
       flags.FLAGS["config"])))[0]
-  trainer.train_and_evaluate(config, _WORKDIR.value or os.path.join("runs", name),
-                             progress=_PROGRESS.value)
+  try:
+    trainer.train_and_evaluate(config, _WORKDIR.value or os.path.join("runs", name),
+                               progress=_PROGRESS.value)
+  except trainer.RunError as e:      # one line and the exit code (docs/training.md)
+    print(f"train.py: {e}", file=sys.stderr, flush=True)
+    sys.exit(e.exit_code)
 
 
 if __name__ == "__main__":
   try:   # the default config file is read here, with any --config.* overrides
-    config_flags.DEFINE_config_file(
-        "config", DEFAULT_CONFIG, "a config file (configs/*.py); override its fields as "
-        "--config.model.num_layers=4", lock_config=True)
+    define_config_flag()
   except CONFIG_ERRORS as e:
     sys.exit(config_error(e))
   app.run(main, flags_parser=parse_flags)

@@ -8,10 +8,19 @@ compute with float32 params), ``eval_step`` and ``loss_and_grad``. Batches have 
 ``data`` and T over ``seq``.
 
 :func:`train_and_evaluate` runs a config in a workdir: orbax ``CheckpointManager`` (every
-N steps, keep k, async, atomic) and resume from the latest complete checkpoint; the data of
-step s is a function of (seed, s), so a resumed run continues exactly. Each process builds
-only its own rows and tokens of every batch; process 0 writes the metrics
+N steps, keep k, async, atomic) and resume from the newest checkpoint that restores; the
+data of step s is a function of (seed, s), so a resumed run continues exactly. Each process
+builds only its own rows and tokens of every batch; process 0 writes the metrics
 (:mod:`metrics`) and prints.
+
+What it guards against (each ends in one line, a :class:`RunError` with its exit code):
+a step whose loss or gradient norm is not finite is not applied (the jitted step keeps the
+old parameters and optimizer state and counts it on the device; the host reads the count
+only when it syncs anyway: logging, saving); a checkpoint is saved only when the last step
+was applied, and ``train.max_bad_steps`` skipped steps in a row stop the run
+(:class:`Diverged`). A checkpoint that does not restore is moved to
+``WORKDIR/corrupt_checkpoints`` and the next older one is used; a checkpoint of another
+model (shapes differ) or past ``train.steps`` stops before anything compiles.
 
 What it does not do: pipeline or tensor parallelism; choose devices or start processes
 (``train.py`` does, through ``zeco_jax.distributed``).
@@ -19,7 +28,10 @@ What it does not do: pipeline or tensor parallelism; choose devices or start pro
 from __future__ import annotations
 
 import contextlib
+import gc
+import json
 import os
+import sys
 import time
 
 import jax
@@ -35,6 +47,21 @@ import metrics
 from models import GLALM, GLAConfig, sharding
 from models.data import Dataset
 from zeco_jax import distributed
+
+
+class RunError(RuntimeError):
+  """A run that cannot go on; the message is one line and ``train.py`` exits ``exit_code``."""
+  exit_code = 1
+
+
+class Diverged(RunError):
+  """``train.max_bad_steps`` steps in a row had a non-finite loss or gradient norm."""
+  exit_code = 3
+
+
+# Device-side counters in the train state: the current run of skipped (non-finite) steps,
+# and all skipped steps. Checkpoints written before they existed restore with zeros.
+COUNTERS = ("bad_streak", "skipped_steps")
 
 
 def make_mesh(shape: dict, devices=None) -> jax.sharding.Mesh:
@@ -93,7 +120,8 @@ class Experiment:
         self.tx, lambda _, s: s, abstract_opt,
         self.param_shardings, transform_non_params=lambda _: self.replicated)
     self.state_shardings = {"params": self.param_shardings, "opt_state": opt_shardings,
-                            "step": self.replicated}
+                            "step": self.replicated,
+                            **{name: self.replicated for name in COUNTERS}}
     batch_shardings = {k: self.batch_sharding for k in ("inputs", "targets", "mask")}
 
     self._init_params = init_params
@@ -101,7 +129,9 @@ class Experiment:
     self.abstract_state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         {"params": abstract_params, "opt_state": abstract_opt,
-         "step": jax.ShapeDtypeStruct((), jnp.int32)}, self.state_shardings)
+         "step": jax.ShapeDtypeStruct((), jnp.int32),
+         **{name: jax.ShapeDtypeStruct((), jnp.int32) for name in COUNTERS}},
+        self.state_shardings)
 
     def loss_fn(params, batch):
       if self.compute_dtype != jnp.float32:
@@ -116,12 +146,26 @@ class Experiment:
 
     def train_step(state, batch):
       loss, aux, grads = loss_and_grad(state["params"], batch)
+      grad_norm = optax.tree_utils.tree_norm(grads)
       updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
       params = optax.apply_updates(state["params"], updates)
-      step_metrics = {"loss": loss, "accuracy": aux["accuracy"],
-                      "grad_norm": optax.tree_utils.tree_norm(grads),
-                      "lr": self.schedule(state["step"])}
-      return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, step_metrics
+      # A step is applied only if its loss, gradient norm and new parameters are finite;
+      # otherwise params and optimizer state stay as they were (no host sync: the counters
+      # are read when the host syncs anyway).
+      ok = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            & jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)])))
+      keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+      bad = jnp.logical_not(ok).astype(jnp.int32)
+      new_state = {"params": keep_if_bad(params, state["params"]),
+                   "opt_state": keep_if_bad(opt_state, state["opt_state"]),
+                   "step": state["step"] + 1,
+                   "bad_streak": jnp.where(ok, 0, state["bad_streak"] + 1),
+                   "skipped_steps": state["skipped_steps"] + bad}
+      step_metrics = {"loss": loss, "accuracy": aux["accuracy"], "grad_norm": grad_norm,
+                      "lr": self.schedule(state["step"]), "skipped": bad,
+                      "skipped_steps": new_state["skipped_steps"],
+                      "bad_streak": new_state["bad_streak"]}
+      return new_state, step_metrics
 
     def eval_step(params, batch):
       aux = loss_fn(params, batch)[1]
@@ -158,7 +202,8 @@ class Experiment:
     place = lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
     params = jax.tree.map(place, host, self.param_shardings)
     return {"params": params, "opt_state": self._init_opt(params),
-            "step": place(np.zeros((), np.int32), self.replicated)}
+            "step": place(np.zeros((), np.int32), self.replicated),
+            **{name: place(np.zeros((), np.int32), self.replicated) for name in COUNTERS}}
 
   def local_index(self, global_shape) -> tuple:
     """(rows, tokens): the part of a ``[B, T]`` global batch this process's devices hold."""
@@ -184,8 +229,143 @@ def checkpoint_manager(workdir: str, train: ml_collections.ConfigDict):
   options = ocp.CheckpointManagerOptions(
       save_interval_steps=train.checkpoint_every, max_to_keep=train.keep_checkpoints,
       enable_async_checkpointing=train.async_checkpointing, create=True)
+  # The handler lets item_metadata read a checkpoint's shapes before restoring it.
   return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")),
-                               options=options)
+                               options=options, item_handlers=ocp.StandardCheckpointHandler())
+
+
+def _named_leaves(tree) -> dict:
+  """``{"params.embed": leaf, "opt_state.1.0.mu.embed": leaf, ...}``: orbax's array names."""
+  def name(path):
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+                    for k in path)
+  return {name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _reason(e: BaseException) -> str:
+  """An exception as a short phrase (tensorstore appends kilobytes of its spec)."""
+  text = " ".join(str(e).split("[tensorstore_spec")[0].split())
+  return f"{type(e).__name__}: {text[:300]}"
+
+
+def _mismatch(meta_tree, abstract_state) -> list:
+  """How a checkpoint's arrays differ from this run's state: missing, extra, other shape."""
+  saved = {n: (tuple(m.shape), np.dtype(m.dtype)) for n, m in _named_leaves(meta_tree).items()}
+  want = {n: (tuple(a.shape), np.dtype(a.dtype))
+          for n, a in _named_leaves(abstract_state).items() if n not in COUNTERS}
+  params_first = lambda n: (not n.startswith("params."), n)
+  diffs = [f"{n} is in this run's model but not in the checkpoint"
+           for n in sorted(want.keys() - saved.keys(), key=params_first)]
+  diffs += [f"{n} is in the checkpoint but not in this run's model"
+            for n in sorted(saved.keys() - want.keys() - set(COUNTERS), key=params_first)]
+  diffs += [f"{n} has shape {saved[n][0]} {saved[n][1]} in the checkpoint, {want[n][0]} "
+            f"{want[n][1]} now" for n in sorted(want.keys() & saved.keys(), key=params_first)
+            if saved[n] != want[n]]
+  return sorted(diffs, key=lambda d: not d.startswith("params."))
+
+
+def _changed_model_fields(workdir: str, config: ml_collections.ConfigDict) -> str:
+  """The model.* fields that differ from ``WORKDIR/config.json`` (the run that trained there)."""
+  try:
+    with open(os.path.join(workdir, "config.json")) as f:
+      before = json.load(f)["model"]
+  except (OSError, ValueError, KeyError, TypeError):
+    return "compare the model.* fields with the command that wrote it"
+  now = config.model.to_dict()
+  changed = [f"model.{k} {before.get(k)!r} -> {v!r}" for k, v in now.items()
+             if before.get(k, v) != v]
+  return ("model fields changed since the run that wrote it: " + ", ".join(changed)
+          if changed else "the model.* fields are those of WORKDIR/config.json")
+
+
+@contextlib.contextmanager
+def _quiet_closed_event_loops():
+  """Drops Python's "Event loop is closed" reports while a checkpoint is read.
+
+  When tensorstore fails to read a damaged checkpoint, its pending callbacks reach an
+  asyncio loop that orbax has closed; Python prints each as an unraisable RuntimeError:
+  dozens of tracebacks that bury the one line saying what happened. Exactly those are
+  dropped; anything else goes to the previous hook.
+  """
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    e = unraisable.exc_value
+    if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
+  try:
+    yield
+  finally:
+    gc.collect()            # their finalizers run now, under this hook
+    sys.unraisablehook = previous
+
+
+def restore_checkpoint(mngr, exp: Experiment, workdir: str, config: ml_collections.ConfigDict):
+  """The newest checkpoint that restores: ``(step, state, skipped)``, or ``(None, None, [])``.
+
+  ``skipped`` lists ``(step, reason)`` of newer checkpoints that did not restore (a
+  truncated or missing file). A checkpoint whose arrays differ from ``exp``'s (another
+  model) raises :class:`RunError` naming the first difference and the model fields that
+  changed; none restoring raises too (nothing is moved or overwritten then).
+  """
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  skipped = []
+  for step in sorted(mngr.all_steps(), reverse=True):
+    try:   # shapes and dtypes only; a corrupt checkpoint usually fails here already
+      meta = mngr.item_metadata(step)
+      meta = getattr(meta, "tree", meta)
+      if not meta:
+        raise ValueError("no metadata")
+    except Exception as e:   # noqa: BLE001 (any failure: try the next older checkpoint)
+      skipped.append((step, _reason(e)))
+      continue
+    diffs = _mismatch(meta, exp.abstract_state)
+    if diffs:
+      more = f" (and {len(diffs) - 1} more differences)" if len(diffs) > 1 else ""
+      raise RunError(f"checkpoint step {step} in {ckpt_dir} is of another model: {diffs[0]}"
+                     f"{more}; {_changed_model_fields(workdir, config)}. Resume with the "
+                     "same model.* values, or train it in a new --workdir.")
+    target = {k: v for k, v in exp.abstract_state.items() if k in meta}
+    try:
+      state = mngr.restore(step, args=ocp.args.StandardRestore(target))
+    except Exception as e:   # noqa: BLE001
+      skipped.append((step, _reason(e)))
+      continue
+    for name in COUNTERS:    # a checkpoint from before the counters existed
+      if name not in state:
+        state[name] = jax.device_put(np.zeros((), np.int32), exp.replicated)
+    return step, state, skipped
+  if skipped:
+    raise RunError(f"no checkpoint in {ckpt_dir} restores: " + "; ".join(
+        f"step {s}: {why}" for s, why in skipped) + ". Move them away (or use a new "
+        "--workdir) to start afresh.")
+  return None, None, []
+
+
+def _set_aside(mngr, workdir: str, steps) -> dict:
+  """Moves checkpoints that did not restore to ``WORKDIR/corrupt_checkpoints/<step>``.
+
+  Kept for inspection, out of orbax's way (a resumed run saves those steps again).
+  Returns step -> new path.
+  """
+  moved = {}
+  if distributed.is_main_process():
+    for step in steps:
+      src = os.path.join(workdir, "checkpoints", str(step))
+      dst = os.path.join(workdir, "corrupt_checkpoints", str(step))
+      if os.path.exists(dst):
+        dst += f".{int(time.time())}"
+      if os.path.isdir(src):
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        os.replace(src, dst)
+        moved[step] = dst
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("zeco_jax: corrupt checkpoints moved")
+  mngr.reload()
+  return moved
 
 
 def evaluate(exp: Experiment, dataset: Dataset, params, num_batches: int) -> dict:
@@ -213,20 +393,44 @@ def _eval_line(step: int, ev: dict) -> str:
   return f"step {step}: eval loss {ev['eval_loss']:.4f} accuracy {ev['eval_accuracy']:.4f}{cross}"
 
 
+def _warn(text: str) -> None:
+  """A line that must be seen whatever ``progress`` says (stderr, process 0)."""
+  if distributed.is_main_process():
+    print(text, file=sys.stderr, flush=True)
+
+
+def _write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
+  """``WORKDIR/config.json``: the config of the run that trains there (for the shape check)."""
+  if not distributed.is_main_process():
+    return
+  path = os.path.join(workdir, "config.json")
+  with open(path + ".tmp", "w") as f:
+    f.write(config.to_json(indent=1, sort_keys=True))
+  os.replace(path + ".tmp", path)
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                        progress: str = "bar") -> dict:
   """Trains (or resumes) per ``config`` in ``workdir``; returns a summary of the run.
 
   Args:
     config: a config of :mod:`configs` (validated here against the devices).
-    workdir: ``checkpoints/``, ``metrics.jsonl``, ``tensorboard/`` and ``loss.png`` go here;
-      a workdir with checkpoints resumes from the latest complete one.
-    progress: "bar" (tqdm), "lines" (plain log lines) or "off" (nothing printed).
+    workdir: ``checkpoints/``, ``metrics.jsonl``, ``tensorboard/``, ``loss.png`` and
+      ``config.json`` go here; a workdir with checkpoints resumes from the newest one that
+      restores.
+    progress: "bar" (tqdm), "lines" (plain log lines) or "off" (nothing printed but
+      warnings, on stderr).
 
   Returns:
     ``start_step``, ``step``, ``losses`` (step -> loss of this invocation), ``evals``,
     ``final_eval``, ``wall_s``, ``compile_s``, ``tokens_per_s`` (steady state),
-    ``num_params`` and ``state`` (the final train state, global arrays).
+    ``num_params``, ``skipped_steps`` (non-finite steps not applied, all runs),
+    ``skipped_checkpoints`` (step -> reason) and ``state`` (the final train state).
+
+  Raises:
+    RunError: a checkpoint of another model, none that restores, or one past
+      ``train.steps`` / ``train.stop_after``.
+    Diverged: ``train.max_bad_steps`` steps in a row were not finite.
   """
   devices = jax.devices()
   mesh_shape = configs.validate(config, len(devices))
@@ -239,15 +443,43 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   exp = Experiment(config, make_mesh(mesh_shape))
   dataset = Dataset(data_cfg)
   mngr = checkpoint_manager(workdir, train)
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  stop = min(train.steps, train.stop_after or train.steps)
+  summary = {"evals": {}, "skipped_checkpoints": {}, "workdir": workdir}
 
-  latest = mngr.latest_step() if mngr is not None else None
-  if latest is not None:
-    state = mngr.restore(latest, args=ocp.args.StandardRestore(exp.abstract_state))
-    say(f"resumed from {workdir}/checkpoints step {latest}")
+  with _quiet_closed_event_loops():
+    restored, state, skipped = (restore_checkpoint(mngr, exp, workdir, config)
+                                if mngr is not None else (None, None, []))
+    moved = _set_aside(mngr, workdir, [s for s, _ in skipped]) if skipped else {}
+  if skipped:
+    for s, why in skipped:
+      summary["skipped_checkpoints"][s] = why
+      _warn(f"checkpoint step {s} in {ckpt_dir} does not restore ({why}): skipped, moved to "
+            f"{moved.get(s, 'nowhere (not found)')}; resuming from step {restored}")
+  if restored is not None:
+    say(f"resumed from {ckpt_dir} step {restored}")
+    for limit, name in ((train.steps, "train.steps"), (train.stop_after, "train.stop_after")):
+      if limit is not None and restored > limit:
+        mngr.close()
+        raise RunError(f"checkpoint at step {restored} in {ckpt_dir} is past {name} = "
+                       f"{limit}: nothing to train; raise --config.{name} (or use a new "
+                       "--workdir)")
+    if restored >= stop:
+      mngr.close()
+      _warn(f"nothing to train: checkpoint at step {restored} in {ckpt_dir} is already at "
+            f"{'train.steps' if stop == train.steps else 'train.stop_after'} = {stop}; "
+            "raise --config.train.steps to train further")
+      summary.update({"start_step": restored, "step": restored, "losses": {}, "wall_s": 0.0,
+                      "compile_s": None, "num_params": None, "tokens_per_s": None,
+                      "skipped_steps": int(jax.device_get(state["skipped_steps"])),
+                      "state": state})
+      return summary
   else:
     state = exp.init_state()
-  start = int(jax.device_get(state["step"]))
-  stop = min(train.steps, train.stop_after or train.steps)
+  _write_config(workdir, config)
+  start, skipped_before = (int(x) for x in jax.device_get((state["step"],
+                                                            state["skipped_steps"])))
+  summary["start_step"] = start
   tokens_per_step = data_cfg["batch_size"] * data_cfg["seq_len"]
   n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
   say(f"{workdir}: {n_params / 1e6:.2f}M params, mesh data={mesh_shape['data']} "
@@ -259,7 +491,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   losses, pending = {}, []
   t_start = time.time()
   t_window, window_steps, compile_s, steady = time.time(), 0, None, []
-  summary = {"start_step": start, "evals": {}}
+  last_saved = restored       # the newest checkpoint of finite, applied steps
 
   def log_eval(step):
     ev = evaluate(exp, dataset, state["params"], train.eval_batches)
@@ -268,48 +500,77 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     bar.write(_eval_line(step, ev))
     return ev
 
+  def check_divergence(bad_streak: int, done: int) -> None:
+    if bad_streak < train.max_bad_steps:
+      return
+    kept = (f"the last finite checkpoint, step {last_saved} in {ckpt_dir}, is kept"
+            if last_saved is not None else
+            "no checkpoint was saved" + ("" if mngr is not None else
+                                         " (train.checkpoint_every=0)"))
+    raise Diverged(f"diverged: the {bad_streak} steps to step {done} had a non-finite loss "
+                   f"or gradient norm and were not applied (train.max_bad_steps = "
+                   f"{train.max_bad_steps}); {kept}. Rerun with a lower --config.train.lr "
+                   "(or --config.train.grad_clip) to resume from it.")
+
   global_shape = (data_cfg["batch_size"], data_cfg["seq_len"])
   my_rows = exp.local_index(global_shape)[0]      # this process builds only these rows
   next_batch = dataset.batch(start, my_rows) if start < stop else None
-  for step in range(start, stop):
-    batch = exp.put_batch(next_batch, global_shape)
-    state, step_metrics = exp.train_step(state, batch)
-    if step + 1 < stop:
-      next_batch = dataset.batch(step + 1, my_rows)   # host work overlaps the async step
-    pending.append((step + 1, step_metrics))
-    done = step + 1
-    if compile_s is None:
-      jax.block_until_ready(step_metrics)
-      compile_s = time.time() - t_window
-      bar.write(f"first step (compile included): {compile_s:.1f}s")
-      t_window = time.time()
-    else:
-      window_steps += 1
-    if done % train.log_every == 0 or done == stop:
-      rows = jax.device_get([m for _, m in pending])
-      now = time.time()
-      tok_s = tokens_per_step * window_steps / max(now - t_window, 1e-9) if window_steps else 0.0
-      if window_steps:
-        steady.append((window_steps, now - t_window))
-      for (s, _), row in zip(pending, rows):
-        row = {k: float(v) for k, v in row.items()}
-        losses[s] = row["loss"]
-        writer.write(s, {**row, "tokens_per_s": tok_s, "elapsed_s": now - t_start})
-      writer.flush()
-      info = {"loss": float(rows[-1]["loss"]), "tok/s": f"{tok_s:,.0f}"}
-      if data_cfg["kind"] == "mqar":
-        info["acc"] = float(rows[-1]["accuracy"])
-      bar.update(done, len(pending), info)
-      pending, t_window, window_steps = [], time.time(), 0
-    if mngr is not None and (done % train.checkpoint_every == 0 or done == stop):
-      mngr.save(done, args=ocp.args.StandardSave(state), force=done == stop)
-      bar.write(f"checkpoint: step {done} save started")   # the async write is in flight
-    if train.eval_every and done % train.eval_every == 0 and done != stop:
-      summary["evals"][done] = log_eval(done)
-  bar.close()
-  if mngr is not None:
-    mngr.wait_until_finished()
-    mngr.close()
+  try:
+    for step in range(start, stop):
+      batch = exp.put_batch(next_batch, global_shape)
+      state, step_metrics = exp.train_step(state, batch)
+      if step + 1 < stop:
+        next_batch = dataset.batch(step + 1, my_rows)   # host work overlaps the async step
+      pending.append((step + 1, step_metrics))
+      done = step + 1
+      if compile_s is None:
+        jax.block_until_ready(step_metrics)
+        compile_s = time.time() - t_window
+        bar.write(f"first step (compile included): {compile_s:.1f}s")
+        t_window = time.time()
+      else:
+        window_steps += 1
+      if done % train.log_every == 0 or done == stop:
+        rows = jax.device_get([m for _, m in pending])
+        now = time.time()
+        tok_s = (tokens_per_step * window_steps / max(now - t_window, 1e-9)
+                 if window_steps else 0.0)
+        if window_steps:
+          steady.append((window_steps, now - t_window))
+        for (s, _), row in zip(pending, rows):
+          row = {k: (int(v) if k in ("skipped", "skipped_steps") else float(v))
+                 for k, v in row.items() if k != "bad_streak"}
+          losses[s] = row["loss"]
+          writer.write(s, {**row, "tokens_per_s": tok_s, "elapsed_s": now - t_start})
+        writer.flush()
+        info = {"loss": float(rows[-1]["loss"]), "tok/s": f"{tok_s:,.0f}"}
+        if data_cfg["kind"] == "mqar":
+          info["acc"] = float(rows[-1]["accuracy"])
+        if rows[-1]["skipped_steps"]:
+          info["skipped"] = int(rows[-1]["skipped_steps"])
+        bar.update(done, len(pending), info)
+        pending, t_window, window_steps = [], time.time(), 0
+        check_divergence(int(rows[-1]["bad_streak"]), done)
+      if mngr is not None and (done % train.checkpoint_every == 0 or done == stop):
+        bad_streak = int(jax.device_get(state["bad_streak"]))   # never save a skipped step
+        check_divergence(bad_streak, done)
+        if bad_streak:
+          _warn(f"checkpoint: step {done} not saved: its last {bad_streak} step(s) had a "
+                "non-finite loss or gradient norm")
+        else:
+          mngr.save(done, args=ocp.args.StandardSave(state), force=done == stop)
+          last_saved = done
+          bar.write(f"checkpoint: step {done} save started")   # the async write is in flight
+      if train.eval_every and done % train.eval_every == 0 and done != stop:
+        summary["evals"][done] = log_eval(done)
+  except BaseException:
+    writer.close()
+    raise
+  finally:   # a diverged run still completes its last good (async) save
+    bar.close()
+    if mngr is not None:
+      mngr.wait_until_finished()
+      mngr.close()
   final_step = int(jax.device_get(state["step"]))
   if train.eval_batches and (final_step == train.steps or train.stop_after is None):
     summary["final_eval"] = log_eval(final_step)
@@ -319,9 +580,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   steps_timed = sum(n for n, _ in steady)
   summary.update({
       "step": final_step, "losses": losses, "wall_s": time.time() - t_start,
-      "compile_s": compile_s, "workdir": workdir, "num_params": n_params, "state": state,
+      "compile_s": compile_s, "num_params": n_params, "state": state,
+      "skipped_steps": int(jax.device_get(state["skipped_steps"])),
       "tokens_per_s": (tokens_per_step * steps_timed / sum(t for _, t in steady)
                        if steps_timed else None)})
+  skipped_now = summary["skipped_steps"] - skipped_before
+  if skipped_now:
+    _warn(f"{skipped_now} step(s) of this run had a non-finite loss or gradient norm and "
+          "were not applied (metrics.jsonl: skipped)")
   if "final_eval" in summary:
     ev = summary["final_eval"]
     cross = (f", on the {ev['eval_cross_shard_queries']} queries whose pair is on an earlier "

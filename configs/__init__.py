@@ -7,7 +7,8 @@ long it takes and what it reaches. ``train.py`` reads it with ml_collections'
 from the command line (``--config.model.num_layers=4 --config.train.lr=3e-4``) and a field
 that does not exist is an error, in a config file as on the command line (a typo must not
 silently train the wrong thing). :func:`validate` checks a config against the devices at
-start-up and raises ValueError naming the field.
+start-up and raises ValueError naming the field: first every field's type and range
+(``configs/schema.py``, one table), then the rules between fields and the devices.
 
 Sections: ``model`` (the fields of :class:`models.GLAConfig`), ``data``, ``train``, and
 ``mesh`` ("auto" or "data=N,seq=M").
@@ -21,6 +22,8 @@ import typing
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from configs.schema import MESH_AXES, SCHEMA, parse_mesh  # noqa: F401 (re-exported)
+from configs import schema
 from models import sharding
 from models.gla import GLAConfig
 
@@ -74,6 +77,12 @@ def defaults() -> ml_collections.ConfigDict:
           "checkpoint_every": 100,      # 0: no checkpoints
           "keep_checkpoints": 3,
           "async_checkpointing": True,
+          # Steps whose loss or gradient norm is not finite are skipped (not applied); this
+          # many in a row stop the run (exit 3), keeping the last finite checkpoint. 10: an
+          # isolated bad batch is skipped and training goes on, while parameters that give
+          # non-finite losses on 10 different batches will not recover (a skipped step
+          # leaves them unchanged); it wastes at most 10 + log_every steps.
+          "max_bad_steps": 10,
           # End this invocation at that step (checkpointed); the same command resumes.
           "stop_after": placeholder(int),
           # Mesh axis of each logical axis (models/sharding.py), e.g. embed=data for FSDP.
@@ -85,23 +94,6 @@ def defaults() -> ml_collections.ConfigDict:
   })
   config.lock()
   return config
-
-
-MESH_AXES = ("data", "seq")
-
-
-def parse_mesh(text: str) -> dict:
-  """``"data=2,seq=4"`` -> ``{"data": 2, "seq": 4}``; "auto" stays "auto"."""
-  if text == "auto":
-    return text
-  out = {}
-  for part in str(text).split(","):
-    name, _, size = part.partition("=")
-    if name.strip() not in MESH_AXES or not size.strip().isdigit():
-      raise ValueError(f"mesh {text!r}: expected 'auto' or data=N,seq=M "
-                       f"(--config.mesh=data=2,seq=4)")
-    out[name.strip()] = int(size)
-  return out
 
 
 def resolve_mesh(mesh, num_devices: int) -> dict:
@@ -125,6 +117,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict:
   Raises:
     ValueError: naming the field, its value and what would fit.
   """
+  schema.check(config)
   mesh = resolve_mesh(config.mesh, num_devices)
   model = GLAConfig(**config.model.to_dict())
   model.validate()
@@ -168,18 +161,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict:
                        f"{model.vocab_size} (--config.model.vocab_size=256)")
   else:
     raise ValueError(f"data.kind must be 'mqar' or 'text', got {data['kind']!r}")
-  if train["compute_dtype"] not in ("float32", "bfloat16"):
-    raise ValueError(f"train.compute_dtype must be 'float32' or 'bfloat16', got "
-                     f"{train['compute_dtype']!r}")
-  if train["steps"] < 1 or train["warmup_steps"] < 0 or train["warmup_steps"] >= train["steps"]:
-    raise ValueError(f"train.steps={train['steps']} must be >= 1 and > train.warmup_steps="
+  if train["warmup_steps"] >= train["steps"]:
+    raise ValueError(f"train.steps={train['steps']} must be > train.warmup_steps="
                      f"{train['warmup_steps']}")
-  if train["log_every"] < 1:
-    raise ValueError(f"train.log_every={train['log_every']} must be >= 1")
-  if train["stop_after"] is not None and train["stop_after"] < 1:
-    raise ValueError(f"train.stop_after={train['stop_after']} must be >= 1 (or unset)")
-  for name, axis in train["sharding_rules"].items():
-    if axis not in (None,) + MESH_AXES:
-      raise ValueError(f"train.sharding_rules.{name}={axis!r}: a mesh axis must be one of "
-                       f"{MESH_AXES}")
+  if train["eval_every"] and not train["eval_batches"]:
+    raise ValueError(f"train.eval_every={train['eval_every']} needs train.eval_batches >= 1 "
+                     "(or eval_every=0)")
   return mesh
