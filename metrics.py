@@ -14,6 +14,7 @@ under it (the rows after that are kept), and the plot only warns when it cannot 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -58,7 +59,8 @@ class MetricWriter:
     self._file.write(json.dumps({"step": step, **scalars}) + "\n")
     if self._tb is not None:
       for name, value in scalars.items():
-        self._tb.add_scalar(name, value, step)
+        if math.isfinite(value):     # a skipped step's NaN is in the JSONL (tensorboardX
+          self._tb.add_scalar(name, value, step)   # warns on each one)
 
   def flush(self) -> None:
     if self._file is not None:

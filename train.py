@@ -78,11 +78,15 @@ def config_error(e: BaseException) -> str:
   return f"train.py: {text}"
 
 
-def define_config_flag(flag_values=flags.FLAGS, default: str = DEFAULT_CONFIG) -> None:
-  """``--config FILE`` with its ``--config.SECTION.FIELD=VALUE`` overrides (locked)."""
+def define_config_flag(flag_values=flags.FLAGS, sys_argv=None) -> None:
+  """``--config FILE`` with its ``--config.SECTION.FIELD=VALUE`` overrides (locked).
+
+  ml_collections reads the overrides from ``sys_argv`` (default ``sys.argv``) here.
+  """
   config_flags.DEFINE_config_file(
-      "config", default, "a config file (configs/*.py); override its fields as "
-      "--config.model.num_layers=4", flag_values=flag_values, lock_config=True)
+      "config", DEFAULT_CONFIG, "a config file (configs/*.py); override its fields as "
+      "--config.model.num_layers=4", flag_values=flag_values, lock_config=True,
+      sys_argv=sys_argv)
 
 
 def parse_flags(argv):

@@ -466,9 +466,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                        "--workdir)")
     if restored >= stop:
       mngr.close()
+      name = "train.steps" if stop == train.steps else "train.stop_after"
       _warn(f"nothing to train: checkpoint at step {restored} in {ckpt_dir} is already at "
-            f"{'train.steps' if stop == train.steps else 'train.stop_after'} = {stop}; "
-            "raise --config.train.steps to train further")
+            f"{name} = {stop}; raise --config.{name} to train further")
       summary.update({"start_step": restored, "step": restored, "losses": {}, "wall_s": 0.0,
                       "compile_s": None, "num_params": None, "tokens_per_s": None,
                       "skipped_steps": int(jax.device_get(state["skipped_steps"])),
