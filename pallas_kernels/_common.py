@@ -111,6 +111,45 @@ def masked_exp(mask, x):
   return jnp.exp(jnp.where(mask, x, -jnp.inf))
 
 
+def sub_totals(p_ref, b, t0, hd, ks, L):
+  """The L sub-chunk totals ``T_u = sum of g over rows [t0 + 16 u, t0 + 16 u + 16)``, each a
+  ``[KD]`` row: the sub-chunk prefix ``p`` (which restarts every 16 rows) at each
+  sub-chunk's last row, loaded from the ref (a loaded value is never sliced)."""
+  return [p_ref[b, t0 + u * SUB + SUB - 1, hd, ks] for u in range(L)]
+
+
+def chunk_total(tot):
+  """The chunk's total log-decay ``b_last`` ``[KD]`` from its sub-chunk totals (a
+  same-sign sum)."""
+  out = tot[0]
+  for t in tot[1:]:
+    out = out + t
+  return out
+
+
+def chunk_prefix(p, tot, blk):
+  """``bc_r = sum_{u < blk(r)} T_u + p_r``: the inclusive prefix over the chunk, built
+  from sub-chunk-local parts (every term <= 0: no cancellation). ``p`` ``[C, KD]``,
+  ``blk`` the rows' sub-chunk index (``iota // 16``), ``tot`` :func:`sub_totals`."""
+  off, acc = 0.0, None
+  for u in range(1, len(tot)):
+    acc = tot[0] if acc is None else acc + tot[u - 1]
+    off = jnp.where(blk == u, acc[None, :], off)
+  return p + off
+
+
+def chunk_suffix(s, tot, blk):
+  """``b_last - bc_i = s_i + sum_{u > blk(i)} T_u``: the exclusive suffix over the chunk,
+  from the sub-chunk exclusive suffix ``s`` and the later sub-chunks' totals (every term
+  <= 0: no cancellation, unlike ``b_last - bc``)."""
+  L = len(tot)
+  off, acc = 0.0, None
+  for u in range(L - 2, -1, -1):
+    acc = tot[L - 1] if acc is None else acc + tot[u + 1]
+    off = jnp.where(blk == u, acc[None, :], off)
+  return s + off
+
+
 def rev_cumsum(x):
   """Reverse cumulative sum along axis 0 (Triton has only the forward scan)."""
   return jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x

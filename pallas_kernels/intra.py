@@ -1,16 +1,19 @@
 """Chunk-parallel stages: intra-chunk scores A, their cotangent dA, and the output.
 
-Scores ``A[r, i] = sum_k q_rk k_ik exp(bc_rk - bc_ik)`` for ``i <= r`` (unscaled), two
-kernels:
+Scores ``A[r, i] = sum_k q_rk k_ik exp(sum_{i < j <= r} g_jk)`` for ``i <= r`` (unscaled),
+two kernels; every exponent is a sum of same-sign sub-chunk-local parts (``p``, ``s``
+of :func:`pallas_kernels.state.chunk_cumsum`, the sub-chunk totals ``T_u``, or g itself),
+never a difference of chunk-cumulative sums:
 
 * ``gla_scores``, grid ``(B, H, N)``: the blocks below the 16 x 16 diagonal. Rows of
-  sub-chunk ``s`` and the columns before it factor through the reference ``ref = bc`` at
-  the row before ``s``: ``exp(bc_r - ref) * exp(ref - bc_i)``, both factors <= 1; one
+  sub-chunk ``s`` and the columns before it factor through the row before ``s``:
+  ``exp(p_r) * exp(s_i + sum_{blk(i) < u < s} T_u)``, both factors <= 1; one
   ``[C, KD] x [KD, C]`` tensor-core dot per sub-chunk.
-* ``gla_scores_diag``, grid ``(B, H, N, C / 16)``: each diagonal block exact in log
-  space, one column ``j`` at a time (``A[r, j] = sum_k q_rk k_jk exp(bc_rk - bc_jk)`` on a
-  ``[16, KD]`` tile, row ``j`` loaded from memory), written in place. Its tiles are small
-  so that many programs fit on an SM: this loop is latency-bound.
+* ``gla_scores_diag``, grid ``(B, H, N, C / 16)``: each diagonal block exact in log space,
+  one column ``j`` at a time, last column first (``A[r, j] = sum_k q_rk k_jk e^{E_j[r]}``
+  on a ``[16, KD]`` tile, row ``j`` loaded from memory, ``E_j[r] = sum_{j < m <= r} g_m``
+  carried from column to column as ``E_{j-1} = E_j + g_j``), written in place. Its tiles
+  are small so that many programs fit on an SM: this loop is latency-bound.
 """
 from __future__ import annotations
 
@@ -25,33 +28,36 @@ from pallas_kernels import _common as cm
 S = cm.SUB
 
 
-def _scores_off_kernel(q_ref, k_ref, bc_ref, a_ref, *, C, K, KD, dt):
+def _scores_off_kernel(q_ref, k_ref, p_ref, s_ref, a_ref, *, C, K, KD, dt):
   """A for one chunk with zero diagonal blocks: for each sub-chunk s >= 1, rows of s times
-  columns before s, through the reference row ``16 s - 1`` (both factors <= 1)."""
+  columns before s, through the row before s (both factors <= 1)."""
   b, hd, n = (pl.program_id(i) for i in range(3))
   t0 = n * C
   tc = pl.ds(t0, C)
   row = cm.iota((C, KD), 0)
   blk = row // S
+  L = C // S
 
   def k_slice(kk, acc):
     ks = pl.ds(kk * KD, KD)
-    bc = bc_ref[b, tc, hd, ks]                                     # [C, KD]
-    q = q_ref[b, tc, hd, ks].astype(cm.F32)
+    tot = cm.sub_totals(p_ref, b, t0, hd, ks, L)
+    q_e = q_ref[b, tc, hd, ks].astype(cm.F32) * jnp.exp(p_ref[b, tc, hd, ks])   # e^{p_r}
     k = k_ref[b, tc, hd, ks].astype(cm.F32)
-    for s in range(1, C // S):
-      ref = bc_ref[b, t0 + s * S - 1, hd, ks][None, :]             # [1, KD]
-      q_fac = q * cm.masked_exp(blk == s, bc - ref)                # rows of s only
-      k_fac = k * cm.masked_exp(row < s * S, ref - bc)             # columns before s
+    x = s_ref[b, tc, hd, ks]       # s_i + sum_{blk(i) < u < s} T_u: decay from i to 16 s - 1
+    for s in range(1, L):
+      q_fac = jnp.where(blk == s, q_e, 0.0)                         # rows of s only
+      k_fac = k * cm.masked_exp(row < s * S, x)                     # columns before s
       acc = acc + cm.dot(q_fac, k_fac, dt, tb=True)
+      if s < L - 1:
+        x = x + jnp.where(blk < s, tot[s][None, :], 0.0)
     return acc
 
   a_ref[b, hd, n] = jax.lax.fori_loop(0, K // KD, k_slice, jnp.zeros((C, C), cm.F32))
 
 
-def _diag_kernel(q_ref, k_ref, bc_ref, a_in_ref, a_ref, *, C, K, KD):
+def _diag_kernel(q_ref, k_ref, g_ref, a_in_ref, a_ref, *, C, K, KD):
   """The 16 x 16 diagonal block of sub-chunk s, exact in log space, one column j at a
-  time (written in place into A from ``_scores_off_kernel``)."""
+  time from the last (written in place into A from ``_scores_off_kernel``)."""
   del a_in_ref                      # aliased to a_ref: the off-diagonal part is kept
   b, hd, n, s = (pl.program_id(i) for i in range(4))
   r0 = n * C + s * S
@@ -61,23 +67,25 @@ def _diag_kernel(q_ref, k_ref, bc_ref, a_in_ref, a_ref, *, C, K, KD):
 
   def k_slice(kk, diag):
     ks = pl.ds(kk * KD, KD)
-    bc_a = bc_ref[b, rows, hd, ks]                                  # [S, KD]
     q_a = q_ref[b, rows, hd, ks].astype(cm.F32)
 
-    def column(j, diag):
+    def column(i, carry):
+      diag, e = carry                 # e[r] = sum_{j < m <= r} g_m on rows r >= j
+      j = S - 1 - i
       kj = k_ref[b, r0 + j, hd, ks].astype(cm.F32)[None, :]        # [1, KD]
-      bj = bc_ref[b, r0 + j, hd, ks][None, :]
-      val = jnp.sum(q_a * kj * cm.masked_exp(row >= j, bc_a - bj), axis=1)   # [S]
-      return diag + jnp.where(col == j, val[:, None], 0.0)
+      val = jnp.sum(q_a * kj * cm.masked_exp(row >= j, e), axis=1)   # [S]
+      e = jnp.where(row >= j, e + g_ref[b, r0 + j, hd, ks][None, :], 0.0)
+      return diag + jnp.where(col == j, val[:, None], 0.0), e
 
-    return jax.lax.fori_loop(0, S, column, diag)
+    return jax.lax.fori_loop(0, S, column, (diag, jnp.zeros((S, KD), cm.F32)))[0]
 
   a_ref[b, hd, n, pl.ds(s * S, S), pl.ds(s * S, S)] = jax.lax.fori_loop(
       0, K // KD, k_slice, jnp.zeros((S, S), cm.F32))
 
 
-def scores(q, k, bc, *, chunk_size, config):
-  """A [B, H, N, C, C] float32: unscaled, zero above the diagonal."""
+def scores(q, k, g, p, s, *, chunk_size, config):
+  """A [B, H, N, C, C] float32: unscaled, zero above the diagonal. ``g``: the per-dim
+  float32 log-decay; ``p``, ``s``: chunk_cumsum's."""
   B, T, H, K = q.shape
   C = chunk_size
   N = T // C
@@ -85,11 +93,11 @@ def scores(q, k, bc, *, chunk_size, config):
   off = functools.partial(_scores_off_kernel, C=C, K=K, KD=cm.block(K, config.scores_kd),
                           dt=q.dtype)
   A = cm.call(off, a_shape, (B, H, N), config=config, num_warps=config.scores_warps,
-              num_stages=config.scores_stages, name="gla_scores")(q, k, bc)
+              num_stages=config.scores_stages, name="gla_scores")(q, k, p, s)
   diag = functools.partial(_diag_kernel, C=C, K=K, KD=cm.block(K, config.diag_kd))
   return cm.call(diag, a_shape, (B, H, N, C // S), config=config, num_warps=config.diag_warps,
                  num_stages=config.diag_stages, name="gla_scores_diag",
-                 aliases={3: 0})(q, k, bc, A)
+                 aliases={3: 0})(q, k, g, A)
 
 
 def _da_kernel(do_ref, v_ref, da_ref, *, C, V, BV, dt, scale):
@@ -115,19 +123,23 @@ def score_grad(do, v, *, scale, chunk_size, config):
                  name="gla_score_grad")(do, v)
 
 
-def _output_kernel(q_ref, v_ref, bc_ref, h_ref, a_ref, o_ref, *, C, K, BK, BV, dt, scale):
+def _output_kernel(q_ref, v_ref, p_ref, h_ref, a_ref, o_ref, *, C, K, BK, BV, dt, scale):
   b, hd, n, iv = (pl.program_id(i) for i in range(4))
   tc, vs = pl.ds(n * C, C), pl.ds(iv * BV, BV)
+  blk = cm.iota((C, BK), 0) // S
   o = cm.dot(a_ref[b, hd, n], v_ref[b, tc, hd, vs], dt)
   for kk in range(K // BK):
     ks = pl.ds(kk * BK, BK)
-    q_dec = q_ref[b, tc, hd, ks].astype(cm.F32) * jnp.exp(bc_ref[b, tc, hd, ks])
+    bc = cm.chunk_prefix(p_ref[b, tc, hd, ks], cm.sub_totals(p_ref, b, n * C, hd, ks, C // S),
+                         blk)
+    q_dec = q_ref[b, tc, hd, ks].astype(cm.F32) * jnp.exp(bc)
     o = o + cm.dot(q_dec, h_ref[b, hd, n, ks, vs], dt)
   o_ref[b, tc, hd, vs] = (scale * o).astype(o_ref.dtype)
 
 
-def output(q, v, bc, h, A, *, scale, chunk_size, config):
-  """o = scale * ((q e^bc) h[n] + A v): [B, T, H, V] in v's dtype."""
+def output(q, v, p, h, A, *, scale, chunk_size, config):
+  """o = scale * ((q e^bc) h[n] + A v): [B, T, H, V] in v's dtype (``bc`` from
+  chunk_cumsum's ``p`` and the sub-chunk totals)."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   C = chunk_size
@@ -136,4 +148,4 @@ def output(q, v, bc, h, A, *, scale, chunk_size, config):
   kern = functools.partial(_output_kernel, C=C, K=K, BK=BK, BV=BV, dt=q.dtype, scale=scale)
   return cm.call(kern, jax.ShapeDtypeStruct(v.shape, v.dtype), (B, H, N, V // BV),
                  config=config, num_warps=config.out_warps, num_stages=config.out_stages,
-                 name="gla_output")(q, v, bc, h, A)
+                 name="gla_output")(q, v, p, h, A)

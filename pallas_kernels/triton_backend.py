@@ -5,10 +5,16 @@ g per-dim ``[B, T, H, K]``, per-head scalar ``[B, T, H]`` or None), plus the lau
 configuration ``config`` (:class:`pallas_kernels.KernelConfig`; with ``interpret`` the
 same kernels run in the Pallas interpreter, on any platform):
 
-  fwd: chunk cumsum -> state pass -> scores A (off-diagonal, diagonal) -> output
-  bwd: chunk cumsum -> dA -> state pass (recomputed) | state-gradient pass (one launch,
-       or two with ``config.fuse_state_passes`` off) -> A (recomputed) -> dv
+  fwd: sub-chunk cumsums (p, s) -> state pass -> scores A (off-diagonal, diagonal) -> output
+  bwd: sub-chunk cumsums -> dA -> state pass (recomputed) | state-gradient pass (one
+       launch, or two with ``config.fuse_state_passes`` off) -> A (recomputed) -> dv
        -> diagonal dq/dk terms -> dq, dk, dg
+
+Exponents are formed from the sub-chunk-local cumulative log-decays ``p`` (inclusive
+prefix) and ``s`` (exclusive suffix) of :func:`pallas_kernels.state.chunk_cumsum`, and
+from g itself in the 16 x 16 diagonal blocks: sums of same-sign terms, never differences
+of chunk-cumulative sums, so any mix of per-token log-decays in [-1e4, 0] keeps float32
+accuracy (issue 16; ``docs/kernels.md``).
 
 The kernels have no scalar-decay path yet: a scalar g is broadcast over K at entry and
 its gradient summed over K at exit (no decay: zeros, and no gradient).
@@ -29,10 +35,11 @@ def fwd_res(q, k, v, g, *, scale, initial_state, chunk_size, config):
   """((o, final_state), A) with A the residual ``bwd_res`` takes."""
   cm.check_dims(q.shape[-1], v.shape[-1], chunk_size)
   kw = dict(chunk_size=chunk_size, config=config)
-  bc = state.chunk_cumsum(cm.per_dim_decay(g, q.shape), **kw)
-  h, final = state.state_pass(k, v, bc, initial_state, **kw)
-  A = intra.scores(q, k, bc, **kw)
-  o = intra.output(q, v, bc, h, A, scale=scale, **kw)
+  g = cm.per_dim_decay(g, q.shape)
+  p, s = state.chunk_cumsum(g, **kw)
+  h, final = state.state_pass(k, v, p, s, initial_state, **kw)
+  A = intra.scores(q, k, g, p, s, **kw)
+  o = intra.output(q, v, p, h, A, scale=scale, **kw)
   return (o, final), A
 
 
@@ -48,17 +55,18 @@ def bwd_res(A, q, k, v, g, do, dht, *, scale, initial_state, chunk_size, config)
   kw = dict(chunk_size=chunk_size, config=config)
   do = do.astype(v.dtype)
   dht = dht.astype(cm.F32)
-  bc = state.chunk_cumsum(cm.per_dim_decay(g, q.shape), **kw)
+  gd = cm.per_dim_decay(g, q.shape)
+  p, s = state.chunk_cumsum(gd, **kw)
   dA = intra.score_grad(do, v, scale=scale, **kw)
   if config.fuse_state_passes:
-    h, dH, dh0 = state.both_passes(q, k, v, do, bc, initial_state, dht, scale=scale, **kw)
+    h, dH, dh0 = state.both_passes(q, k, v, do, p, s, initial_state, dht, scale=scale, **kw)
   else:
-    h, _ = state.state_pass(k, v, bc, initial_state, **kw)
-    dH, dh0 = state.state_grad_pass(q, do, bc, dht, scale=scale, **kw)
+    h, _ = state.state_pass(k, v, p, s, initial_state, **kw)
+    dH, dh0 = state.state_grad_pass(q, do, p, dht, scale=scale, **kw)
   if A is None:
-    A = intra.scores(q, k, bc, **kw)
-  dv = grads.dv(k, bc, do, A, dH, scale=scale, **kw)
-  dq, dk, dg = grads.dqdk(q, k, v, bc, do, h, dH, dA, scale=scale, **kw)
+    A = intra.scores(q, k, gd, p, s, **kw)
+  dv = grads.dv(k, p, s, do, A, dH, scale=scale, **kw)
+  dq, dk, dg = grads.dqdk(q, k, v, gd, p, s, do, h, dH, dA, scale=scale, **kw)
   return dq, dk, dv, cm.decay_grad(dg, g), dh0
 
 

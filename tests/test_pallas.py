@@ -228,8 +228,8 @@ def test_state_storage_dtype():
   for dtype, stored in ((jnp.bfloat16, True), (jnp.float32, True), (jnp.bfloat16, False)):
     cast = lambda a: a.astype(dtype)
     config = _config(cast(q), v, states_in_input_dtype=stored)
-    bc = state.chunk_cumsum(g, chunk_size=64, config=config)
-    h, _ = state.state_pass(cast(k), cast(v), bc, h0, chunk_size=64, config=config)
+    p, s = state.chunk_cumsum(g, chunk_size=64, config=config)
+    h, _ = state.state_pass(cast(k), cast(v), p, s, h0, chunk_size=64, config=config)
     assert h.shape == (1, 1, 1, 64, 64) and h.dtype == (dtype if stored else jnp.float32)
   _, A = pallas_kernels.backend("cpu").fwd_res(q, k, v, g, scale=0.125, initial_state=h0,
                                                chunk_size=64, config=_config(q, v))
