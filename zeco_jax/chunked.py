@@ -102,8 +102,8 @@ class _ChunkDecay:
     a = jnp.arange(Ns + 1)[:, None, None]
     c = jnp.arange(-1, Ns)[None, :, None]
     a2 = jnp.arange(Ns)[None, None, :]
-    between = (c < a2) & (a2 < a)                                # [Ns+1, Ns+1, Ns]
-    mid = jnp.sum(jnp.where(between[..., None], tot[..., None, None, :, :], 0.0), axis=-2)
+    between = ((c < a2) & (a2 < a)).astype(jnp.float32)          # [Ns+1, Ns+1, Ns]
+    mid = _ein("acx,...xk->...ack", between, tot)
     self.exp_b = jnp.exp(mid[..., :Ns, 0:1, :] + p).reshape(*lead, C, K)
     self.to_end = jnp.exp(s + mid[..., Ns, 1:, None, :]).reshape(*lead, C, K)
     self.total = jnp.exp(mid[..., Ns, 0, :])                     # [.., K]
@@ -112,8 +112,14 @@ class _ChunkDecay:
     k_exp = jnp.where(earlier[:, :, None, None], s[..., None, :, :, :] + mid[..., :Ns, 1:, None, :],
                       -jnp.inf)                                  # [.., Ns, Ns, S, K]
     self.k_fac = jnp.exp(k_exp).reshape(*lead, Ns, C, K)
-    r_gt_i = jnp.arange(S)[:, None] > jnp.arange(S)[None, :]     # [r, i]
-    inside = jnp.cumsum(jnp.where(r_gt_i[:, :, None], gs[..., :, None, :], 0.0), axis=-3)
+    # inside[r, i] = sum_j [i < j <= r] g_j, row r = row r-1 + g_r on columns i < r: a sum
+    # grown one g at a time (XLA fuses the S steps into one elementwise loop).
+    ar = jnp.arange(S)
+    rows, acc = [], jnp.zeros(gs.shape, jnp.float32)
+    for r in range(S):
+      acc = acc + jnp.where((r > ar)[:, None], gs[..., r:r + 1, :], 0.0)
+      rows.append(acc)
+    inside = jnp.stack(rows, axis=-3)                            # [.., Ns, S(r), S(i), K]
     causal = jnp.tril(jnp.ones((S, S), bool))
     self.diag = jnp.exp(jnp.where(causal[:, :, None], inside, -jnp.inf))
     self.eye = jnp.eye(Ns, dtype=jnp.float32)
