@@ -9,8 +9,9 @@ Pallas kernels follow stage by stage:
 Layout inside this module is head-major chunks, ``[B, H, N, C, D]``; the public layout
 ``[B, T, H, D]`` is converted once at entry. ``T`` must be a multiple of ``chunk_size``
 (:func:`zeco_jax.chunk_gla` pads). All math is float32. The log-decay g is per-dim
-``[B, T, H, K]``, per-head scalar ``[B, T, H]`` (broadcast over K here: no specialised
-scalar path) or None (no decay); its gradient comes back in the same shape.
+``[B, T, H, K]``, per-head scalar ``[B, T, H]`` or None (no decay); a scalar or absent decay
+keeps K = 1 in every decay factor (they broadcast over K), so its exponents cost 1/K of
+the per-dim ones. Its gradient comes back in g's shape.
 
 Stability: a chunk's cumulative log-decay ``b`` can reach -5 * 64 = -320, so ``exp(-b)``
 overflows. Every exponent used here is <= 0: the intra-chunk scores use 16-token
@@ -85,7 +86,8 @@ class _ChunkDecay:
 
   Shapes: g ``[.., C, K]``; exp_b, to_end ``[.., C, K]``; total ``[.., K]``; q_fac
   ``[.., Ns, S, K]``; k_fac ``[.., Ns, C, K]`` (the reference row of sub-chunk a is the
-  row before it); diag ``[.., Ns, S, S, K]``.
+  row before it); diag ``[.., Ns, S, S, K]``. K may be 1 (a scalar decay): every factor
+  then broadcasts over the head dim.
   """
 
   def __init__(self, g):
@@ -136,7 +138,10 @@ class _ChunkDecay:
     """A[r, i] = sum_k q_r k_i exp(b_r - b_i) for i <= r, else 0: [.., C, C]."""
     qs, ks = self.split_rows(q), self.split_rows(k)
     off = _ein("...ask,...aik->...asi", qs * self.q_fac, k[..., None, :, :] * self.k_fac)
-    diag = _ein("...ask,...ajk,...asjk->...asj", qs, ks, self.diag)
+    if self.diag.shape[-1] == 1:
+      diag = _ein("...ask,...ajk->...asj", qs, ks) * self.diag[..., 0]
+    else:
+      diag = _ein("...ask,...ajk,...asjk->...asj", qs, ks, self.diag)
     full = off.reshape(*off.shape[:-3], self.Ns, self.S, self.Ns, self.S)
     full = full + diag[..., :, :, None, :] * self.eye[:, None, :, None]
     return full.reshape(*off.shape[:-3], self.C, self.C)
@@ -146,7 +151,10 @@ class _ChunkDecay:
     ks = self.split_rows(k)
     dA_rows = dA.reshape(*dA.shape[:-2], self.Ns, self.S, self.C)
     off = _ein("...asi,...aik->...ask", dA_rows, k[..., None, :, :] * self.k_fac) * self.q_fac
-    diag = _ein("...asj,...ajk,...asjk->...ask", self.diag_blocks(dA), ks, self.diag)
+    if self.diag.shape[-1] == 1:
+      diag = _ein("...asj,...ajk->...ask", self.diag_blocks(dA) * self.diag[..., 0], ks)
+    else:
+      diag = _ein("...asj,...ajk,...asjk->...ask", self.diag_blocks(dA), ks, self.diag)
     return (off + diag).reshape(k.shape)
 
   def col_side(self, dA, q):
@@ -154,7 +162,10 @@ class _ChunkDecay:
     qs = self.split_rows(q)
     dA_rows = dA.reshape(*dA.shape[:-2], self.Ns, self.S, self.C)
     off = _ein("...asi,...ask,...aik->...ik", dA_rows, qs * self.q_fac, self.k_fac)
-    diag = _ein("...asj,...ask,...asjk->...ajk", self.diag_blocks(dA), qs, self.diag)
+    if self.diag.shape[-1] == 1:
+      diag = _ein("...asj,...ask->...ajk", self.diag_blocks(dA) * self.diag[..., 0], qs)
+    else:
+      diag = _ein("...asj,...ask,...asjk->...ajk", self.diag_blocks(dA), qs, self.diag)
     return off + diag.reshape(q.shape)
 
 
@@ -194,11 +205,11 @@ def state_grad_pass(qc, doc, dec, dht, scale):
 
 
 def _decay_chunks(g, shape, C):
-  """g ([B,T,H,K], [B,T,H] or None) as float32 chunks [B,H,N,C,K]."""
+  """g ([B,T,H,K], [B,T,H] or None) as float32 chunks [B,H,N,C,K], K = 1 unless per-dim."""
   if g is None:
-    g = jnp.zeros(shape, jnp.float32)
+    g = jnp.zeros((*shape[:-1], 1), jnp.float32)
   elif g.ndim == 3:
-    g = jnp.broadcast_to(g.astype(jnp.float32)[..., None], shape)
+    g = g[..., None]
   return to_chunks(g, C)
 
 
