@@ -114,36 +114,37 @@ def _dqdk_kernel(q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, da_re
                                          (zero, zero, jnp.zeros((BK,), cm.F32)))
   q = q_ref[b, tc, hd, ks].astype(cm.F32)
   k = k_ref[b, tc, hd, ks].astype(cm.F32)
-  dA = da_ref[b, hd, n]                                             # [C, C]
+  pre = p_ref[b, tc, hd, ks]                              # [C, BK]: p, s of the chunk
+  suf = s_ref[b, tc, hd, ks]
   row = cm.iota((C, BK), 0)
   blk = row // S
+  dq = scale * dq_s * jnp.exp(cm.chunk_prefix(pre, tot, blk)) + dqd_ref[b, tc, hd, ks].astype(
+      cm.F32)
+  dk_state = dk_s * jnp.exp(cm.chunk_suffix(suf, tot, blk))         # e^{b_last - bc}
+  # Chunk-total gate term sum_v h[n+1] dH[n] (module docstring).
+  d_last = (jnp.exp(cm.chunk_total(tot)) * d_last)[None, :] + jnp.sum(
+      k * dk_state, axis=0, keepdims=True)
+  dk = dk_state + dkd_ref[b, tc, hd, ks].astype(cm.F32)
+  dA = da_ref[b, hd, n]                                             # [C, C]
   rc, cc = cm.iota((C, C), 0) // S, cm.iota((C, C), 1) // S
-  dq = dqd_ref[b, tc, hd, ks].astype(cm.F32)
-  dk = dkd_ref[b, tc, hd, ks].astype(cm.F32)
   # Rows of s, columns before s (through the row before s): e^{p_r} e^{x_i}, x_i = s_i +
-  # sum_{blk(i) < u < s} T_u. After the loop x = s + sum_{u > blk} T_u = b_last - bc.
-  x = s_ref[b, tc, hd, ks]
-  q_side = jnp.exp(p_ref[b, tc, hd, ks])
+  # sum_{blk(i) < u < s} T_u, carried from one s to the next by adding T_s.
+  x, q_side = suf, jnp.exp(pre)
   for s in range(1, L):
     k_fac = k * cm.masked_exp(row < s * S, x)
     part = cm.dot(jnp.where((rc == s) & (cc < s), dA, 0.0), k_fac, dt)
     dq = dq + jnp.where(blk == s, q_side * part, 0.0)
-    x = x + jnp.where(blk < s, tot[s][None, :], 0.0)
+    if s < L - 1:
+      x = x + jnp.where(blk < s, tot[s][None, :], 0.0)
   # Columns of s, rows after s (through the last row of s): e^{s_i} e^{y_r}, y_r = p_r +
-  # sum_{s < u < blk(r)} T_u. After the loop y = p + sum_{u < blk} T_u = bc.
-  y = p_ref[b, tc, hd, ks]
-  k_side = jnp.exp(s_ref[b, tc, hd, ks])
+  # sum_{s < u < blk(r)} T_u, carried from one s to the one before by adding T_s.
+  y, k_side = pre, jnp.exp(suf)
   for s in reversed(range(L - 1)):
     q_fac = q * cm.masked_exp(row >= s * S + S, y)
     part = cm.dot(jnp.where((cc == s) & (rc > s), dA, 0.0), q_fac, dt, ta=True)
     dk = dk + jnp.where(blk == s, k_side * part, 0.0)
-    y = y + jnp.where(blk > s, tot[s][None, :], 0.0)
-  dq = dq + scale * dq_s * jnp.exp(y)
-  dk_state = dk_s * jnp.exp(x)
-  # Chunk-total gate term sum_v h[n+1] dH[n] (module docstring).
-  d_last = (jnp.exp(cm.chunk_total(tot)) * d_last)[None, :] + jnp.sum(
-      k * dk_state, axis=0, keepdims=True)
-  dk = dk + dk_state
+    if s > 0:
+      y = y + jnp.where(blk > s, tot[s][None, :], 0.0)
   dq_ref[b, tc, hd, ks] = dq.astype(dq_ref.dtype)
   dk_ref[b, tc, hd, ks] = dk.astype(dk_ref.dtype)
   dg_ref[b, tc, hd, ks] = cm.rev_cumsum(q * dq - k * dk) + d_last
