@@ -82,7 +82,7 @@ class _ChunkDecay:
     b_C - b_i = s_i + mid[Ns, c(i)]              (to the chunk end: ``to_end``)
     b_C       = mid[Ns, -1]                      (the chunk's decay: ``total``)
     b_r - b_i = p_r + mid[a, c(i)] + s_i         (c(i) < a: ``q_fac`` * ``k_fac``, both <= 1)
-    b_r - b_i = sum of g over (i, r]             (same sub-chunk: ``diag``, a masked cumsum)
+    b_r - b_i = sum of g over (i, r]             (same sub-chunk: ``diag``, grown row by row)
 
   Shapes: g ``[.., C, K]``; exp_b, to_end ``[.., C, K]``; total ``[.., K]``; q_fac
   ``[.., Ns, S, K]``; k_fac ``[.., Ns, C, K]`` (the reference row of sub-chunk a is the
