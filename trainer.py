@@ -1,4 +1,4 @@
-"""The trainer behind ``train.py``: state, steps, checkpoints, evaluation and the loop.
+"""The trainer behind ``train.py``: state, steps, evaluation and the loop.
 
 :class:`Experiment` holds everything compiled for one (model, optimizer, mesh, batch
 shape): the parameter and optimizer-state shardings derived from the logical-axis rule
@@ -7,11 +7,11 @@ shardings: ``train_step`` (AdamW, warmup + cosine decay, gradient clipping, opti
 compute with float32 params), ``eval_step`` and ``loss_and_grad``. Batches have B over
 ``data`` and T over ``seq``.
 
-:func:`train_and_evaluate` runs a config in a workdir: orbax ``CheckpointManager`` (every
-N steps, keep k, async, atomic) and resume from the newest checkpoint that restores; the
-data of step s is a function of (seed, s), so a resumed run continues exactly. Each process
-builds only its own rows and tokens of every batch; process 0 writes the metrics
-(:mod:`metrics`) and prints.
+:func:`train_and_evaluate` runs a config in a workdir: orbax checkpoints (every N steps,
+keep k, async, atomic; :mod:`checkpointing`) and resume from the newest checkpoint that
+restores; the data of step s is a function of (seed, s), so a resumed run continues
+exactly. Each process builds only its own rows and tokens of every batch; process 0 writes
+the metrics (:mod:`metrics`) and prints.
 
 What it guards against (each ends in one line, a :class:`RunError` with its exit code):
 a step whose loss or gradient norm is not finite is not applied (the jitted step keeps the
@@ -28,8 +28,6 @@ What it does not do: pipeline or tensor parallelism; choose devices or start pro
 from __future__ import annotations
 
 import contextlib
-import gc
-import json
 import os
 import sys
 import time
@@ -39,9 +37,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from flax import nnx
 
+import checkpointing
 import configs
 import metrics
 from models import GLALM, GLAConfig, sharding
@@ -222,152 +220,6 @@ class Experiment:
                                     global_shape={k: tuple(global_shape) for k in local_rows})
 
 
-def checkpoint_manager(workdir: str, train: ml_collections.ConfigDict):
-  """orbax manager of ``WORKDIR/checkpoints`` (None when ``train.checkpoint_every`` is 0)."""
-  if not train.checkpoint_every:
-    return None
-  options = ocp.CheckpointManagerOptions(
-      save_interval_steps=train.checkpoint_every, max_to_keep=train.keep_checkpoints,
-      enable_async_checkpointing=train.async_checkpointing, create=True)
-  # The handler lets item_metadata read a checkpoint's shapes before restoring it.
-  return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")),
-                               options=options, item_handlers=ocp.StandardCheckpointHandler())
-
-
-def _named_leaves(tree) -> dict:
-  """``{"params.embed": leaf, "opt_state.1.0.mu.embed": leaf, ...}``: orbax's array names."""
-  def name(path):
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
-                    for k in path)
-  return {name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def _reason(e: BaseException) -> str:
-  """An exception as a short phrase (tensorstore appends kilobytes of its spec)."""
-  text = " ".join(str(e).split("[tensorstore_spec")[0].split())
-  return f"{type(e).__name__}: {text[:300]}"
-
-
-def _mismatch(meta_tree, abstract_state) -> list:
-  """How a checkpoint's arrays differ from this run's state: missing, extra, other shape."""
-  saved = {n: (tuple(m.shape), np.dtype(m.dtype)) for n, m in _named_leaves(meta_tree).items()}
-  want = {n: (tuple(a.shape), np.dtype(a.dtype))
-          for n, a in _named_leaves(abstract_state).items() if n not in COUNTERS}
-  params_first = lambda n: (not n.startswith("params."), n)
-  diffs = [f"{n} is in this run's model but not in the checkpoint"
-           for n in sorted(want.keys() - saved.keys(), key=params_first)]
-  diffs += [f"{n} is in the checkpoint but not in this run's model"
-            for n in sorted(saved.keys() - want.keys() - set(COUNTERS), key=params_first)]
-  diffs += [f"{n} has shape {saved[n][0]} {saved[n][1]} in the checkpoint, {want[n][0]} "
-            f"{want[n][1]} now" for n in sorted(want.keys() & saved.keys(), key=params_first)
-            if saved[n] != want[n]]
-  return sorted(diffs, key=lambda d: not d.startswith("params."))
-
-
-def _changed_model_fields(workdir: str, config: ml_collections.ConfigDict) -> str:
-  """The model.* fields that differ from ``WORKDIR/config.json`` (the run that trained there)."""
-  try:
-    with open(os.path.join(workdir, "config.json")) as f:
-      before = json.load(f)["model"]
-  except (OSError, ValueError, KeyError, TypeError):
-    return "compare the model.* fields with the command that wrote it"
-  now = config.model.to_dict()
-  changed = [f"model.{k} {before.get(k)!r} -> {v!r}" for k, v in now.items()
-             if before.get(k, v) != v]
-  return ("model fields changed since the run that wrote it: " + ", ".join(changed)
-          if changed else "the model.* fields are those of WORKDIR/config.json")
-
-
-@contextlib.contextmanager
-def _quiet_closed_event_loops():
-  """Drops Python's "Event loop is closed" reports while a checkpoint is read.
-
-  When tensorstore fails to read a damaged checkpoint, its pending callbacks reach an
-  asyncio loop that orbax has closed; Python prints each as an unraisable RuntimeError:
-  dozens of tracebacks that bury the one line saying what happened. Exactly those are
-  dropped; anything else goes to the previous hook.
-  """
-  previous = sys.unraisablehook
-
-  def hook(unraisable):
-    e = unraisable.exc_value
-    if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
-      previous(unraisable)
-
-  sys.unraisablehook = hook
-  try:
-    yield
-  finally:
-    gc.collect()            # their finalizers run now, under this hook
-    sys.unraisablehook = previous
-
-
-def restore_checkpoint(mngr, exp: Experiment, workdir: str, config: ml_collections.ConfigDict):
-  """The newest checkpoint that restores: ``(step, state, skipped)``, or ``(None, None, [])``.
-
-  ``skipped`` lists ``(step, reason)`` of newer checkpoints that did not restore (a
-  truncated or missing file). A checkpoint whose arrays differ from ``exp``'s (another
-  model) raises :class:`RunError` naming the first difference and the model fields that
-  changed; none restoring raises too (nothing is moved or overwritten then).
-  """
-  ckpt_dir = os.path.join(workdir, "checkpoints")
-  skipped = []
-  for step in sorted(mngr.all_steps(), reverse=True):
-    try:   # shapes and dtypes only; a corrupt checkpoint usually fails here already
-      meta = mngr.item_metadata(step)
-      meta = getattr(meta, "tree", meta)
-      if not meta:
-        raise ValueError("no metadata")
-    except Exception as e:   # noqa: BLE001 (any failure: try the next older checkpoint)
-      skipped.append((step, _reason(e)))
-      continue
-    diffs = _mismatch(meta, exp.abstract_state)
-    if diffs:
-      more = f" (and {len(diffs) - 1} more differences)" if len(diffs) > 1 else ""
-      raise RunError(f"checkpoint step {step} in {ckpt_dir} is of another model: {diffs[0]}"
-                     f"{more}; {_changed_model_fields(workdir, config)}. Resume with the "
-                     "same model.* values, or train it in a new --workdir.")
-    target = {k: v for k, v in exp.abstract_state.items() if k in meta}
-    try:
-      state = mngr.restore(step, args=ocp.args.StandardRestore(target))
-    except Exception as e:   # noqa: BLE001
-      skipped.append((step, _reason(e)))
-      continue
-    for name in COUNTERS:    # a checkpoint from before the counters existed
-      if name not in state:
-        state[name] = jax.device_put(np.zeros((), np.int32), exp.replicated)
-    return step, state, skipped
-  if skipped:
-    raise RunError(f"no checkpoint in {ckpt_dir} restores: " + "; ".join(
-        f"step {s}: {why}" for s, why in skipped) + ". Move them away (or use a new "
-        "--workdir) to start afresh.")
-  return None, None, []
-
-
-def _set_aside(mngr, workdir: str, steps) -> dict:
-  """Moves checkpoints that did not restore to ``WORKDIR/corrupt_checkpoints/<step>``.
-
-  Kept for inspection, out of orbax's way (a resumed run saves those steps again).
-  Returns step -> new path.
-  """
-  moved = {}
-  if distributed.is_main_process():
-    for step in steps:
-      src = os.path.join(workdir, "checkpoints", str(step))
-      dst = os.path.join(workdir, "corrupt_checkpoints", str(step))
-      if os.path.exists(dst):
-        dst += f".{int(time.time())}"
-      if os.path.isdir(src):
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        os.replace(src, dst)
-        moved[step] = dst
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-    multihost_utils.sync_global_devices("zeco_jax: corrupt checkpoints moved")
-  mngr.reload()
-  return moved
-
-
 def evaluate(exp: Experiment, dataset: Dataset, params, num_batches: int) -> dict:
   """Loss and accuracy over ``num_batches`` held-out batches (and on cross-shard queries)."""
   totals = None
@@ -397,16 +249,6 @@ def _warn(text: str) -> None:
   """A line that must be seen whatever ``progress`` says (stderr, process 0)."""
   if distributed.is_main_process():
     print(text, file=sys.stderr, flush=True)
-
-
-def _write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
-  """``WORKDIR/config.json``: the config of the run that trains there (for the shape check)."""
-  if not distributed.is_main_process():
-    return
-  path = os.path.join(workdir, "config.json")
-  with open(path + ".tmp", "w") as f:
-    f.write(config.to_json(indent=1, sort_keys=True))
-  os.replace(path + ".tmp", path)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
@@ -442,15 +284,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   say = (lambda text: print(text, flush=True)) if progress != "off" else (lambda text: None)
   exp = Experiment(config, make_mesh(mesh_shape))
   dataset = Dataset(data_cfg)
-  mngr = checkpoint_manager(workdir, train)
+  mngr = checkpointing.checkpoint_manager(workdir, train)
   ckpt_dir = os.path.join(workdir, "checkpoints")
   stop = min(train.steps, train.stop_after or train.steps)
   summary = {"evals": {}, "skipped_checkpoints": {}, "workdir": workdir}
 
-  with _quiet_closed_event_loops():
-    restored, state, skipped = (restore_checkpoint(mngr, exp, workdir, config)
-                                if mngr is not None else (None, None, []))
-    moved = _set_aside(mngr, workdir, [s for s, _ in skipped]) if skipped else {}
+  with checkpointing.quiet_closed_event_loops():
+    try:
+      restored, state, skipped = (
+          checkpointing.restore_checkpoint(mngr, exp.abstract_state, workdir, config,
+                                           optional=COUNTERS)
+          if mngr is not None else (None, None, []))
+    except checkpointing.CheckpointError as e:   # another model, or none restores
+      raise RunError(str(e)) from e
+    moved = (checkpointing.set_aside(mngr, workdir, [s for s, _ in skipped])
+             if skipped else {})
   if skipped:
     for s, why in skipped:
       summary["skipped_checkpoints"][s] = why
@@ -476,7 +324,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       return summary
   else:
     state = exp.init_state()
-  _write_config(workdir, config)
+  checkpointing.write_config(workdir, config)
   start, skipped_before = (int(x) for x in jax.device_get((state["step"],
                                                             state["skipped_steps"])))
   summary["start_step"] = start
@@ -558,7 +406,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
           _warn(f"checkpoint: step {done} not saved: its last {bad_streak} step(s) had a "
                 "non-finite loss or gradient norm")
         else:
-          mngr.save(done, args=ocp.args.StandardSave(state), force=done == stop)
+          checkpointing.save(mngr, done, state, force=done == stop)
           last_saved = done
           bar.write(f"checkpoint: step {done} save started")   # the async write is in flight
       if train.eval_every and done % train.eval_every == 0 and done != stop:
