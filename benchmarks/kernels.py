@@ -168,14 +168,15 @@ def stage_inputs(q, k, v, g, do, scale, config):
   B, T, H, K = q.shape
   V = v.shape[-1]
   h0 = jnp.zeros((B, H, K, V), jnp.float32)
-  bc = jax.jit(lambda g: state.chunk_cumsum(g, **kw))(g)
-  h, _ = jax.jit(lambda k, v, bc: state.state_pass(k, v, bc, h0, **kw))(k, v, bc)
-  dH, _ = jax.jit(lambda q, do, bc: state.state_grad_pass(q, do, bc, h0, scale=scale,
-                                                          **kw))(q, do, bc)
-  A = jax.jit(lambda q, k, bc: intra.scores(q, k, bc, **kw))(q, k, bc)
+  g = g if g.ndim == 4 else jnp.broadcast_to(g[..., None], q.shape).astype(jnp.float32)
+  p, s = jax.jit(lambda g: state.chunk_cumsum(g, **kw))(g)
+  h, _ = jax.jit(lambda k, v, p, s: state.state_pass(k, v, p, s, h0, **kw))(k, v, p, s)
+  dH, _ = jax.jit(lambda q, do, p: state.state_grad_pass(q, do, p, h0, scale=scale,
+                                                         **kw))(q, do, p)
+  A = jax.jit(lambda q, k, g, p, s: intra.scores(q, k, g, p, s, **kw))(q, k, g, p, s)
   dA = jax.jit(lambda do, v: intra.score_grad(do, v, scale=scale, **kw))(do, v)
-  diag = jax.jit(lambda *a: grads.diag_grads(*a, **kw))(q, k, bc, dA)
-  return dict(h0=h0, bc=bc, h=h, dH=dH, A=A, dA=dA, diag=diag)
+  diag = jax.jit(lambda *a: grads.diag_grads(*a, **kw))(q, k, g, dA)
+  return dict(h0=h0, g=g, p=p, s=s, h=h, dH=dH, A=A, dA=dA, diag=diag)
 
 
 def stage_times(q, k, v, g, do, scale, iters, reps, config, *, names=None, pre=None):
@@ -184,22 +185,23 @@ def stage_times(q, k, v, g, do, scale, iters, reps, config, *, names=None, pre=N
   from pallas_kernels import grads, intra, state
   kw = dict(chunk_size=64, config=config)
   p = pre or stage_inputs(q, k, v, g, do, scale, config)
-  h0, bc, h, dH, A, dA, diag = (p[n] for n in ("h0", "bc", "h", "dH", "A", "dA", "diag"))
+  h0, g, ps, ss, h, dH, A, dA, diag = (
+      p[n] for n in ("h0", "g", "p", "s", "h", "dH", "A", "dA", "diag"))
   stages = {
       "chunk_cumsum": (lambda g: state.chunk_cumsum(g, **kw), (g,)),
-      "state_pass": (lambda k, v, bc: state.state_pass(k, v, bc, h0, **kw), (k, v, bc)),
-      "scores": (lambda q, k, bc: intra.scores(q, k, bc, **kw), (q, k, bc)),
-      "output": (lambda q, v, bc, h, A: intra.output(q, v, bc, h, A, scale=scale, **kw),
-                 (q, v, bc, h, A)),
-      "state_grad_pass": (lambda q, do, bc: state.state_grad_pass(q, do, bc, h0, scale=scale,
-                                                                  **kw), (q, do, bc)),
+      "state_pass": (lambda k, v, p, s: state.state_pass(k, v, p, s, h0, **kw), (k, v, ps, ss)),
+      "scores": (lambda q, k, g, p, s: intra.scores(q, k, g, p, s, **kw), (q, k, g, ps, ss)),
+      "output": (lambda q, v, p, h, A: intra.output(q, v, p, h, A, scale=scale, **kw),
+                 (q, v, ps, h, A)),
+      "state_grad_pass": (lambda q, do, p: state.state_grad_pass(q, do, p, h0, scale=scale,
+                                                                 **kw), (q, do, ps)),
       "score_grad": (lambda do, v: intra.score_grad(do, v, scale=scale, **kw), (do, v)),
-      "dv": (lambda k, bc, do, A, dH: grads.dv(k, bc, do, A, dH, scale=scale, **kw),
-             (k, bc, do, A, dH)),
-      "dqdk_diag": (lambda q, k, bc, dA: grads.diag_grads(q, k, bc, dA, **kw),
-                    (q, k, bc, dA)),
-      "dqdk": (lambda *a: grads.dqdk(*a[:8], scale=scale, diag=a[8], **kw),
-               (q, k, v, bc, do, h, dH, dA, diag)),
+      "dv": (lambda k, p, s, do, A, dH: grads.dv(k, p, s, do, A, dH, scale=scale, **kw),
+             (k, ps, ss, do, A, dH)),
+      "dqdk_diag": (lambda q, k, g, dA: grads.diag_grads(q, k, g, dA, **kw),
+                    (q, k, g, dA)),
+      "dqdk": (lambda *a: grads.dqdk(*a[:10], scale=scale, diag=a[10], **kw),
+               (q, k, v, g, ps, ss, do, h, dH, dA, diag)),
   }
   out = {}
   for name, (fn, args) in stages.items():
