@@ -117,8 +117,8 @@ def main():
     impls["ours pallas"] = lambda *a: ours(*a, "pallas")
   if gpu and not args.no_fla:
     try:
-      import fla  # noqa: F401
-      impls["FLA 0.6.0"] = fla
+      import fla as fla_package
+      impls[f"FLA {fla_package.__version__}"] = fla
     except ImportError as e:
       print("FLA not available:", e)
   rows = []
