@@ -127,6 +127,7 @@ class Launcher:
     self.exits: queue.Queue = queue.Queue()
     self.exit_times = [float("inf")] * processes
     self.eof_times: list[list[float]] = [[] for _ in range(processes)]
+    self.traceback_times = [float("inf")] * processes
     self.stopping = False
 
   def say(self, text: str) -> None:
@@ -138,6 +139,8 @@ class Launcher:
     prefix = f"[p{i}] "
     for raw in iter(pipe.readline, b""):
       line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+      if line.startswith("Traceback (most recent call last)"):
+        self.traceback_times[i] = min(self.traceback_times[i], time.monotonic())
       self.tails[i].append(line)
       with self.lock:
         sink.write(prefix + line + "\n")
@@ -151,11 +154,14 @@ class Launcher:
     self.exits.put((i, returncode))
 
   def _died_at(self, i: int) -> float:
-    """When process i died: its pipes close while the kernel tears it down, before it is
-    reaped, so they order near-simultaneous deaths better (a peer that fails because this
-    one's sockets closed is reaped at about the same moment)."""
+    """When process i started to die: the first Python traceback it printed, else the
+    moment its pipes closed (while the kernel tears it down, before it is reaped), else
+    when it was reaped. A process that raises prints its traceback before its teardown
+    closes the sockets its peers then fail on, so the traceback orders causes better than
+    exit times, which a loaded machine can reverse."""
     eofs = self.eof_times[i]
-    return min(self.exit_times[i], max(eofs)) if len(eofs) == 2 else self.exit_times[i]
+    died = min(self.exit_times[i], max(eofs)) if len(eofs) == 2 else self.exit_times[i]
+    return min(died, self.traceback_times[i])
 
   def start(self) -> None:
     for i in range(self.processes):
