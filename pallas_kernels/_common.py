@@ -150,6 +150,23 @@ def chunk_suffix(s, tot, blk):
   return s + off
 
 
+def unrolled(n, unroll, body, carry):
+  """``carry = body(i, carry)`` for i in range(n), ``unroll`` steps per iteration of a
+  fori_loop; ``unroll >= n``: a plain Python loop (i a Python int, unrolled at trace
+  time, so Triton can issue loads that do not depend on the carry ahead of the chain)."""
+  if unroll >= n:
+    for i in range(n):
+      carry = body(i, carry)
+    return carry
+
+  def outer(o, c):
+    for u in range(unroll):
+      c = body(o * unroll + u, c)
+    return c
+
+  return jax.lax.fori_loop(0, n // unroll, outer, carry)
+
+
 def rev_cumsum(x):
   """Reverse cumulative sum along axis 0 (Triton has only the forward scan)."""
   return jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x
