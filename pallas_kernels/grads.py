@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _common as cm
 
 S = cm.SUB
+DIAG_UNROLL = 4              # gla_dqdk_diag: steps per fori_loop iteration (see the kernel)
 
 
 def _dv_kernel(k_ref, p_ref, s_ref, do_ref, a_ref, dh_ref, dv_ref, *, C, K, BK, BV, dt,
@@ -71,23 +72,31 @@ def _diag_grad_kernel(q_ref, k_ref, g_ref, da_ref, dqd_ref, dkd_ref, *, C, BK):
   rows, ks = pl.ds(r0, S), pl.ds(ik * BK, BK)
   row = cm.iota((S, BK), 0)
 
-  def step(i, acc):
-    dq, dk, e, f = acc
+  # Two loops (dq, then dk), one after the other: only one accumulator and one carried
+  # exponent live at a time; each a fori_loop of 4 steps unrolled at trace time, so the
+  # row loads of 4 steps (independent of the carry) are issued ahead of the exp chain.
+  # H200, B1 T16384 H16 K128: 0.97 -> 0.58 ms, 128 -> 80 registers, no spills (fully
+  # unrolled: 188 registers, 0.65 ms; one step per iteration: 0.68 ms).
+  def dq_step(i, carry):
+    dq, e = carry
     j = S - 1 - i                   # dq: column j; e[r] = sum_{j < m <= r} g_m (r >= j)
     kj = k_ref[b, r0 + j, hd, ks].astype(cm.F32)[None, :]
     da_col = da_ref[b, hd, n, pl.ds(s * S, S), s * S + j][:, None]       # dA[r, j]
     dq = dq + da_col * kj * cm.masked_exp(row >= j, e)
     e = jnp.where(row >= j, e + g_ref[b, r0 + j, hd, ks][None, :], 0.0)
-    # dk: row i of dA, f[r] = sum_{r < m <= i} g_m (r <= i)
+    return dq, e
+
+  def dk_step(i, carry):
+    dk, f = carry                   # dk: row i of dA, f[r] = sum_{r < m <= i} g_m (r <= i)
     f = jnp.where(row < i, f + g_ref[b, r0 + i, hd, ks][None, :], 0.0)
     qi = q_ref[b, r0 + i, hd, ks].astype(cm.F32)[None, :]
     da_row = da_ref[b, hd, n, s * S + i, pl.ds(s * S, S)][:, None]       # dA[i, r]
-    dk = dk + da_row * qi * cm.masked_exp(row <= i, f)
-    return dq, dk, e, f
+    return dk + da_row * qi * cm.masked_exp(row <= i, f), f
 
   zero = jnp.zeros((S, BK), cm.F32)
-  dq, dk, _, _ = jax.lax.fori_loop(0, S, step, (zero, zero, zero, zero))
+  dq, _ = cm.unrolled(S, DIAG_UNROLL, dq_step, (zero, zero))
   dqd_ref[b, rows, hd, ks] = dq.astype(dqd_ref.dtype)
+  dk, _ = cm.unrolled(S, DIAG_UNROLL, dk_step, (zero, zero))
   dkd_ref[b, rows, hd, ks] = dk.astype(dkd_ref.dtype)
 
 
