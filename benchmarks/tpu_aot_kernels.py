@@ -1,0 +1,167 @@
+"""Compile the Mosaic TPU kernels (pallas_kernels.tpu_backend) for real TPU generations, no TPU.
+
+Issue 12 item 2 (first half). With libtpu installed (``pip install -e '.[tpu]'``), JAX
+compiles for a TPU topology on a CPU-only host (docs: /work/shared/jax_notes.md, "TPU
+without a TPU"): ``chunk_gla(backend="pallas", kernel_config=KernelConfig(platform="tpu",
+interpret=False))`` forward and forward + backward (``value_and_grad`` over q, k, v, g) are
+lowered with ShapeDtypeStruct arguments on one device of the topology and compiled by libtpu
+(Mosaic for the kernels), under ``use_abstract_mesh`` (else Pallas stops with "Unsupported
+TPU device kind: cpu"). Per (generation, shape, dtype, pass): compile seconds, the number of
+``tpu_custom_call``s in the compiled HLO (forward 1; forward + backward 3: the forward, the
+backward's forward recompute that emits the chunk states, the backward kernel) and
+memory_analysis (HBM arguments / outputs / temporaries; Mosaic checks VMEM itself and fails
+the compile when a kernel's blocks do not fit).
+
+  python benchmarks/tpu_aot_kernels.py            # all shapes -> benchmarks/results/tpu_aot_kernels.md
+  python benchmarks/tpu_aot_kernels.py --quick    # the test's small shape only, no file
+"""
+import argparse
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import pallas_kernels  # noqa: E402
+import zeco_jax  # noqa: E402
+
+# Topology names accepted by libtpu 0.0.48.1 (the smallest of each generation).
+GENERATIONS = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
+# name -> (B, T, H, K, V). Kernel benchmark shapes (benchmarks/kernels.py) and the models'
+# attention shapes: configs/gla_340m.py (hidden 1024, 4 heads, expand_k 0.5, expand_v 1,
+# seq 16384, batch 8), configs/gla_1b3.py (hidden 2048, 4 heads, seq 32768, batch 8): the
+# config's whole batch on one chip, and the 1.3B's one sequence per chip (B1), since its B8
+# forward + backward needs more than v5e's 16 GiB of HBM.
+SHAPES = {
+    "small (test)": (1, 1024, 2, 128, 128),
+    "bench B1 T16K H16": (1, 16384, 16, 128, 128),
+    "bench B8 T4K H4 V256": (8, 4096, 4, 128, 256),
+    "gla_340m B8 T16K H4 K128 V256": (8, 16384, 4, 128, 256),
+    "gla_1b3 B8 T32K H4 K256 V512": (8, 32768, 4, 256, 512),
+    "gla_1b3 B1 T32K H4 K256 V512": (1, 32768, 4, 256, 512),
+}
+DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
+CUSTOM_CALL = 'custom_call_target="tpu_custom_call"'
+EXPECTED_CALLS = {"fwd": 1, "fwd+bwd": 3}
+CONFIG = pallas_kernels.KernelConfig(platform="tpu", interpret=False)
+
+
+def one_device_mesh(topology_name):
+  from jax.experimental import topologies
+  topo = topologies.get_topology_desc(platform="tpu", topology_name=topology_name)
+  return Mesh(np.array(topo.devices[:1]), ("x",))
+
+
+def _fwd(q, k, v, g):
+  return zeco_jax.chunk_gla(q, k, v, g, backend="pallas", kernel_config=CONFIG)[0]
+
+
+def _fwd_bwd(q, k, v, g):
+  loss = lambda *a: _fwd(*a).astype(jnp.float32).sum()
+  return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, g)
+
+
+PASSES = {"fwd": _fwd, "fwd+bwd": _fwd_bwd}
+
+
+def compile_kernels(mesh, shape, dtype, which):
+  """Compile one pass for mesh's TPU; returns (compiled, seconds)."""
+  B, T, H, K, V = shape
+  s = NamedSharding(mesh, P())
+  sds = lambda d, dt: jax.ShapeDtypeStruct((B, T, H, d), dt, sharding=s)
+  args = (sds(K, dtype), sds(K, dtype), sds(V, dtype), sds(K, jnp.float32))
+  t0 = time.perf_counter()
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    compiled = jax.jit(PASSES[which]).lower(*args).compile()
+  return compiled, time.perf_counter() - t0
+
+
+def mib(n):
+  return f"{n / 2**20:.1f}"
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--quick", action="store_true", help="small shape only, no results file")
+  ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                               "results", "tpu_aot_kernels.md"))
+  a = ap.parse_args()
+  shapes = {k: v for k, v in SHAPES.items() if not a.quick or k == "small (test)"}
+  header = ("| generation | shape (B, T, H, K, V) | dtype | pass | compiled | compile s | "
+            "tpu_custom_calls | args MiB | outputs MiB | temp MiB | code MiB |")
+  rows = [header, "|" + "---|" * 11]
+  print(header, flush=True)
+  failures, hbm = [], []
+  t_all = time.perf_counter()
+  for gen, topo_name in GENERATIONS.items():
+    mesh = one_device_mesh(topo_name)
+    kind = mesh.devices.flat[0].device_kind
+    for sname, shape in shapes.items():
+      for dname, dtype in DTYPES.items():
+        for which in PASSES:
+          try:
+            compiled, secs = compile_kernels(mesh, shape, dtype, which)
+            n = compiled.as_text().count(CUSTOM_CALL)
+            m = compiled.memory_analysis()
+            ok = "yes" if n == EXPECTED_CALLS[which] else f"calls != {EXPECTED_CALLS[which]}"
+            row = (f"| {gen} ({topo_name}, {kind}) | {sname}: {shape} | {dname} | {which} | "
+                   f"{ok} | {secs:.1f} | {n} | {mib(m.argument_size_in_bytes)} | "
+                   f"{mib(m.output_size_in_bytes)} | {mib(m.temp_size_in_bytes)} | "
+                   f"{mib(m.generated_code_size_in_bytes)} |")
+            if n != EXPECTED_CALLS[which]:
+              failures.append((gen, sname, dname, which, f"{n} custom calls"))
+          except Exception as e:  # noqa: BLE001 - recorded in the table
+            msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            if "Ran out of memory on HBM" in msg:
+              # The program needs more HBM than one chip has: the kernels compiled, the
+              # whole program does not fit (a sizing fact, not a kernel failure).
+              row = (f"| {gen} ({topo_name}) | {sname}: {shape} | {dname} | {which} | "
+                     f"HBM: {msg} | | | | | | |")
+              hbm.append((gen, sname, dname, which, msg))
+            else:
+              row = f"| {gen} ({topo_name}) | {sname}: {shape} | {dname} | {which} | NO: {msg} | | | | | | |"
+              failures.append((gen, sname, dname, which, str(e)))
+              traceback.print_exc()
+          rows.append(row)
+          print(row, flush=True)
+  total = time.perf_counter() - t_all
+  print(f"total {total:.0f} s; {len(failures)} failures; {len(hbm)} over one chip's HBM",
+        flush=True)
+  if not a.quick:
+    import libtpu
+    lines = [
+        "# Mosaic TPU kernels compiled for v5e, v5p, v6e without a TPU (issue 12 item 2, first half)",
+        "",
+        f"`python benchmarks/tpu_aot_kernels.py` (jax {jax.__version__}, libtpu "
+        f"{getattr(libtpu, '__version__', '0.0.48.1')}, 2-core CPU host, total {total:.0f} s). "
+        "Each row: `chunk_gla(backend=\"pallas\", kernel_config=KernelConfig(platform=\"tpu\", "
+        "interpret=False))` jitted and compiled by libtpu for one device of the topology; "
+        "`fwd` the output, `fwd+bwd` value_and_grad over q, k, v, g (g per-dim, float32; "
+        "chunk 64). `tpu_custom_calls`: Mosaic kernels in the compiled HLO (expected fwd 1, "
+        "fwd+bwd 3). Memory columns: `memory_analysis()` (HBM; Mosaic checks each kernel's "
+        "VMEM itself, a kernel that does not fit fails the compile). Compiled is not run: "
+        "numerics on the chip and speed are unverified (interpret-mode parity is the "
+        "numerical check).",
+        "",
+        *rows, "",
+        f"Kernel compile failures (Mosaic errors, VMEM over the limit, wrong custom-call "
+        f"count): {len(failures)}. Programs over one chip's HBM: {len(hbm)}.", ""]
+    for f in failures:
+      lines.append(f"- {f[0]} {f[1]} {f[2]} {f[3]}: {f[4][:500]}")
+    for f in hbm:
+      lines.append(f"- HBM: {f[0]} {f[1]} {f[2]} {f[3]}: {f[4]}")
+    with open(a.out, "w") as fh:
+      fh.write("\n".join(lines) + "\n")
+    print("wrote", a.out)
+  return 1 if failures else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
