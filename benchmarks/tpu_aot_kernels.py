@@ -50,6 +50,7 @@ SHAPES = {
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 CUSTOM_CALL = 'custom_call_target="tpu_custom_call"'
 EXPECTED_CALLS = {"fwd": 1, "fwd+bwd": 3}
+NOTES = ("Notes: every kernel compiled for every generation, shape and dtype, with today's whole-chunk blocks (`[C, D]` tiles of q, k, v, g, o and one float32 `[K, V]` state, C = 64): no tile change was needed for VMEM (memory_analysis does not report VMEM; a kernel over the scoped VMEM limit would fail the compile). The HBM rows put the 1.3B config's whole batch (B8, meant to be split over data-parallel chips) on one chip: its backward keeps every chunk state h[n] in float32 between the recompute and the backward kernel, B*H*(T/64)*K*V*4 bytes = 8 GiB at B8 T32K H4 K256 V512, which with the rest exceeds v5e's 16 GiB (it fits v5p and v6e; one sequence per chip, B1, fits all three).")
 CONFIG = pallas_kernels.KernelConfig(platform="tpu", interpret=False)
 
 
@@ -152,7 +153,7 @@ def main():
         "",
         *rows, "",
         f"Kernel compile failures (Mosaic errors, VMEM over the limit, wrong custom-call "
-        f"count): {len(failures)}. Programs over one chip's HBM: {len(hbm)}.", ""]
+        f"count): {len(failures)}. Programs over one chip's HBM: {len(hbm)}.", "", NOTES, ""]
     for f in failures:
       lines.append(f"- {f[0]} {f[1]} {f[2]} {f[3]}: {f[4][:500]}")
     for f in hbm:
