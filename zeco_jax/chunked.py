@@ -56,7 +56,7 @@ def _sub(C):
   return SUB_CHUNK if C % SUB_CHUNK == 0 else C
 
 
-def _rev_cumsum(x, axis):
+def rev_cumsum(x, axis):
   """Inclusive reverse cumsum as a true reverse sum (flip, cumsum, flip): never
   ``total - cumsum + x``, which cancels when one term dominates."""
   return jnp.flip(jnp.cumsum(jnp.flip(x, axis), axis=axis), axis)
@@ -98,7 +98,7 @@ class _ChunkDecay:
     gs = g.reshape(*lead, Ns, S, K)
     p = jnp.cumsum(gs, axis=-2)
     g_next = jnp.concatenate([gs[..., 1:, :], jnp.zeros_like(gs[..., :1, :])], axis=-2)
-    s = _rev_cumsum(g_next, -2)
+    s = rev_cumsum(g_next, -2)
     tot = p[..., -1, :]                                          # [.., Ns, K]
     # mid[a, c + 1] = sum_{c < a' < a} tot[a'] for a in 0..Ns, c in -1..Ns-1.
     a = jnp.arange(Ns + 1)[:, None, None]
@@ -245,11 +245,11 @@ def bwd(q, k, v, g, do, dht, *, scale, initial_state, chunk_size):
         + _ein("bhnik,bhnkv->bhniv", kc * dec.to_end, dH))
   # d(loss)/d(b) with b the chunk cumsum: +q*dq for every exp(+b_r), -k*dk for every
   # exp(-b_i), and the chunk's total decay b_C (through exp(b_C) h and the state
-  # increments) on the last row; dg is its reverse cumsum (a true one: _rev_cumsum).
+  # increments) on the last row; dg is its reverse cumsum (a true one: rev_cumsum).
   db = qc * dq - kc * dk
   d_last = dec.total * jnp.sum(h * dH, axis=-1) + jnp.sum(kc * dk_state, axis=-2)
   db = db.at[..., -1, :].add(d_last)
-  dg = from_chunks(_rev_cumsum(db, -2), jnp.float32)
+  dg = from_chunks(rev_cumsum(db, -2), jnp.float32)
   if g is None:
     dg = None
   elif g.ndim == 3:

@@ -131,7 +131,7 @@ def _segment_state(k, v, g):
   if g is not None:
     g = g.astype(jnp.float32)
     later = jnp.concatenate([g[:, 1:], jnp.zeros_like(g[:, :1])], axis=1)   # g_{t+1}
-    after_t = jnp.flip(jnp.cumsum(jnp.flip(later, axis=1), axis=1), axis=1)
+    after_t = chunked.rev_cumsum(later, 1)
     k_decayed = k_decayed * _over_keys(jnp.exp(after_t))
   return jnp.einsum("bthk,bthv->bhkv", k_decayed, v.astype(jnp.float32), precision=_HI)
 
