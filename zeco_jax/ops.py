@@ -18,8 +18,8 @@ A backend may also offer ``fwd_res`` (returning ``(out, residual)``) and ``bwd_r
 ``pallas_kernels.KernelConfig``): Triton-lowered kernels on GPU, Mosaic TPU kernels on
 TPU, the GPU kernels in the Pallas interpreter on CPU. ``"auto"`` picks by the platform the
 computation is compiled for (:func:`zeco_jax.target.platform_of`, ``docs/design.md`` §8):
-Pallas on GPU; the jnp path on CPU, and on TPU, whose kernels have not run on a chip yet
-(said once per process).
+Pallas on GPU and TPU; the jnp path on CPU. The Mosaic TPU kernels are compiled by libtpu
+ahead of time and checked in the Pallas interpreter; they have not run on a TPU chip here.
 """
 from __future__ import annotations
 
@@ -62,8 +62,9 @@ def resolve_backend(backend: str, *, name: str = "chunk_gla", platform=None) -> 
 
   ``platform``: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (``zeco_jax.target.platform_of(...)`` of
   the inputs or the mesh); None: :func:`zeco_jax.target.platform_of` of the context.
-  ``"auto"`` is Pallas on GPU, the jnp path on CPU (silently) and on TPU or without the
-  kernel package (each said once per process). ``"pallas"`` imports the platform's kernels
+  ``"auto"`` is Pallas on GPU and TPU (Mosaic kernels, compiled ahead of time for v5e, v5p
+  and v6e and checked in the interpreter: ``docs/design.md`` §8), the jnp path on CPU
+  (silently) and without the kernel package (said once per process). ``"pallas"`` imports the platform's kernels
   here, so a broken kernel package raises instead of falling back.
   """
   _checks.check_choice(backend, BACKENDS, arg="backend", name=name)
@@ -71,9 +72,6 @@ def resolve_backend(backend: str, *, name: str = "chunk_gla", platform=None) -> 
     platform = target.platform_of()
   _checks.check_choice(platform, target.PLATFORMS, arg="platform", name=name)
   if backend == "jax" or (backend == "auto" and platform == "cpu"):
-    return "jax"
-  if backend == "auto" and platform == "tpu":
-    _say_jax_fallback(platform, "the Mosaic TPU kernels have not run on a TPU yet")
     return "jax"
   if not _kernels_installed():
     if backend == "auto":
