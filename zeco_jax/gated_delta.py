@@ -1,0 +1,273 @@
+"""Gated DeltaNet on one device: the token recurrence (the spec) and the chunked op.
+
+Per token and head (docs/design.md §9; FLA's ``gated_delta_rule`` conventions)::
+
+    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = scale S_t^T q_t
+
+with q, k ``[B, T, H, K]``, v ``[B, T, H, V]``, the log-decay g ``[B, T, H]`` (<= 0), the
+write strength beta ``[B, T, H]`` in (0, 1) and float32 states ``[B, H, K, V]``.
+
+* :func:`recurrent_gated_delta_rule` walks the tokens with ``lax.scan`` in float32: the
+  definition, slow, and it keeps a state per token for autodiff (short sequences only).
+* :func:`chunk_gated_delta_rule` is the chunked form (WY / UT representation, as in the
+  Gated DeltaNet paper and FLA), with a custom_vjp that keeps the inputs and one state per
+  chunk, never a state per token.
+
+The chunked form, per chunk of C tokens (docs/design.md §9): with b the within-chunk
+cumulative log-decay, every chunk reduces to four arrays computed chunk-parallel by
+:func:`chunk_terms`: ``Qeff [C, K]``, the chunk transition ``M [K, K]``, the chunk's own
+state ``Sc [K, V]`` and its own outputs ``Oc [C, V]``, such that a chunk entered with
+state ``Y`` leaves with ``M Y + Sc`` and outputs ``Oc + Qeff Y``. The only sequential part
+is that recurrence over chunks (:func:`chunk_recurrence`). Every exponent is a sum of g
+over the tokens it spans (a segment sum, never the difference of two cumulative sums and
+never positive), so decays down to g = -5 per token (-320 over a 64-token chunk) are
+exact to float32 rounding.
+
+:func:`chunk_recurrence` with ``augment=True`` also carries the prefix products of the
+chunk transitions (the state widened by K columns that start as the identity): that gives
+the segment's transition and the per-token fix-up rows the sequence-parallel op needs
+(:mod:`zeco_jax.parallel_delta`).
+
+What it does not do: variable-length batches (``cu_seqlens``), Pallas kernels.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.scipy.linalg import solve_triangular
+
+from zeco_jax import _checks
+from zeco_jax._vma import match_varying
+
+_HI = lax.Precision.HIGHEST
+L2NORM_EPS = 1e-6      # FLA's l2norm: x / sqrt(sum x^2 + eps)
+
+
+def l2norm(x):
+  """FLA's ``l2norm`` over the last axis, in float32, returned in x's dtype."""
+  x32 = x.astype(jnp.float32)
+  return (x32 * lax.rsqrt(jnp.sum(x32 * x32, -1, keepdims=True) + L2NORM_EPS)).astype(x.dtype)
+
+
+def check_inputs(q, k, v, g, beta, initial_state, scale, *, name, chunk_size=None):
+  """Validates the Gated DeltaNet signature; returns the sizes and the resolved scale."""
+  if g is None or getattr(g, "ndim", None) != 3:
+    raise ValueError(f"{name}: `g` (log-decay per head, <= 0) must be [B, T, H], got "
+                     f"{getattr(g, 'shape', g)}. Gated DeltaNet has one decay per head.")
+  args = _checks.check_gla_inputs(q, k, v, g, initial_state, scale, name=name,
+                                  chunk_size=chunk_size)
+  if tuple(getattr(beta, "shape", ())) != (args.B, args.T, args.H):
+    raise ValueError(f"{name}: `beta` must be [B, T, H] = {(args.B, args.T, args.H)} "
+                     f"(write strength in (0, 1)), got {getattr(beta, 'shape', beta)}.")
+  if not jnp.issubdtype(beta.dtype, jnp.floating):
+    raise ValueError(f"{name}: `beta` must be floating point, got {beta.dtype}.")
+  return args
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
+                               output_final_state=False, use_qk_l2norm=False):
+  """Token-by-token Gated DeltaNet in float32 (the spec; FLA's ``fused_recurrent`` form).
+
+  Returns ``(o, final_state)``: o ``[B, T, H, V]`` in v's dtype; the float32 state after
+  the last token ``[B, H, K, V]`` if ``output_final_state``, else None.
+  """
+  args = check_inputs(q, k, v, g, beta, initial_state, scale,
+                      name="recurrent_gated_delta_rule")
+  B, H, K, V, scale = args.B, args.H, args.K, args.V, args.scale
+  if use_qk_l2norm:
+    q, k = l2norm(q), l2norm(k)
+  f32 = jnp.float32
+  h0 = jnp.zeros((B, H, K, V), f32) if initial_state is None else initial_state.astype(f32)
+
+  def step(S_BxHxKxV, xs):
+    q_t, k_t, v_t, g_t, b_t = xs
+    S_BxHxKxV = jnp.exp(g_t)[..., None, None] * S_BxHxKxV
+    kS = jnp.einsum("bhk,bhkv->bhv", k_t, S_BxHxKxV, precision=_HI)
+    u = b_t[..., None] * (v_t - kS)
+    S_BxHxKxV = S_BxHxKxV + k_t[..., :, None] * u[..., None, :]
+    o_t = scale * jnp.einsum("bhk,bhkv->bhv", q_t, S_BxHxKxV, precision=_HI)
+    return S_BxHxKxV, o_t
+
+  xs = tuple(jnp.moveaxis(x.astype(f32), 1, 0) for x in (q, k, v, g, beta))
+  S, o_TxBxHxV = lax.scan(step, h0, xs)
+  return jnp.moveaxis(o_TxBxHxV, 0, 1).astype(v.dtype), (S if output_final_state else None)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
+                           output_final_state=False, use_qk_l2norm=False, chunk_size=64):
+  """Chunked Gated DeltaNet (WY / UT form), FLA's ``chunk_gated_delta_rule`` in jnp.
+
+  Args:
+    q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]`` (one floating dtype, e.g. bfloat16).
+    g: ``[B, T, H]`` log-decay per head (<= 0); beta: ``[B, T, H]`` in (0, 1).
+    scale: defaults to ``K ** -0.5``.
+    initial_state: ``[B, H, K, V]`` or None (zeros).
+    output_final_state: also return the float32 state after the last token.
+    use_qk_l2norm: l2-normalise q and k over K first (FLA's ``use_qk_l2norm_in_kernel``).
+    chunk_size: tokens per chunk; T need not be a multiple (the tail is padded with
+      tokens that change nothing: k = 0, beta = 0, g = 0).
+
+  Returns:
+    ``(o, final_state)``: o ``[B, T, H, V]`` in v's dtype; final_state float32 or None.
+  """
+  name = "chunk_gated_delta_rule"
+  args = check_inputs(q, k, v, g, beta, initial_state, scale, name=name,
+                      chunk_size=chunk_size)
+  if use_qk_l2norm:
+    q, k = l2norm(q), l2norm(k)
+  h0 = None if initial_state is None else initial_state.astype(jnp.float32)
+  o, final = chunk_recurrence(q, k, v, g, beta, h0, args.scale, chunk_size, False)
+  return o.astype(v.dtype), (final if output_final_state else None)
+
+
+# --- the chunked form -------------------------------------------------------------------
+
+def _to_chunks(x, C):
+  """``[B, T, H, ...]`` -> float32 ``[B, H, N, C, ...]``, the tail zero-padded to N C."""
+  T = x.shape[1]
+  pad = -T % C
+  x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+  x = jnp.moveaxis(x, 2, 1)                                   # [B, H, T', ...]
+  return x.reshape(x.shape[:2] + ((T + pad) // C, C) + x.shape[3:])
+
+
+def _from_chunks(x, T):
+  """``[B, H, N, C, D]`` -> ``[B, T, H, D]``."""
+  B, H, N, C, D = x.shape
+  return jnp.moveaxis(x.reshape(B, H, N * C, D), 1, 2)[:, :T]
+
+
+def _segment_sums(g):
+  """``out[i, j] = sum_{j < m <= i} g_m`` for i >= j (an exact sum, <= 0), 0 above the
+  diagonal (masked by the caller): the log of the decay from token j to token i."""
+  C = g.shape[-1]
+  later = jnp.tril(jnp.ones((C, C), bool), -1)             # m > j
+  spread = jnp.where(later, g[..., :, None], 0.0)          # [.., m, j]
+  return jnp.cumsum(spread, axis=-2)                        # sum over m <= i
+
+
+def _masked_exp(x, mask):
+  return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
+
+
+def chunk_terms(q, k, v, g, beta, scale):
+  """Per-chunk arrays of the WY / UT form, chunk-parallel (docs/design.md §9).
+
+  Inputs float32 ``[B, H, N, C, ...]``. With ``Ga[i, j]`` the decay from token j to i,
+  ``A = strict_lower(beta_i Ga[i, j] k_i . k_j)`` and ``T = (I + A)^{-1}`` (the UT
+  transform): ``W = T diag(beta e^b) k`` and ``U = T diag(beta) v`` (the WY factors), so
+  the chunk's pseudo-values are ``U - W Y`` for entering state Y. Returns
+  ``(Qeff [.., C, K], M [.., K, K], Sc [.., K, V], Oc [.., C, V])``.
+  """
+  C, K = k.shape[-2], k.shape[-1]
+  seg = _segment_sums(g)                                    # [.., C, C]
+  incl = jnp.tril(jnp.ones((C, C), bool))
+  strict = jnp.tril(jnp.ones((C, C), bool), -1)
+  decay_strict, decay_incl = _masked_exp(seg, strict), _masked_exp(seg, incl)
+  from_start = jnp.exp(jnp.cumsum(g, -1))                   # e^{b_i}: decay since chunk start
+  to_end = jnp.exp(seg[..., -1, :])                         # e^{b_C - b_j}: decay to chunk end
+  kk = jnp.einsum("...ik,...jk->...ij", k, k, precision=_HI)
+  A = beta[..., :, None] * decay_strict * kk
+  eye_C = jnp.eye(C, dtype=jnp.float32)
+  rhs = jnp.concatenate([(beta * from_start)[..., None] * k, beta[..., None] * v], -1)
+  WU = solve_triangular(eye_C + A, rhs, lower=True, unit_diagonal=True)
+  W, U = WU[..., :K], WU[..., K:]
+  k_end = to_end[..., None] * k
+  M = (from_start[..., -1, None, None] * jnp.eye(K, dtype=jnp.float32)
+       - jnp.einsum("...ck,...cj->...kj", k_end, W, precision=_HI))
+  Sc = jnp.einsum("...ck,...cv->...kv", k_end, U, precision=_HI)
+  Pm = decay_incl * jnp.einsum("...ik,...jk->...ij", q, k, precision=_HI)
+  Oc = scale * jnp.einsum("...ij,...jv->...iv", Pm, U, precision=_HI)
+  Qeff = scale * (from_start[..., None] * q
+                  - jnp.einsum("...ij,...jk->...ik", Pm, W, precision=_HI))
+  return Qeff, M, Sc, Oc
+
+
+def _terms(q, k, v, g, beta, scale, C, augment):
+  """chunk_terms from ``[B, T, H, ...]`` inputs; ``augment`` widens Sc and Oc by K zero
+  columns (the prefix-product columns, which have no local part)."""
+  Qeff, M, Sc, Oc = chunk_terms(*(_to_chunks(x, C) for x in (q, k, v, g, beta)), scale)
+  if augment:
+    K = M.shape[-1]
+    Sc = jnp.concatenate([Sc, jnp.zeros(Sc.shape[:-1] + (K,), Sc.dtype)], -1)
+    Oc = jnp.concatenate([Oc, jnp.zeros(Oc.shape[:-1] + (K,), Oc.dtype)], -1)
+  return Qeff, M, Sc, Oc
+
+
+def _initial(h0, M, Sc, augment):
+  """The state entering chunk 0: h0 (zeros if None), widened by the identity if augment."""
+  B, H, _, K, Wd = Sc.shape
+  V = Wd - K if augment else Wd
+  Y0 = jnp.zeros((B, H, K, V), jnp.float32) if h0 is None else h0.astype(jnp.float32)
+  if augment:
+    Y0 = jnp.concatenate([Y0, jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, H, K, K))],
+                         -1)
+  return match_varying(Y0, M, Sc)
+
+
+def _states(M, Sc, Y0):
+  """The state entering every chunk, ``[B, H, N, K, W]``, and the final state."""
+  def step(Y, xs):
+    M_n, Sc_n = xs
+    return jnp.einsum("bhij,bhjw->bhiw", M_n, Y, precision=_HI) + Sc_n, Y
+
+  final, Ys = lax.scan(step, Y0, (jnp.moveaxis(M, 2, 0), jnp.moveaxis(Sc, 2, 0)))
+  return jnp.moveaxis(Ys, 0, 2), final
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def chunk_recurrence(q, k, v, g, beta, h0, scale, C, augment):
+  """Outputs ``[B, T, H, W]`` float32 and final state ``[B, H, K, W]`` of the chunked form.
+
+  ``W = V``; with ``augment`` ``W = V + K``: the extra columns start as the identity, so
+  they carry the prefix products of the chunk transitions. Then ``out[..., V:]`` holds the
+  rows ``Qeff_n (M_{n-1} ... M_0)`` that map a state entering the sequence to each
+  token's output, and ``final[..., V:]`` the product of every chunk transition.
+  """
+  return _forward(q, k, v, g, beta, h0, scale, C, augment)[0]
+
+
+def _forward(q, k, v, g, beta, h0, scale, C, augment):
+  Qeff, M, Sc, Oc = _terms(q, k, v, g, beta, scale, C, augment)
+  Ys, final = _states(M, Sc, _initial(h0, M, Sc, augment))
+  out = Oc + jnp.einsum("bhnck,bhnkw->bhncw", Qeff, Ys, precision=_HI)
+  return (_from_chunks(out, q.shape[1]), final), Ys
+
+
+def _chunk_recurrence_fwd(q, k, v, g, beta, h0, scale, C, augment):
+  outs, Ys = _forward(q, k, v, g, beta, h0, scale, C, augment)
+  return outs, (q, k, v, g, beta, h0, Ys)        # the inputs and one state per chunk
+
+
+def _chunk_recurrence_bwd(scale, C, augment, residuals, cotangents):
+  """The reverse recurrence over chunks, then the chunk terms' own vjp (recomputed).
+
+  With dY the cotangent of the state leaving chunk n: dM_n = dY Y_n^T, dSc_n = dY,
+  dQeff_n = dOut_n Y_n^T, and the state entering n gets M_n^T dY + Qeff_n^T dOut_n.
+  """
+  q, k, v, g, beta, h0, Ys = residuals
+  d_out, d_final = cotangents
+  (Qeff, M, Sc, Oc), terms_vjp = jax.vjp(
+      lambda *a: _terms(*a, scale, C, augment), q, k, v, g, beta)
+  d_out = _to_chunks(d_out, C)                                # [B, H, N, C, W]
+  G = jnp.einsum("bhnck,bhncw->bhnkw", Qeff, d_out, precision=_HI)
+
+  def step(dY, xs):
+    M_n, G_n = xs
+    return jnp.einsum("bhji,bhjw->bhiw", M_n, dY, precision=_HI) + G_n, dY
+
+  d_final = match_varying(d_final.astype(jnp.float32), M, G)
+  dY0, dYs = lax.scan(step, d_final, (jnp.moveaxis(M, 2, 0), jnp.moveaxis(G, 2, 0)),
+                      reverse=True)
+  dYs = jnp.moveaxis(dYs, 0, 2)                               # dY leaving each chunk
+  dM = jnp.einsum("bhniw,bhnjw->bhnij", dYs, Ys, precision=_HI)
+  dQeff = jnp.einsum("bhncw,bhnkw->bhnck", d_out, Ys, precision=_HI)
+  dq, dk, dv, dg, dbeta = terms_vjp((dQeff, dM, dYs, d_out))
+  dh0 = None if h0 is None else dY0[..., :h0.shape[-1]].astype(h0.dtype)
+  return dq, dk, dv, dg, dbeta, dh0
+
+
+chunk_recurrence.defvjp(_chunk_recurrence_fwd, _chunk_recurrence_bwd)
