@@ -1,0 +1,174 @@
+"""Sequence-parallel Gated DeltaNet: ``zeco_gated_delta_rule`` and its per-shard body.
+
+Same mesh contract as :func:`zeco_jax.zeco_gla` (global arrays whose T axis is split over
+``seq_axis``; other mesh axes kept; under jit and grad). On the rank holding a contiguous
+segment of the sequence (docs/design.md §9):
+
+1. the local pass from a zero state, widened by K columns that start as the identity
+   (:func:`zeco_jax.gated_delta.chunk_recurrence` with ``augment=True``). It gives the
+   local outputs, the segment's own state ``S_p`` and, from the identity columns, the
+   segment transition ``M_p`` (the product of its chunk transitions, ``K x K``) and one
+   fix-up row per token, ``R_t = Qeff_n (M_{n-1} ... M_0)``: how token t's output depends
+   on the state entering the segment. None of it waits for another rank;
+2. the scan of ``(S_p, DenseTransition(M_p))`` over ``seq_axis`` (any method of
+   :data:`zeco_jax.scan.SCAN_METHODS`; the All-Scan sends one K x V state per rank and
+   ``M_p`` never leaves its rank) -> ``X_p``, the state entering the segment;
+3. the fix-up, one GEMM as in GLA: ``o_t += R_t X_p``.
+
+The backward composes the parts' own backwards: the fix-up's transpose (``dX = R^T dO``,
+``dR = dO X^T``), the scan's reverse (under ``M_p^T``), and the local pass's reverse
+recurrence over chunks on the widened state. ``"ring"`` (LASP-1) has no overlap: it runs
+the chunked op from the received state after the scan.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from zeco_jax import scan as _scan
+from zeco_jax import transitions
+from zeco_jax.gated_delta import (check_inputs, chunk_gated_delta_rule, chunk_recurrence,
+                                  l2norm)
+from zeco_jax.parallel import (_axes_in, _explicit_batch_head, _from_last_rank,
+                               _mesh_or_context, _on, _resolve_num_blocks)
+
+_HI = lax.Precision.HIGHEST
+
+
+def _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, *, name):
+  args = check_inputs(q, k, v, g, beta, initial_state, scale, name=name,
+                      chunk_size=chunk_size)
+  _scan.get_method(method, name=name)
+  return args
+
+
+def segment_pass(q, k, v, g, beta, *, scale, chunk_size=64):
+  """Step 1 on one segment: ``(o_local, S_p, M_p, R)``, all float32.
+
+  o_local ``[B, L, H, V]`` (outputs from a zero entering state), S_p ``[B, H, K, V]``,
+  M_p ``[B, H, K, K]`` (the segment transition) and R ``[B, L, H, K]`` (fix-up rows:
+  ``o = o_local + R X`` for entering state X).
+  """
+  V = v.shape[-1]
+  out, end = chunk_recurrence(q, k, v, g, beta, None, scale, chunk_size, True)
+  return out[..., :V], end[..., :V], end[..., V:], out[..., V:]
+
+
+def zeco_gated_delta_rule_local(q, k, v, g, beta, *, axis_name, method="all_scan",
+                                num_blocks=None, chunk_size=64, scale=None,
+                                initial_state=None, output_final_state=False,
+                                use_qk_l2norm=False):
+  """The per-shard body of :func:`zeco_gated_delta_rule`, inside the caller's shard_map.
+
+  Takes this rank's contiguous segment (``q, k [B, L, H, K]``, ``g, beta [B, L, H]``)
+  and the mesh axis the sequence is split over; ``initial_state`` is the state before the
+  whole sequence (the same on every rank). Returns ``(o, state_after_segment)``; on the
+  last rank that state is the final state of the sequence.
+  """
+  name = "zeco_gated_delta_rule_local"
+  args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, name=name)
+  B, H, K, V, scale = args.B, args.H, args.K, args.V, args.scale
+  if use_qk_l2norm:
+    q, k = l2norm(q), l2norm(k)
+  nb = _resolve_num_blocks(num_blocks, method, lax.axis_size(axis_name), B, H, K, V,
+                           name=name)
+  o_local, seg_state, seg_matrix, rows = segment_pass(q, k, v, g, beta, scale=scale,
+                                                      chunk_size=chunk_size)
+  entering, after = _scan.all_scan(seg_state, transitions.DenseTransition(seg_matrix),
+                                   axis_name, num_blocks=nb, method=method,
+                                   initial=initial_state)
+  if _scan.SCAN_METHODS[method].overlaps_local:
+    fix = jnp.einsum("bthk,bhkv->bthv", rows, entering, precision=_HI)
+    o = (o_local + fix).astype(v.dtype)
+  else:
+    # LASP-1: compute after receive, the whole chunked pass from the received state.
+    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=entering,
+                                  chunk_size=chunk_size)
+  return o, (after if output_final_state else None)
+
+
+class _Options(NamedTuple):
+  method: str
+  num_blocks: Optional[int]
+  chunk_size: int
+  scale: float
+  output_final_state: bool
+  use_qk_l2norm: bool
+
+
+def zeco_gated_delta_rule(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method="all_scan",
+                          num_blocks=None, chunk_size=64, scale=None, initial_state=None,
+                          output_final_state=False, use_qk_l2norm=False):
+  """Sequence-parallel Gated DeltaNet over the mesh axis ``seq_axis`` (docs/design.md §9).
+
+  Args:
+    q, k: ``[B, T, H, K]``; v ``[B, T, H, V]``; g ``[B, T, H]`` (log-decay <= 0); beta
+      ``[B, T, H]`` in (0, 1): global arrays whose T axis is split contiguously over
+      ``seq_axis`` (T divisible by its size; a segment need not be a multiple of
+      ``chunk_size``).
+    mesh, seq_axis, method, num_blocks: as in :func:`zeco_jax.zeco_gla`. ``"all_scan"``
+      sends one K x V state per rank; ``"all_gather"`` gathers every (S_p, M_p) pair;
+      ``"tree"`` runs ceil(log2 P) rounds of pairs; ``"ring"`` waits for the state.
+    chunk_size, scale, initial_state, output_final_state, use_qk_l2norm: as in
+      :func:`zeco_jax.gated_delta.chunk_gated_delta_rule`.
+
+  Returns:
+    ``(o, final_state)``: o sharded like q; the float32 final state replicated over
+    ``seq_axis``, or None.
+  """
+  name = "zeco_gated_delta_rule"
+  args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, name=name)
+  mesh = _mesh_or_context(mesh, name=name)
+  if seq_axis not in mesh.axis_names:
+    raise ValueError(f"{name}: the mesh has no axis `seq_axis`={seq_axis!r}; its axes are "
+                     f"{tuple(mesh.axis_names)}. Pass seq_axis= one of them.")
+  P_size = mesh.shape[seq_axis]
+  if args.T % P_size:
+    raise ValueError(f"{name}: sequence length T = {args.T} is not divisible by the size "
+                     f"{P_size} of mesh axis {seq_axis!r}; pad T to a multiple of {P_size}.")
+  _resolve_num_blocks(num_blocks, method, P_size, args.B, args.H, args.K, args.V, name=name)
+  batch_spec, head_spec = _explicit_batch_head(q, mesh, seq_axis)
+  options = _Options(method, num_blocks, chunk_size, args.scale, output_final_state,
+                     use_qk_l2norm)
+  return _sharded(q, k, v, g, beta, initial_state, mesh=mesh, seq_axis=seq_axis,
+                  batch_spec=batch_spec, head_spec=head_spec, options=options)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "seq_axis", "batch_spec", "head_spec",
+                                             "options"))
+def _sharded(q, k, v, g, beta, initial_state, *, mesh, seq_axis, batch_spec, head_spec,
+             options):
+  """The shard_map over ``seq_axis`` (and the Explicit axes B and H are split over)."""
+  opt = options
+  manual = {seq_axis} | _axes_in(batch_spec) | _axes_in(head_spec)
+  seq4 = P(batch_spec, seq_axis, head_spec, None)
+  seq3 = P(batch_spec, seq_axis, head_spec)
+  state_spec = P(batch_spec, head_spec, None, None)
+  h0_spec = None if initial_state is None else state_spec
+  if manual != {seq_axis}:
+    place = lambda x, spec: jax.sharding.reshard(x, _on(mesh, spec))
+    q, k, v = (place(x, seq4) for x in (q, k, v))
+    g, beta = place(g, seq3), place(beta, seq3)
+    if initial_state is not None:
+      initial_state = place(initial_state, h0_spec)
+
+  def body(q, k, v, g, beta, h0):
+    o, after = zeco_gated_delta_rule_local(
+        q, k, v, g, beta, axis_name=seq_axis, method=opt.method, num_blocks=opt.num_blocks,
+        chunk_size=opt.chunk_size, scale=opt.scale, initial_state=h0,
+        output_final_state=opt.output_final_state, use_qk_l2norm=opt.use_qk_l2norm)
+    if not opt.output_final_state:
+      return o
+    return o, _from_last_rank(after, seq_axis)
+
+  run = jax.shard_map(body, mesh=mesh, in_specs=(seq4, seq4, seq4, seq3, seq3, h0_spec),
+                      out_specs=(seq4, state_spec) if opt.output_final_state else seq4,
+                      axis_names=manual, check_vma=True)
+  if opt.output_final_state:
+    return run(q, k, v, g, beta, initial_state)
+  return run(q, k, v, g, beta, initial_state), None
