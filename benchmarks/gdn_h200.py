@@ -1,0 +1,141 @@
+"""Our jnp chunk_gated_delta_rule beside flash-linear-attention's, on one GPU (issue 14).
+
+    python3 benchmarks/gdn_h200.py [--shapes 1,16384,16,128,128 8,4096,16,128,128]
+        [--iters 10 --reps 5] [--no-fla] [--json out.json]
+
+For each shape (B, T, H, K, V; bf16 q, k, v, beta, float32 g, l2-normalised keys, chunk
+64): times jit(chunk_gated_delta_rule) forward and forward + backward (grad of
+sum(o * do) for q, k, v, g, beta), then FLA 0.6.0's ``fla.ops.gated_delta_rule.
+chunk_gated_delta_rule`` on the same inputs (after its autotuning), and reports the
+relative difference of o and of the gradients between the two (bf16 outputs, so ~1e-2 is
+agreement). Median over ``reps`` of the mean of ``iters`` calls. JAX and torch share the
+GPU in one process: XLA_PYTHON_CLIENT_PREALLOCATE=false is set before jax starts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def time_loop(fn, sync, iters, reps):
+  sync(fn())
+  out = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    for _ in range(iters):
+      r = fn()
+    sync(r)
+    out.append((time.perf_counter() - t) / iters * 1e3)
+  return statistics.median(out)
+
+
+def rel(a, b):
+  import numpy as np
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--shapes", nargs="+", default=["1,16384,16,128,128", "8,4096,16,128,128"])
+  ap.add_argument("--iters", type=int, default=10)
+  ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--no-fla", action="store_true")
+  ap.add_argument("--json", default=None)
+  args = ap.parse_args()
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from zeco_jax.gated_delta import chunk_gated_delta_rule
+
+  log = lambda *a: print(*a, flush=True)
+  log(f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
+  fla = None
+  if not args.no_fla:
+    import torch
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
+    import fla as fla_pkg
+    fla = (torch, fla_gdn)
+    log(f"torch {torch.__version__}, fla {getattr(fla_pkg, '__version__', '?')}, "
+        f"{torch.cuda.get_device_name()}")
+  rows = []
+  for shape in args.shapes:
+    B, T, H, K, V = map(int, shape.split(","))
+    r = np.random.default_rng(0)
+    qn = r.standard_normal((B, T, H, K)).astype(np.float32)
+    kn = r.standard_normal((B, T, H, K)).astype(np.float32)
+    kn /= np.sqrt((kn * kn).sum(-1, keepdims=True) + 1e-6)
+    vn = r.standard_normal((B, T, H, V)).astype(np.float32)
+    gn = np.log(r.uniform(0.9, 1.0, (B, T, H))).astype(np.float32)
+    bn = (1 / (1 + np.exp(-r.standard_normal((B, T, H))))).astype(np.float32)
+    don = r.standard_normal((B, T, H, V)).astype(np.float32)
+    bf = jnp.bfloat16
+    q, k, v, beta, do = (jnp.asarray(x, bf) for x in (qn, kn, vn, bn, don))
+    g = jnp.asarray(gn)
+    name = f"B{B} T{T} H{H} K{K} V{V}"
+    row = {"shape": name}
+    fwd = jax.jit(lambda *a: chunk_gated_delta_rule(*a)[0])
+
+    def loss(q, k, v, g, beta):
+      return jnp.sum(chunk_gated_delta_rule(q, k, v, g, beta)[0].astype(jnp.float32)
+                     * do.astype(jnp.float32))
+
+    fb = jax.jit(jax.grad(loss, (0, 1, 2, 3, 4)))
+    sync = jax.block_until_ready
+    t0 = time.perf_counter()
+    o_j = sync(fwd(q, k, v, g, beta))
+    grads_j = sync(fb(q, k, v, g, beta))
+    log(f"{name} jnp: compiled + first call {time.perf_counter() - t0:.1f} s")
+    row["jnp fwd ms"] = time_loop(lambda: fwd(q, k, v, g, beta), sync, args.iters, args.reps)
+    row["jnp fwd+bwd ms"] = time_loop(lambda: fb(q, k, v, g, beta), sync, args.iters,
+                                      args.reps)
+    log(f"{name} jnp: fwd {row['jnp fwd ms']:.3f} ms, fwd+bwd {row['jnp fwd+bwd ms']:.3f} ms")
+    if fla is not None:
+      torch, fla_fn = fla
+      dev = "cuda"
+      tq, tk, tv, tb, tdo = (torch.tensor(x, device=dev).to(torch.bfloat16)
+                             for x in (qn, kn, vn, bn, don))
+      tg = torch.tensor(gn, device=dev)
+      for x in (tq, tk, tv, tg, tb):
+        x.requires_grad_(True)
+      ffwd = lambda: fla_fn(tq, tk, tv, tg, tb)[0]
+
+      def ffb():
+        o = fla_fn(tq, tk, tv, tg, tb)[0]
+        return torch.autograd.grad(o, (tq, tk, tv, tg, tb), tdo)
+
+      t0 = time.perf_counter()
+      with torch.no_grad():
+        o_f = ffwd()
+      grads_f = ffb()
+      torch.cuda.synchronize()
+      log(f"{name} fla: first calls (autotune) {time.perf_counter() - t0:.1f} s")
+      tsync = lambda _: torch.cuda.synchronize()
+      with torch.no_grad():
+        row["fla fwd ms"] = time_loop(ffwd, tsync, args.iters, args.reps)
+      row["fla fwd+bwd ms"] = time_loop(ffb, tsync, args.iters, args.reps)
+      to_np = lambda x: x.detach().float().cpu().numpy()
+      row["rel o (ours vs fla)"] = rel(o_j.astype(jnp.float32), to_np(o_f))
+      for nm, a, b in zip("q k v g beta".split(), grads_j, grads_f):
+        row[f"rel d{nm}"] = rel(a.astype(jnp.float32), to_np(b))
+      row["jnp / fla fwd"] = row["jnp fwd ms"] / row["fla fwd ms"]
+      row["jnp / fla fwd+bwd"] = row["jnp fwd+bwd ms"] / row["fla fwd+bwd ms"]
+      log(f"{name} fla: fwd {row['fla fwd ms']:.3f} ms, fwd+bwd {row['fla fwd+bwd ms']:.3f} "
+          f"ms; agreement {json.dumps({k2: round(v2, 5) for k2, v2 in row.items() if k2.startswith('rel')})}")
+    rows.append(row)
+  log(json.dumps(rows, indent=1))
+  if args.json:
+    with open(args.json, "w") as fh:
+      json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+  main()
