@@ -115,21 +115,27 @@ def main():
       t0 = time.perf_counter()
       with torch.no_grad():
         o_f = ffwd()
-      grads_f = ffb()
       torch.cuda.synchronize()
-      log(f"{name} fla: first calls (autotune) {time.perf_counter() - t0:.1f} s")
+      log(f"{name} fla: first forward (autotune) {time.perf_counter() - t0:.1f} s")
       tsync = lambda _: torch.cuda.synchronize()
       with torch.no_grad():
         row["fla fwd ms"] = time_loop(ffwd, tsync, args.iters, args.reps)
-      row["fla fwd+bwd ms"] = time_loop(ffb, tsync, args.iters, args.reps)
       to_np = lambda x: x.detach().float().cpu().numpy()
       row["rel o (ours vs fla)"] = rel(o_j.astype(jnp.float32), to_np(o_f))
-      for nm, a, b in zip("q k v g beta".split(), grads_j, grads_f):
-        row[f"rel d{nm}"] = rel(a.astype(jnp.float32), to_np(b))
       row["jnp / fla fwd"] = row["jnp fwd ms"] / row["fla fwd ms"]
-      row["jnp / fla fwd+bwd"] = row["jnp fwd+bwd ms"] / row["fla fwd+bwd ms"]
-      log(f"{name} fla: fwd {row['fla fwd ms']:.3f} ms, fwd+bwd {row['fla fwd+bwd ms']:.3f} "
-          f"ms; agreement {json.dumps({k2: round(v2, 5) for k2, v2 in row.items() if k2.startswith('rel')})}")
+      try:
+        # FLA 0.6.0 refuses its backward on Hopper with Triton 3.4 <= v < 3.7.1 (its
+        # issue #640: wrong gradients); then only the forward is compared.
+        grads_f = ffb()
+      except RuntimeError as e:
+        row["fla fwd+bwd"] = f"refused: {str(e).splitlines()[0]}"
+        log(f"{name} fla backward: {row['fla fwd+bwd']}")
+      else:
+        row["fla fwd+bwd ms"] = time_loop(ffb, tsync, args.iters, args.reps)
+        for nm, a, b in zip("q k v g beta".split(), grads_j, grads_f):
+          row[f"rel d{nm}"] = rel(a.astype(jnp.float32), to_np(b))
+        row["jnp / fla fwd+bwd"] = row["jnp fwd+bwd ms"] / row["fla fwd+bwd ms"]
+      log(f"{name} fla: fwd {row['fla fwd ms']:.3f} ms; agreement {json.dumps({k2: round(v2, 5) for k2, v2 in row.items() if k2.startswith('rel')})}")
     rows.append(row)
   log(json.dumps(rows, indent=1))
   if args.json:
