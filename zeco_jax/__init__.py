@@ -10,6 +10,8 @@ Public API:
   DiagonalDecay, DenseTransition       (zeco_jax.transitions)
   zeco_gla, zeco_gla_local             sequence-parallel GLA over a mesh axis
   debug.checked                        checkify wrapper that reports positive log-decays
+  segments                             packed documents: segment_ids helpers, cu_seqlens
+                                       -> segment_ids (every op takes ``segment_ids=``)
 
 Submodules imported on their own: ``zeco_jax.nn`` (Flax NNX layers: GatedLinearAttention,
 RMSNorm, ShortConvolution; not imported here, so ``import zeco_jax`` needs no flax),
@@ -18,6 +20,7 @@ cost models), ``zeco_jax.hlo_stats``, ``zeco_jax.distributed``. Kernel configura
 ``pallas_kernels.KernelConfig`` and ``pallas_kernels.default_config``.
 """
 from zeco_jax import debug
+from zeco_jax import segments
 from zeco_jax import transitions
 from zeco_jax.scan import SCAN_METHODS, ScanMethod, all_scan
 from zeco_jax.ops import chunk_gla
@@ -28,5 +31,5 @@ from zeco_jax.transitions import (DenseTransition, DiagonalDecay, Identity, Scal
 
 __all__ = ["DenseTransition", "DiagonalDecay", "Identity", "SCAN_METHODS", "ScalarDecay",
            "ScanMethod", "Transition", "all_scan", "chunk_gla", "chunk_gla_reference", "debug",
-           "recurrent_gla", "transitions", "zeco_gla", "zeco_gla_local"]
+           "recurrent_gla", "segments", "transitions", "zeco_gla", "zeco_gla_local"]
 __version__ = "0.1.0"

@@ -70,7 +70,10 @@ class ShortConvolution(nnx.Module):
   """Causal depthwise convolution over time, then SiLU (fla ``ShortConvolution``).
 
   Written as shifted slices of a left-padded input, so under jit with T sharded XLA adds
-  the (size - 1)-token halo exchange between sequence shards itself.
+  the (size - 1)-token halo exchange between sequence shards itself. With
+  ``segment_ids`` (``[B, T]``, :mod:`zeco_jax.segments`) a tap that would read a token
+  before the start of the current document reads zero instead, as at the start of the
+  row: no document sees the previous one.
   """
 
   def __init__(self, dim: int, size: int = 4, *, rngs: nnx.Rngs,
@@ -78,11 +81,26 @@ class ShortConvolution(nnx.Module):
     self.weight = normal_param(rngs, (size, dim), size ** -0.5, logical_axes)
     self.size = size
 
-  def __call__(self, x_BxTxC):
+  def __call__(self, x_BxTxC, segment_ids=None):
     T = x_BxTxC.shape[1]
     w = self.weight[...].astype(x_BxTxC.dtype)
-    padded = jnp.pad(x_BxTxC, ((0, 0), (self.size - 1, 0), (0, 0)))
-    return jax.nn.silu(sum(padded[:, j:j + T] * w[j] for j in range(self.size)))
+    W = self.size
+    padded = jnp.pad(x_BxTxC, ((0, 0), (W - 1, 0), (0, 0)))
+    # Tap j (j = 0 the current token) reads x[t - j], i.e. padded[:, W - 1 - j + t].
+    taps = [padded[:, W - 1 - j:W - 1 - j + T] for j in range(W)]
+    if segment_ids is not None:
+      ids = jnp.asarray(segment_ids)
+      if ids.shape != x_BxTxC.shape[:2] or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"ShortConvolution: `segment_ids` must be integer [B, T] = "
+                         f"{x_BxTxC.shape[:2]}, got {ids.dtype} {ids.shape}.")
+      # same[t] = token t continues token t - 1's document; tap j is read only if tokens
+      # t - j + 1 .. t all continue (shifted slices, so T may be sharded).
+      same = jnp.pad(ids[:, 1:] == ids[:, :-1], ((0, 0), (W, 0)))
+      ok = jnp.ones(ids.shape, bool)
+      for j in range(1, W):
+        ok = ok & same[:, W - j:W - j + T]
+        taps[j] = jnp.where(ok[..., None], taps[j], jnp.zeros((), taps[j].dtype))
+    return jax.nn.silu(sum(taps[j] * w[W - 1 - j] for j in range(W)))
 
 
 def _seq_size(mesh, axis: str) -> int:
@@ -94,15 +112,19 @@ def _seq_size(mesh, axis: str) -> int:
 
 
 def gla_op(q, k, v, g, *, mesh=None, seq_axis: str = "seq", seq_method: str = "all_scan",
-           num_blocks: Optional[int] = None, chunk_size: int = 64, backend: str = "auto"):
+           num_blocks: Optional[int] = None, chunk_size: int = 64, backend: str = "auto",
+           segment_ids=None):
   """GLA over ``[B, T, H, K/V]``: ``zeco_gla`` over ``seq_axis`` when that mesh axis has
-  size > 1, else ``chunk_gla`` (on one seq shard, or with no mesh). Returns the output."""
+  size > 1, else ``chunk_gla`` (on one seq shard, or with no mesh). Returns the output.
+  ``segment_ids``: packed documents, as in :func:`zeco_jax.chunk_gla`."""
+  seg = {} if segment_ids is None else {"segment_ids": segment_ids}
   if _seq_size(mesh, seq_axis) > 1:
     kwargs = {} if num_blocks is None else {"num_blocks": num_blocks}
+    kwargs.update(seg)
     o, _ = zeco_gla(q, k, v, g, mesh=mesh, seq_axis=seq_axis, method=seq_method,
                     chunk_size=chunk_size, backend=backend, **kwargs)
   else:
-    o, _ = chunk_gla(q, k, v, g, chunk_size=chunk_size, backend=backend)
+    o, _ = chunk_gla(q, k, v, g, chunk_size=chunk_size, backend=backend, **seg)
   return o
 
 
@@ -180,20 +202,25 @@ class GatedLinearAttention(nnx.Module):
       self.k_conv = ShortConvolution(Kd, conv_size, rngs=rngs)
       self.v_conv = ShortConvolution(Vd, conv_size, rngs=rngs)
 
-  def __call__(self, x_BxTxD, mesh=None):
+  def __call__(self, x_BxTxD, mesh=None, segment_ids=None):
+    """``[B, T, hidden_size]`` -> same. ``segment_ids``: None or integer ``[B, T]``, packed
+    documents (:mod:`zeco_jax.segments`): the short convolution and the GLA state do not
+    cross a document start; padding tokens (negative ids) output zero from the GLA."""
     B, T, _ = x_BxTxD.shape
     H = self.num_heads
     q = _dot(x_BxTxD, self.q_proj[...])
     k = _dot(x_BxTxD, self.k_proj[...])
     v = _dot(x_BxTxD, self.v_proj[...])
     if self.use_short_conv:
-      q, k, v = self.q_conv(q), self.k_conv(k), self.v_conv(v)
+      q, k, v = (self.q_conv(q, segment_ids), self.k_conv(k, segment_ids),
+                 self.v_conv(v, segment_ids))
     q, k, v = (x.reshape(B, T, H, -1) for x in (q, k, v))
     gate_logits = _dot(_dot(x_BxTxD, self.gk_down[...]), self.gk_up[...]).astype(jnp.float32)
     g = jax.nn.log_sigmoid(gate_logits + self.gk_bias[...]) / self.gate_logit_normalizer
     o_BxTxHxV = gla_op(q, k, v, g.reshape(B, T, H, -1), mesh=mesh, seq_axis=self.seq_axis,
                        seq_method=self.seq_method, num_blocks=self.num_blocks,
-                       chunk_size=self.chunk_size, backend=self.backend)
+                       chunk_size=self.chunk_size, backend=self.backend,
+                       segment_ids=segment_ids)
     gate = _dot(x_BxTxD, self.g_proj[...]).reshape(B, T, H, -1)
     o = self.g_norm(o_BxTxHxV).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
     return _dot(o.reshape(B, T, -1).astype(x_BxTxD.dtype), self.o_proj[...])

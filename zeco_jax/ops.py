@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from zeco_jax import _checks
 from zeco_jax import chunked
+from zeco_jax import segments
 from zeco_jax import target
 from zeco_jax._vma import match_varying
 
@@ -135,7 +136,7 @@ def _check_kernel_config(kernel_config, *, name):
 
 
 def chunk_gla(q, k, v, g=None, *, scale=None, initial_state=None, output_final_state=False,
-              chunk_size=64, backend="auto", kernel_config=None):
+              chunk_size=64, backend="auto", kernel_config=None, segment_ids=None):
   """Chunked gated linear attention on one device, differentiable.
 
   ``S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T``, ``o_t = scale * S_t^T q_t`` (token t sees
@@ -163,6 +164,12 @@ def chunk_gla(q, k, v, g=None, *, scale=None, initial_state=None, output_final_s
       ``pallas_kernels.default_config`` of the target and shape. It is a static argument
       of the op's custom_vjp: each configuration compiles its own program. Ignored by the
       jnp path.
+    segment_ids: None (one sequence per row) or integer ``[B, T]``: packed documents
+      (:mod:`zeco_jax.segments`, ``docs/design.md`` §10). A document starts at t = 0 and
+      where the id changes; the state resets to zero at every start t > 0, so
+      ``initial_state`` seeds the document holding token 0 and the final state is the
+      last document's. Negative ids are padding: no write, zero output, state unchanged,
+      zero gradients.
 
   Returns:
     ``(o, final_state)``: o ``[B, T, H, V]`` in v's dtype; final_state float32
@@ -172,6 +179,9 @@ def chunk_gla(q, k, v, g=None, *, scale=None, initial_state=None, output_final_s
   args = _checks.check_gla_inputs(q, k, v, g, initial_state, scale, name=name)
   _checks.check_chunk_size(chunk_size, name=name, multiple_of=chunked.SUB_CHUNK)
   _check_kernel_config(kernel_config, name=name)
+  if segment_ids is not None:
+    segments.check_segment_ids(segment_ids, args.B, args.T, name=name)
+    q, k, g = segments.apply(q, k, g, segment_ids)
   found = target.target_of(q, k, v, g, initial_state)
   backend = resolve_backend(backend, name=name, platform=found.platform)
   B, H, K, V = args.B, args.H, args.K, args.V

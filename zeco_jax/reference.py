@@ -19,12 +19,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from zeco_jax import _checks
+from zeco_jax import segments
 
 _HI = lax.Precision.HIGHEST
 
 
 def recurrent_gla(q, k, v, g=None, *, scale=None, initial_state=None,
-                  output_final_state=False, chunk_size=64):
+                  output_final_state=False, chunk_size=64, segment_ids=None):
   """Token-by-token GLA: ``S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T``, ``o_t = scale S_t^T q_t``.
 
   Args:
@@ -35,6 +36,11 @@ def recurrent_gla(q, k, v, g=None, *, scale=None, initial_state=None,
     initial_state: ``[B, H, K, V]`` or None (zeros).
     output_final_state: also return the state after the last token.
     chunk_size: accepted for signature parity with the chunked ops; unused.
+    segment_ids: None or integer ``[B, T]``, packed documents (:mod:`zeco_jax.segments`,
+      ``docs/design.md`` §10): at a start t > 0 the state is set to zero before token t
+      writes (``S_t = k_t v_t^T``); padding (a negative id) leaves the state unchanged and
+      outputs zero. Here the reset is exact (a select), not the chunked ops' sentinel
+      decay.
 
   Returns:
     ``(o, final_state)``: o ``[B, T, H, V]`` in v's dtype; final_state ``[B, H, K, V]``
@@ -48,30 +54,40 @@ def recurrent_gla(q, k, v, g=None, *, scale=None, initial_state=None,
   g_ = _checks.full_log_decay(g, B, T, H, K)
   h0 = (jnp.zeros((B, H, K, V), f32) if initial_state is None
         else initial_state.astype(f32))
+  if segment_ids is None:
+    reset = pad = jnp.zeros((B, T), bool)
+  else:
+    segments.check_segment_ids(segment_ids, B, T, name="recurrent_gla")
+    reset, pad = segments.resets(segment_ids), segments.padding_mask(segment_ids)
 
   def step(S_BxHxKxV, xs):
-    q_t, k_t, v_t, g_t = xs
-    S_BxHxKxV = (jnp.exp(g_t)[..., None] * S_BxHxKxV
-                 + k_t[..., :, None] * v_t[..., None, :])
+    q_t, k_t, v_t, g_t, reset_t, pad_t = xs
+    keep = ~pad_t[:, None, None, None]
+    decayed = jnp.where(reset_t[:, None, None, None], 0.0, jnp.exp(g_t)[..., None] * S_BxHxKxV)
+    S_BxHxKxV = jnp.where(keep, decayed + k_t[..., :, None] * v_t[..., None, :], S_BxHxKxV)
     o_t = scale * jnp.einsum("bhk,bhkv->bhv", q_t, S_BxHxKxV, precision=_HI)
-    return S_BxHxKxV, o_t
+    return S_BxHxKxV, jnp.where(keep[..., 0], o_t, 0.0)
 
   time_major = lambda x: jnp.moveaxis(x, 1, 0)
-  S, o_TxBxHxV = lax.scan(step, h0, tuple(map(time_major, (q_, k_, v_, g_))))
+  S, o_TxBxHxV = lax.scan(step, h0, tuple(map(time_major, (q_, k_, v_, g_, reset, pad))))
   o = jnp.moveaxis(o_TxBxHxV, 0, 1).astype(v.dtype)
   return o, (S if output_final_state else None)
 
 
 def chunk_gla_reference(q, k, v, g=None, *, scale=None, initial_state=None,
-                        output_final_state=False, chunk_size=64):
+                        output_final_state=False, chunk_size=64, segment_ids=None):
   """Chunked GLA with exact log-space decays inside each chunk (docs/design.md §2).
 
   Same signature and result as :func:`recurrent_gla`; any ``T`` (padded internally with
-  ``k = v = 0`` and ``g = 0``, which leaves the state unchanged).
+  ``k = v = 0`` and ``g = 0``, which leaves the state unchanged). ``segment_ids`` as in
+  :func:`zeco_jax.chunk_gla` (the reset as a sentinel decay, docs/design.md §10).
   """
   args = _checks.check_gla_inputs(q, k, v, g, initial_state, scale, name="chunk_gla_reference",
                                   chunk_size=chunk_size)
   B, T, H, K, V, scale, C = args.B, args.T, args.H, args.K, args.V, args.scale, chunk_size
+  if segment_ids is not None:
+    segments.check_segment_ids(segment_ids, B, T, name="chunk_gla_reference")
+    q, k, g = segments.apply(q, k, g, segment_ids)
   f32 = jnp.float32
   g_ = _checks.full_log_decay(g, B, T, H, K)
   q_, k_, v_, g_ = (_checks.pad_time(x.astype(f32), C) for x in (q, k, v, g_))
