@@ -1,0 +1,119 @@
+"""Gated DeltaNet on one device: chunk_gated_delta_rule and the float32 token loop against a
+float64 numpy token loop (forward and a hand-written vjp, tests/gdn_reference64.py).
+
+Tolerances are relative norms: forward 1e-5, gradients 1e-4 in float32, 2e-2 in bf16.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gdn_reference64 import gdn_float64
+from helpers import rel_err
+from zeco_jax.gated_delta import (chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule)
+
+B, H, K, V = 2, 2, 8, 16
+
+
+def gdn_inputs(seed, B, T, H, K, V, *, g_low=-0.5, beta_low=0.05, beta_high=0.999,
+               dtype=jnp.float32, initial=True):
+  """Random q, v, l2-normalised k, log-decay g in (g_low, 0), beta in (beta_low, beta_high),
+  h0 and the loss weights (do, dht)."""
+  r = np.random.default_rng(seed)
+  n = lambda *s: r.standard_normal(s)
+  q = jnp.asarray(n(B, T, H, K), dtype)
+  k = l2norm(jnp.asarray(n(B, T, H, K), jnp.float32)).astype(dtype)
+  v = jnp.asarray(n(B, T, H, V), dtype)
+  g = jnp.asarray(r.uniform(g_low, 0.0, (B, T, H)), jnp.float32)
+  beta = jnp.asarray(r.uniform(beta_low, beta_high, (B, T, H)), dtype)
+  h0 = jnp.asarray(n(B, H, K, V), jnp.float32) if initial else None
+  do, dht = jnp.asarray(n(B, T, H, V), jnp.float32), jnp.asarray(n(B, H, K, V), jnp.float32)
+  return (q, k, v, g, beta, h0), (do, dht)
+
+
+def gdn_loss_and_grads(op, inputs, weights):
+  """o, final and the gradients of sum(o * do) + sum(final * dht) for every array input."""
+  do, dht = weights
+
+  def loss(q, k, v, g, beta, h0):
+    o, final = op(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(final * dht), (o, final)
+
+  argnums = tuple(i for i, x in enumerate(inputs) if x is not None)
+  (_, (o, final)), grads = jax.jit(jax.value_and_grad(loss, argnums, has_aux=True))(*inputs)
+  names = [nm for nm, x in zip("q k v g beta h0".split(), inputs) if x is not None]
+  return o, final, dict(zip(names, grads))
+
+
+def check_against_float64(op, inputs, weights, fwd_tol=1e-5, grad_tol=1e-4):
+  o64, s64, g64 = gdn_float64(*inputs, *weights)
+  o, s, grads = gdn_loss_and_grads(op, inputs, weights)
+  assert o.dtype == inputs[2].dtype and o.shape == o64.shape
+  assert rel_err(o, o64) <= fwd_tol and rel_err(s, s64) <= fwd_tol
+  assert set(grads) == set(g64)
+  errs = {nm: rel_err(grads[nm], g64[nm]) for nm in g64}
+  assert all(e <= grad_tol for e in errs.values()), errs
+
+
+def test_recurrent_matches_float64():
+  check_against_float64(recurrent_gated_delta_rule, *gdn_inputs(0, B, 40, H, K, V))
+
+
+# T = 72 and 50 with chunk 16: the tail chunk is padded; with and without an initial state.
+@pytest.mark.parametrize("T,initial", [(72, True), (50, False)])
+def test_chunk_matches_float64(T, initial):
+  op = functools.partial(chunk_gated_delta_rule, chunk_size=16)
+  check_against_float64(op, *gdn_inputs(1, B, T, H, K, V, initial=initial))
+
+
+def test_chunk_strong_decay_and_beta_near_one():
+  # g down to -5 per token: the cumulative log-decay over a 64-token chunk reaches about
+  # -160 (-320 at worst); beta up to 0.9999. Exponents are segment sums, never exp(+cumsum).
+  inputs, weights = gdn_inputs(2, 1, 128, H, K, V, g_low=-5.0, beta_low=0.9,
+                               beta_high=0.9999)
+  check_against_float64(functools.partial(chunk_gated_delta_rule, chunk_size=64), inputs,
+                        weights)
+
+
+def test_chunk_bf16():
+  op = functools.partial(chunk_gated_delta_rule, chunk_size=16)
+  inputs, weights = gdn_inputs(3, B, 64, H, K, V, dtype=jnp.bfloat16)
+  check_against_float64(op, inputs, weights, fwd_tol=2e-2, grad_tol=2e-2)
+
+
+def test_use_qk_l2norm_normalises_inside():
+  (q, k, v, g, beta, h0), _ = gdn_inputs(4, B, 32, H, K, V)
+  raw_k = 3.0 * k + 0.5
+  o1, s1 = chunk_gated_delta_rule(q, raw_k, v, g, beta, initial_state=h0, chunk_size=16,
+                                  output_final_state=True, use_qk_l2norm=True)
+  o2, s2 = recurrent_gated_delta_rule(l2norm(q), l2norm(raw_k), v, g, beta, initial_state=h0,
+                                      output_final_state=True)
+  assert rel_err(o1, o2) <= 1e-5 and rel_err(s1, s2) <= 1e-5
+
+
+def test_backward_keeps_inputs_and_one_state_per_chunk():
+  # The custom_vjp keeps the inputs and the state entering each chunk: nothing per token
+  # beyond the inputs (a [B, T, H, K, V] state per token would be T / C times more).
+  T, C = 256, 16
+  (q, k, v, g, beta, h0), _ = gdn_inputs(5, 1, T, H, K, V)
+  _, vjp_fn = jax.vjp(lambda *a: chunk_gated_delta_rule(*a[:5], initial_state=a[5],
+                                                       chunk_size=C)[0], q, k, v, g, beta, h0)
+  leaves = jax.tree.leaves(vjp_fn)
+  inputs = sum(x.size for x in (q, k, v, g, beta, h0))
+  beyond = sum(x.size for x in leaves) - inputs
+  assert beyond <= (T // C) * H * K * V, (beyond, [x.shape for x in leaves])
+  assert not any(x.size >= T * H * K * V for x in leaves), [x.shape for x in leaves]
+
+
+def test_argument_errors():
+  (q, k, v, g, beta, h0), _ = gdn_inputs(6, B, 32, H, K, V)
+  with pytest.raises(ValueError, match=r"`g` \(log-decay per head"):
+    chunk_gated_delta_rule(q, k, v, jnp.zeros((B, 32, H, K)), beta)
+  with pytest.raises(ValueError, match=r"`beta` must be \[B, T, H\]"):
+    chunk_gated_delta_rule(q, k, v, g, beta[..., None])
+  with pytest.raises(ValueError, match="chunk_size"):
+    chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=0)
+  with pytest.raises(ValueError, match="initial_state"):
+    chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0[..., :4])
