@@ -117,8 +117,8 @@ class GLABlock(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
     self.mlp = SwiGLU(cfg, rngs=rngs)
 
-  def __call__(self, x, mesh=None):
-    x = x + self.attn(self.attn_norm(x), mesh)
+  def __call__(self, x, mesh=None, segment_ids=None):
+    x = x + self.attn(self.attn_norm(x), mesh, segment_ids=segment_ids)
     return x + self.mlp(self.mlp_norm(x))
 
 
@@ -138,14 +138,17 @@ class GLALM(nnx.Module):
   def blocks(self):
     return [getattr(self, f"block_{i}") for i in range(self.cfg.num_layers)]
 
-  def __call__(self, tokens_BxT, mesh=None):
+  def __call__(self, tokens_BxT, mesh=None, segment_ids=None):
+    """``segment_ids``: None (a row is one sequence) or int ``[B, T]`` document ids of
+    packed rows (:mod:`zeco_jax.segments`): every layer's state and short convolution
+    start afresh at each document."""
     emb = self.embed[...]
     x = jnp.take(emb, tokens_BxT, axis=0)
     for block in self.blocks():
       if self.cfg.remat:
-        x = nnx.remat(lambda blk, h: blk(h, mesh))(block, x)
+        x = nnx.remat(lambda blk, h, seg: blk(h, mesh, seg))(block, x, segment_ids)
       else:
-        x = block(x, mesh)
+        x = block(x, mesh, segment_ids)
     x = self.norm(x)
     return jnp.einsum("btd,vd->btv", x, emb.astype(x.dtype),
                       preferred_element_type=jnp.float32)
