@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 from zeco_jax import _checks
 from zeco_jax import chunked
 from zeco_jax import scan as _scan
+from zeco_jax import segments
 from zeco_jax import transitions
 from zeco_jax.ops import chunk_gla, resolve_backend
 from zeco_jax.target import platform_of
@@ -64,13 +65,16 @@ def _check_args(q, k, v, g, initial_state, scale, chunk_size, method, *, name):
 
 def zeco_gla_local(q, k, v, g=None, *, axis_name, method="all_scan", num_blocks=None,
                    chunk_size=64, scale=None, initial_state=None, output_final_state=False,
-                   backend="auto", kernel_config=None):
+                   backend="auto", kernel_config=None, segment_ids=None):
   """The per-shard body of :func:`zeco_gla`, for code already inside its own shard_map.
 
   Takes this rank's contiguous segment of the sequence (``q, k [B, L, H, K]``, ...) and
   the mesh axis name the sequence is split over; ``initial_state`` is the state before
   the whole sequence (the same on every rank of ``axis_name``). The other arguments are
-  as in :func:`zeco_gla`.
+  as in :func:`zeco_gla`. ``segment_ids`` ``[B, L]`` is this rank's slice of the row's
+  ids (docs/design.md §10); whether its first token starts a document is decided against
+  the previous rank's last id, fetched with one ``ppermute`` of B int32 that only the
+  transition and the fix-up wait for, never the local pass.
 
   Returns ``(o, state_after_segment)``: o for this segment, and (if
   ``output_final_state``) the float32 state after this rank's last token. On the last
@@ -82,22 +86,43 @@ def zeco_gla_local(q, k, v, g=None, *, axis_name, method="all_scan", num_blocks=
   B, L, H, K, V, scale = args.B, args.T, args.H, args.K, args.V, args.scale
   nb = _resolve_num_blocks(num_blocks, method, lax.axis_size(axis_name), B, H, K, V,
                            name=name)
-  scan = functools.partial(_scan.all_scan, decay=segment_transition(g), axis_name=axis_name,
-                           num_blocks=nb, method=method, initial=initial_state)
+  scan = functools.partial(_scan.all_scan, axis_name=axis_name, num_blocks=nb,
+                           method=method, initial=initial_state)
   local = functools.partial(chunk_gla, scale=scale, chunk_size=chunk_size, backend=backend,
                             kernel_config=kernel_config)
+  g_local = g_seg = g
+  if segment_ids is not None:
+    # Resets inside the segment go into the local pass (it starts from zero, so a reset on
+    # its first token changes nothing there); the one on the first token, known only after
+    # the previous rank's last id arrives, only into the transition and the fix-up.
+    segments.check_segment_ids(segment_ids, B, L, name=name)
+    q, k, g_local = segments.apply(q, k, g, segment_ids)
+    g_seg = segments.reset_first_token(g_local, _first_token_starts(segment_ids, axis_name))
+  scan = functools.partial(scan, decay=segment_transition(g_seg))
 
   if _scan.SCAN_METHODS[method].overlaps_local:
     # The local pass from zero, the scan beside it, then GLA's fix-up.
-    o_local, seg_state = local(q, k, v, g, output_final_state=True)
+    o_local, seg_state = local(q, k, v, g_local, output_final_state=True)
     entering, after = scan(seg_state)
-    o = (o_local.astype(jnp.float32) + _fix_up(q, g, entering, scale)).astype(v.dtype)
+    o = (o_local.astype(jnp.float32) + _fix_up(q, g_seg, entering, scale)).astype(v.dtype)
   else:
     # No overlap (LASP-1): the segment's state from one GEMM, the scan, then the whole
     # local pass from the received state: compute after receive.
-    entering, after = scan(_segment_state(k, v, g))
-    o, _ = local(q, k, v, g, initial_state=entering)
+    entering, after = scan(_segment_state(k, v, g_seg))
+    o, _ = local(q, k, v, g_seg, initial_state=entering)
   return o, (after if output_final_state else None)
+
+
+def _first_token_starts(segment_ids, axis_name):
+  """bool [B]: whether this rank's first token starts a document (docs/design.md §10):
+  its id differs from the previous rank's last id (one ppermute of B int32) and is not
+  padding. Never on the first rank, whose first token continues ``initial_state``."""
+  n = lax.axis_size(axis_name)
+  if n == 1:
+    return jnp.zeros(segment_ids.shape[:1], bool)
+  prev = lax.ppermute(segment_ids[:, -1], axis_name, [(i, i + 1) for i in range(n - 1)])
+  first = segment_ids[:, 0]
+  return (lax.axis_index(axis_name) > 0) & (first != prev) & (first >= 0)
 
 
 # --- GLA's side of the transition (docs/design.md §7) --------------------------------------
@@ -177,7 +202,7 @@ def _mesh_or_context(mesh, *, name):
 
 
 def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
-             num_blocks=None, chunk_size=64, scale=None, initial_state=None,
+             num_blocks=None, chunk_size=64, scale=None, initial_state=None, segment_ids=None,
              output_final_state=False, backend="auto", kernel_config=None):
   """Sequence-parallel GLA over the mesh axis ``seq_axis`` (ZeCO, docs/design.md §3-§5).
 
@@ -196,6 +221,11 @@ def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
       None picks the alpha-beta optimum (see :func:`zeco_jax.scan.default_num_blocks`).
     chunk_size, scale, initial_state, output_final_state, backend, kernel_config: as in
       :func:`zeco_jax.chunk_gla`; ``backend="auto"`` picks by the mesh's platform.
+    segment_ids: None or integer ``[B, T]`` (split over ``seq_axis`` like q): packed
+      documents, as in :func:`zeco_jax.chunk_gla` (docs/design.md §10). A rank whose
+      segment holds a document start passes on only the state since its last start (its
+      transition is zero) and applies the received state only before its first start;
+      still one state per rank, plus one ppermute of B int32 (the previous rank's last id).
 
   Returns:
     ``(o, final_state)`` as :func:`zeco_jax.chunk_gla`: o sharded like q over T; the final
@@ -218,7 +248,9 @@ def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
   batch_spec, head_spec = _explicit_batch_head(q, mesh, seq_axis)
   options = _Options(method, num_blocks, chunk_size, args.scale, output_final_state, backend,
                      kernel_config)
-  o, final = _sharded_gla(q, k, v, g, initial_state, mesh=mesh, seq_axis=seq_axis,
+  if segment_ids is not None:
+    segments.check_segment_ids(segment_ids, args.B, args.T, name=name)
+  o, final = _sharded_gla(q, k, v, g, initial_state, segment_ids, mesh=mesh, seq_axis=seq_axis,
                           batch_spec=batch_spec, head_spec=head_spec, options=options)
   return o, final
 
@@ -238,7 +270,8 @@ class _Options(NamedTuple):
 # shard_map body op by op (seconds for a tiny input); under an outer jit it is inlined.
 @functools.partial(jax.jit, static_argnames=("mesh", "seq_axis", "batch_spec", "head_spec",
                                              "options"))
-def _sharded_gla(q, k, v, g, initial_state, *, mesh, seq_axis, batch_spec, head_spec,
+def _sharded_gla(q, k, v, g, initial_state, segment_ids, *, mesh, seq_axis, batch_spec,
+                 head_spec,
                  options):
   """zeco_gla after its checks: the shard_map over ``seq_axis`` (and over the Explicit
   mesh axes B and H are split over, ``batch_spec`` / ``head_spec``)."""
@@ -247,6 +280,7 @@ def _sharded_gla(q, k, v, g, initial_state, *, mesh, seq_axis, batch_spec, head_
   seq4 = P(batch_spec, seq_axis, head_spec, None)
   g_spec = None if g is None else P(batch_spec, seq_axis, *([head_spec, None][:g.ndim - 2]))
   h0_spec = None if initial_state is None else P(batch_spec, head_spec, None, None)
+  ids_spec = None if segment_ids is None else P(batch_spec, seq_axis)
   state_spec = P(batch_spec, head_spec, None, None)
   if manual != {seq_axis}:
     # Explicit mesh axes: B and H stay split as the caller split them, by making the
@@ -256,15 +290,17 @@ def _sharded_gla(q, k, v, g, initial_state, *, mesh, seq_axis, batch_spec, head_
     place = lambda x, spec: jax.sharding.reshard(x, _on(mesh, spec))
     q, k, v = (place(x, seq4) for x in (q, k, v))
     g = None if g is None else place(g, g_spec)
+    segment_ids = None if segment_ids is None else place(segment_ids, ids_spec)
     if initial_state is not None:
       initial_state = place(initial_state, h0_spec)
 
-  def body(q, k, v, g, h0):
+  def body(q, k, v, g, h0, ids):
     o, after = zeco_gla_local(q, k, v, g, axis_name=seq_axis, method=opt.method,
                               num_blocks=opt.num_blocks, chunk_size=opt.chunk_size,
                               scale=opt.scale, initial_state=h0,
                               output_final_state=opt.output_final_state,
-                              backend=opt.backend, kernel_config=opt.kernel_config)
+                              backend=opt.backend, kernel_config=opt.kernel_config,
+                              segment_ids=ids)
     if not opt.output_final_state:
       return o
     return o, _from_last_rank(after, seq_axis)
@@ -272,12 +308,12 @@ def _sharded_gla(q, k, v, g, initial_state, *, mesh, seq_axis, batch_spec, head_
   # Pallas calls (and the Pallas interpreter on CPU) do not carry shard_map's varying-axes
   # types through their bodies, so that check is off around them; JAX then inserts the
   # psums for replicated inputs itself.
-  run = jax.shard_map(body, mesh=mesh, in_specs=(seq4, seq4, seq4, g_spec, h0_spec),
+  run = jax.shard_map(body, mesh=mesh, in_specs=(seq4, seq4, seq4, g_spec, h0_spec, ids_spec),
                       out_specs=(seq4, state_spec) if opt.output_final_state else seq4,
                       axis_names=manual, check_vma=(opt.backend != "pallas"))
   if opt.output_final_state:
-    return run(q, k, v, g, initial_state)
-  return run(q, k, v, g, initial_state), None
+    return run(q, k, v, g, initial_state, segment_ids)
+  return run(q, k, v, g, initial_state, segment_ids), None
 
 
 def _from_last_rank(after, axis_name):
