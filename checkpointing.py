@@ -5,7 +5,10 @@ files of ``WORKDIR``:
 
 - :func:`checkpoint_manager`: an orbax ``CheckpointManager`` of ``WORKDIR/checkpoints``
   (every ``train.checkpoint_every`` steps, keep ``train.keep_checkpoints``, async, atomic);
-  :func:`save` starts one save.
+  :func:`save` starts one save. A checkpoint holds the item ``default`` (the train state)
+  and, for data read in order (text), ``data``: the data iterators' state (JSON), saved in
+  the same atomic step so a resumed run continues on exactly the next batch.
+  :func:`gather_data_state` collects every process's rows of it for process 0 to write.
 - :func:`restore_checkpoint`: the newest checkpoint that restores. Each one's shapes and
   dtypes are read from its metadata first and compared with the run's abstract state: a
   checkpoint of another model raises :class:`CheckpointError` naming the first difference
@@ -50,14 +53,44 @@ def checkpoint_manager(workdir: str, train: ml_collections.ConfigDict):
   options = ocp.CheckpointManagerOptions(
       save_interval_steps=train.checkpoint_every, max_to_keep=train.keep_checkpoints,
       enable_async_checkpointing=train.async_checkpointing, create=True)
-  # The handler lets item_metadata read a checkpoint's shapes before restoring it.
+  # The handlers let item_metadata read a checkpoint's shapes before restoring it. The
+  # state item is orbax's default item name, so checkpoints written with one item restore.
   return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")),
-                               options=options, item_handlers=ocp.StandardCheckpointHandler())
+                               options=options,
+                               item_handlers={"default": ocp.StandardCheckpointHandler(),
+                                              DATA_ITEM: ocp.JsonCheckpointHandler()})
 
 
-def save(mngr, step: int, state, *, force: bool = False) -> None:
-  """Starts saving ``state`` as checkpoint ``step`` (async; ``force``: whatever the interval)."""
-  mngr.save(step, args=ocp.args.StandardSave(state), force=force)
+DATA_ITEM = "data"
+
+
+def save(mngr, step: int, state, *, force: bool = False, data_state=None) -> None:
+  """Starts saving ``state`` (and ``data_state``, a JSON-able dict, if given) as checkpoint
+  ``step`` (async; ``force``: whatever the interval)."""
+  items = {"default": ocp.args.StandardSave(state)}
+  if data_state is not None:
+    items[DATA_ITEM] = ocp.args.JsonSave(data_state)
+  mngr.save(step, args=ocp.args.Composite(**items), force=force)
+
+
+def gather_data_state(local: dict) -> dict:
+  """The data state with every process's ``rows`` merged (the same on every process).
+
+  ``local`` is :meth:`models.data.Dataset.state` of this process: ``{"rows": {row: state},
+  ...}`` for the rows it builds. orbax writes a JSON item from process 0 only, which may
+  not build every row, so the rows travel as padded UTF-8 bytes through one all-gather.
+  """
+  if jax.process_count() == 1:
+    return local
+  from jax.experimental import multihost_utils
+  raw = np.frombuffer(json.dumps(local["rows"]).encode(), np.uint8)
+  longest = int(np.max(multihost_utils.process_allgather(np.array([raw.size], np.int32))))
+  padded = np.zeros(longest, np.uint8)
+  padded[:raw.size] = raw
+  rows = {}
+  for buf in np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, longest):
+    rows.update(json.loads(bytes(buf).rstrip(b"\0").decode()))
+  return {**local, "rows": rows}
 
 
 def _named_leaves(tree) -> dict:
@@ -129,8 +162,11 @@ def quiet_closed_event_loops():
 
 
 def restore_checkpoint(mngr, abstract_state: dict, workdir: str,
-                       config: ml_collections.ConfigDict, *, optional=()):
+                       config: ml_collections.ConfigDict, *, optional=(), data=False):
   """The newest checkpoint that restores: ``(step, state, skipped)``, or ``(None, None, [])``.
+
+  ``data``: also restore the data iterators' state; ``state`` then has it under
+  ``"data"`` (None when the checkpoint has none).
 
   ``abstract_state`` is the run's train state as ``jax.ShapeDtypeStruct`` leaves with their
   shardings (restored as those); ``optional`` names its top-level scalar entries that a
@@ -144,7 +180,7 @@ def restore_checkpoint(mngr, abstract_state: dict, workdir: str,
   skipped = []
   for step in sorted(mngr.all_steps(), reverse=True):
     try:   # shapes and dtypes only; a corrupt checkpoint usually fails here already
-      meta = mngr.item_metadata(step)
+      meta = mngr.item_metadata(step)["default"]
       meta = getattr(meta, "tree", meta)
       if not meta:
         raise ValueError("no metadata")
@@ -159,8 +195,15 @@ def restore_checkpoint(mngr, abstract_state: dict, workdir: str,
           f"{_changed_model_fields(workdir, config)}. Resume with the same model.* values, "
           "or train it in a new --workdir.")
     target = {k: v for k, v in abstract_state.items() if k in meta}
+    items = {"default": ocp.args.StandardRestore(target)}
+    has_data = data and os.path.isdir(os.path.join(ckpt_dir, str(step), DATA_ITEM))
+    if has_data:
+      items[DATA_ITEM] = ocp.args.JsonRestore()
     try:
-      state = mngr.restore(step, args=ocp.args.StandardRestore(target))
+      restored = mngr.restore(step, args=ocp.args.Composite(**items))
+      state = restored["default"]
+      if data:
+        state = {**state, "data": restored[DATA_ITEM] if has_data else None}
     except Exception as e:   # noqa: BLE001
       skipped.append((step, _reason(e)))
       continue

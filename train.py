@@ -2,9 +2,12 @@
 """Train the GLA language model with ZeCO sequence parallelism: ``python train.py``.
 
     python train.py                                   # tiny MQAR default (configs/tiny_mqar.py)
+    python train.py --text corpus/                    # a folder of .txt / .jsonl documents
     python train.py --config configs/gla_340m.py --config.data.path=corpus/ \\
         --config.mesh=data=1,seq=8
     python train.py --config.model.num_layers=4 --config.train.lr=3e-4 --workdir runs/x
+    python train.py --config configs/gla_1b3.py --compile_only=v5p:4x4x4 \\
+        --config.mesh=data=1,seq=64     # compile for a TPU topology only (compile_only.py)
 
 The config is a file of ``configs/`` (ml_collections ``get_config()``); every field can be
 overridden as ``--config.SECTION.FIELD=VALUE`` and an unknown field is an error. Rerunning
@@ -43,8 +46,14 @@ from zeco_jax import distributed
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
                               "tiny_mqar.py")
+# The default config when --text is given without --config.
+TEXT_CONFIG = os.path.join(os.path.dirname(DEFAULT_CONFIG), "text_tiny.py")
 DEFAULT_CPU_DEVICES = 8      # python train.py on a CPU-only host: mesh data=2 x seq=4
 
+_TEXT = flags.DEFINE_string(
+    "text", None, "train on a folder of documents: .txt files (one document each) or .jsonl "
+    "files (one {\"text\": ...} per line); sets data.kind='text', data.path=DIR; without "
+    "--config the config is configs/text_tiny.py")
 _WORKDIR = flags.DEFINE_string("workdir", None, "checkpoints, metrics.jsonl, tensorboard/ "
                                "and loss.png (default: runs/<config file name>)")
 _PROGRESS = flags.DEFINE_enum("progress", "bar", list(metrics.PROGRESS_MODES),
@@ -55,6 +64,10 @@ _COORDINATOR = flags.DEFINE_string("coordinator", None,
                                    "HOST:PORT of process 0, the same on every process")
 _NUM_PROCESSES = flags.DEFINE_integer("num-processes", None, "number of processes")
 _PROCESS_ID = flags.DEFINE_integer("process-id", None, "this process, 0 .. N-1")
+_COMPILE_ONLY = flags.DEFINE_string(
+    "compile_only", None, "a TPU topology (v5p:2x2x2, v5e:4x4, v6e:8x8, ...): compile the "
+    "training step for it ahead of time (needs libtpu, no TPU; nothing runs, no data is read) "
+    "and print per-chip memory, FLOPs and collectives (compile_only.py)")
 _LOCAL_DEVICE_COUNT = flags.DEFINE_integer(
     "local-device-count", None, f"simulated CPU devices of this process (CPU backend only; "
     f"default {DEFAULT_CPU_DEVICES} unless $ZECO_LOCAL_DEVICE_COUNT or an XLA_FLAGS device "
@@ -81,10 +94,13 @@ def config_error(e: BaseException) -> str:
 def define_config_flag(flag_values=flags.FLAGS, sys_argv=None) -> None:
   """``--config FILE`` with its ``--config.SECTION.FIELD=VALUE`` overrides (locked).
 
-  ml_collections reads the overrides from ``sys_argv`` (default ``sys.argv``) here.
+  ml_collections reads the overrides from ``sys_argv`` (default ``sys.argv``) here. The
+  default file is configs/tiny_mqar.py, or configs/text_tiny.py when ``--text`` is given.
   """
+  argv = sys.argv if sys_argv is None else sys_argv
+  text = any(a == "--text" or a.startswith("--text=") for a in argv)
   config_flags.DEFINE_config_file(
-      "config", DEFAULT_CONFIG, "a config file (configs/*.py); override its fields as "
+      "config", TEXT_CONFIG if text else DEFAULT_CONFIG, "a config file (configs/*.py); override its fields as "
       "--config.model.num_layers=4", flag_values=flag_values, lock_config=True,
       sys_argv=sys_argv)
 
@@ -111,12 +127,21 @@ def main(argv):
     sys.exit(f"train.py: unexpected arguments {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)      # orbax logs every save at INFO; -v 0 shows it
+  if _COMPILE_ONLY.value:   # ahead-of-time for a TPU topology: no devices, no data
+    import compile_only
+    try:
+      compile_only.run(flags.FLAGS.config, _COMPILE_ONLY.value)
+    except ValueError as e:
+      sys.exit(f"compile only: {e}")
+    return
   try:   # first: before anything starts the jax backend
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                            _cpu_device_count())
   except ValueError as e:
     sys.exit(f"multi-process settings: {e}")
   config = flags.FLAGS.config
+  if _TEXT.value is not None:
+    config.data.kind, config.data.path = "text", _TEXT.value
   try:
     configs.validate(config, jax.device_count())
   except (ValueError, OSError) as e:     # OSError: the config file could not be loaded

@@ -9,9 +9,12 @@ compute with float32 params), ``eval_step`` and ``loss_and_grad``. Batches have 
 
 :func:`train_and_evaluate` runs a config in a workdir: orbax checkpoints (every N steps,
 keep k, async, atomic; :mod:`checkpointing`) and resume from the newest checkpoint that
-restores; the data of step s is a function of (seed, s), so a resumed run continues
-exactly. Each process builds only its own rows and tokens of every batch; process 0 writes
-the metrics (:mod:`metrics`) and prints.
+restores; the MQAR data of step s is a function of (seed, s), and text comes from grain
+iterators whose state is saved in the same checkpoint, so a resumed run continues exactly.
+Packed documents carry ``segment_ids``, passed to the model; their loss mask already
+excludes predictions across a document boundary (``models/text.py``). Each process builds
+only its own rows and tokens of every batch; process 0 writes the metrics (:mod:`metrics`)
+and prints.
 
 What it guards against (each ends in one line, a :class:`RunError` with its exit code):
 a step whose loss or gradient norm is not finite is not applied (the jitted step keeps the
@@ -43,6 +46,8 @@ import checkpointing
 import configs
 import metrics
 from models import GLALM, GLAConfig, sharding
+from models.gdn import model_from_config
+from models import data as datamod
 from models.data import Dataset
 from zeco_jax import distributed
 
@@ -88,10 +93,10 @@ class Experiment:
 
   def __init__(self, config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh):
     self.config, self.mesh = config, mesh
-    self.model_cfg = GLAConfig(**config.model.to_dict())
+    self.model_cfg, self.model_cls = model_from_config(config.model.to_dict())  # gla | gdn
     train = config.train
     self.rules = sharding.rules_from_config(train.sharding_rules.to_dict())
-    abstract = nnx.eval_shape(lambda: GLALM(self.model_cfg, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: self.model_cls(self.model_cfg, rngs=nnx.Rngs(0)))
     self.graphdef, _ = nnx.split(abstract)
     self.axes = sharding.logical_axes(abstract)
     self.param_shardings = sharding.param_shardings(self.axes, mesh, self.rules)
@@ -107,10 +112,10 @@ class Experiment:
         optax.adamw(self.schedule, b1=train.b1, b2=train.b2, weight_decay=train.weight_decay,
                     mask=decay_mask))
 
-    seed, model_cfg = train.seed, self.model_cfg
+    seed, model_cfg, model_cls = train.seed, self.model_cfg, self.model_cls
 
     def init_params():
-      return nnx.to_pure_dict(nnx.state(GLALM(model_cfg, rngs=nnx.Rngs(seed)), nnx.Param))
+      return nnx.to_pure_dict(nnx.state(model_cls(model_cfg, rngs=nnx.Rngs(seed)), nnx.Param))
 
     abstract_params = jax.eval_shape(init_params)
     abstract_opt = jax.eval_shape(self.tx.init, abstract_params)
@@ -120,7 +125,11 @@ class Experiment:
     self.state_shardings = {"params": self.param_shardings, "opt_state": opt_shardings,
                             "step": self.replicated,
                             **{name: self.replicated for name in COUNTERS}}
-    batch_shardings = {k: self.batch_sharding for k in ("inputs", "targets", "mask")}
+    # segment_ids (packed documents, int32 [B, T]) ride with the tokens: B over data, T
+    # over seq; the model gets them when the data has them (models/data.py batch_keys).
+    self.batch_keys = datamod.batch_keys(config.data)
+    self.eval_keys = datamod.eval_keys(config.data)
+    batch_shardings = {k: self.batch_sharding for k in self.batch_keys}
 
     self._init_params = init_params
     self._init_opt = jax.jit(self.tx.init, out_shardings=opt_shardings)
@@ -134,7 +143,8 @@ class Experiment:
     def loss_fn(params, batch):
       if self.compute_dtype != jnp.float32:
         params = jax.tree.map(lambda p: p.astype(self.compute_dtype), params)
-      logits = nnx.merge(self.graphdef, params)(batch["inputs"], mesh=mesh)
+      logits = nnx.merge(self.graphdef, params)(batch["inputs"], mesh=mesh,
+                                                segment_ids=batch.get("segment_ids"))
       return masked_loss(logits, batch)
 
     def loss_and_grad(params, batch):
@@ -168,8 +178,10 @@ class Experiment:
     def eval_step(params, batch):
       aux = loss_fn(params, batch)[1]
       correct = aux.pop("correct_at")           # [B, T]: argmax == target
-      aux["cross_correct"] = jnp.sum(correct * batch["cross"])
-      aux["cross_count"] = jnp.sum(batch["cross"])
+      for name in datamod.EVAL_MASKS:           # cross-shard queries, stale queries
+        if name in batch:
+          aux[f"{name}_correct"] = jnp.sum(correct * batch[name])
+          aux[f"{name}_count"] = jnp.sum(batch[name])
       return aux
 
     self.loss_and_grad = jax.jit(loss_and_grad,
@@ -180,7 +192,7 @@ class Experiment:
                               out_shardings=(self.state_shardings, self.replicated),
                               donate_argnums=0)
     self.eval_step = jax.jit(eval_step, in_shardings=(
-        self.param_shardings, {**batch_shardings, "cross": self.batch_sharding}),
+        self.param_shardings, {k: self.batch_sharding for k in self.eval_keys}),
         out_shardings=self.replicated)
 
   def init_state(self) -> dict:
@@ -221,7 +233,9 @@ class Experiment:
 
 
 def evaluate(exp: Experiment, dataset: Dataset, params, num_batches: int) -> dict:
-  """Loss and accuracy over ``num_batches`` held-out batches (and on cross-shard queries)."""
+  """Loss and accuracy over ``num_batches`` held-out batches, and the accuracy on the
+  queries of each mask of ``models.data.EVAL_MASKS`` the data has (cross-shard queries;
+  for ``mqar_docs`` the stale queries: how often the previous document's value is given)."""
   totals = None
   shape = (dataset.cfg["batch_size"], dataset.cfg["seq_len"])
   for i in range(num_batches):
@@ -233,15 +247,19 @@ def evaluate(exp: Experiment, dataset: Dataset, params, num_batches: int) -> dic
   result = {"eval_loss": totals["nll_sum"] / totals["count"],
             "eval_accuracy": totals["correct"] / totals["count"],
             "eval_queries": int(totals["count"])}
-  if totals["cross_count"]:
-    result["eval_cross_shard_accuracy"] = totals["cross_correct"] / totals["cross_count"]
-    result["eval_cross_shard_queries"] = int(totals["cross_count"])
+  for name, (metric, count) in datamod.EVAL_MASKS.items():
+    if totals.get(f"{name}_count"):
+      result[metric] = totals[f"{name}_correct"] / totals[f"{name}_count"]
+      result[count] = int(totals[f"{name}_count"])
   return result
 
 
 def _eval_line(step: int, ev: dict) -> str:
   cross = (f" (cross-shard queries: {ev['eval_cross_shard_accuracy']:.4f} of "
            f"{ev['eval_cross_shard_queries']})" if "eval_cross_shard_accuracy" in ev else "")
+  if "eval_stale_recall" in ev:
+    cross += (f" (previous document's value given on {ev['eval_stale_recall']:.4f} of "
+              f"{ev['eval_stale_queries']} stale queries)")
   return f"step {step}: eval loss {ev['eval_loss']:.4f} accuracy {ev['eval_accuracy']:.4f}{cross}"
 
 
@@ -283,7 +301,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     progress = "off"
   say = (lambda text: print(text, flush=True)) if progress != "off" else (lambda text: None)
   exp = Experiment(config, make_mesh(mesh_shape))
-  dataset = Dataset(data_cfg)
+  dataset = Dataset(data_cfg, vocab_size=config.model.vocab_size, workdir=workdir,
+                    write=main_process)
   mngr = checkpointing.checkpoint_manager(workdir, train)
   ckpt_dir = os.path.join(workdir, "checkpoints")
   stop = min(train.steps, train.stop_after or train.steps)
@@ -293,7 +312,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     try:
       restored, state, skipped = (
           checkpointing.restore_checkpoint(mngr, exp.abstract_state, workdir, config,
-                                           optional=COUNTERS)
+                                           optional=COUNTERS, data=dataset.stateful)
           if mngr is not None else (None, None, []))
     except checkpointing.CheckpointError as e:   # another model, or none restores
       raise RunError(str(e)) from e
@@ -304,6 +323,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       summary["skipped_checkpoints"][s] = why
       _warn(f"checkpoint step {s} in {ckpt_dir} does not restore ({why}): skipped, moved to "
             f"{moved.get(s, 'nowhere (not found)')}; resuming from step {restored}")
+  data_state = state.pop("data", None) if state is not None else None
   if restored is not None:
     say(f"resumed from {ckpt_dir} step {restored}")
     for limit, name in ((train.steps, "train.steps"), (train.stop_after, "train.stop_after")):
@@ -362,6 +382,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
 
   global_shape = (data_cfg["batch_size"], data_cfg["seq_len"])
   my_rows = exp.local_index(global_shape)[0]      # this process builds only these rows
+  if dataset.stateful and start:    # text: the iterators continue where the checkpoint was
+    if data_state is None:
+      raise RunError(f"checkpoint step {start} in {ckpt_dir} has no data iterator state "
+                     f"(written by a run of another data.kind?); data.kind="
+                     f"{data_cfg['kind']!r} reads in order and cannot resume without it. "
+                     "Use a new --workdir.")
+    try:
+      dataset.restore(data_state, my_rows)
+    except ValueError as e:
+      raise RunError(f"checkpoint step {start} in {ckpt_dir}: {e}") from e
   next_batch = dataset.batch(start, my_rows) if start < stop else None
   try:
     for step in range(start, stop):
@@ -392,7 +422,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
           writer.write(s, {**row, "tokens_per_s": tok_s, "elapsed_s": now - t_start})
         writer.flush()
         info = {"loss": float(rows[-1]["loss"]), "tok/s": f"{tok_s:,.0f}"}
-        if data_cfg["kind"] == "mqar":
+        if data_cfg["kind"] != "text":
           info["acc"] = float(rows[-1]["accuracy"])
         if rows[-1]["skipped_steps"]:
           info["skipped"] = int(rows[-1]["skipped_steps"])
@@ -406,7 +436,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
           _warn(f"checkpoint: step {done} not saved: its last {bad_streak} step(s) had a "
                 "non-finite loss or gradient norm")
         else:
-          checkpointing.save(mngr, done, state, force=done == stop)
+          checkpointing.save(mngr, done, state, force=done == stop, data_state=(
+              checkpointing.gather_data_state(dataset.state(done)) if dataset.stateful
+              else None))
           last_saved = done
           bar.write(f"checkpoint: step {done} save started")   # the async write is in flight
       if train.eval_every and done % train.eval_every == 0 and done != stop:

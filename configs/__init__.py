@@ -26,6 +26,7 @@ from configs.schema import MESH_AXES, SCHEMA, parse_mesh  # noqa: F401 (re-expor
 from configs import schema
 from models import sharding
 from models.gla import GLAConfig
+from models.gdn import model_from_config
 
 
 def _model_defaults() -> dict:
@@ -38,6 +39,7 @@ def _model_defaults() -> dict:
       out[field.name] = placeholder(kind)
     else:
       out[field.name] = field.default
+  out["family"] = "gla"    # "gla" or "gdn" (Gated DeltaNet): models/gdn.model_from_config
   return out
 
 
@@ -46,8 +48,16 @@ def defaults() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict({
       "model": _model_defaults(),
       "data": {
-          "kind": "mqar",          # "mqar" (generated) or "text" (bytes of a file or folder)
+          # "mqar" (generated), "mqar_docs" (cross-document MQAR, packed documents) or
+          # "text" (documents of .txt / .jsonl files, tokenized and packed; models/text.py)
+          "kind": "mqar",
           "path": placeholder(str),  # text: a file or a folder (read recursively)
+          # text: "bpe" (trained on the corpus, kept in WORKDIR/tokenizer.json), "bytes",
+          # or a tokenizer.json file
+          "tokenizer": "bpe",
+          # mqar_docs / text: pass segment_ids to the model (its state resets at each
+          # document start); false: rows are one sequence to the model (for comparison)
+          "document_resets": True,
           "seq_len": 2048,
           "batch_size": 8,         # global batch (split over the data axis)
           "seed": 0,
@@ -59,6 +69,10 @@ def defaults() -> ml_collections.ConfigDict:
           "num_pairs": 8,          # pairs per episode
           "num_queries": 64,       # queried positions per episode (keys repeat)
           "query_from": 0.25,      # start layout: queries at positions >= query_from * seq_len
+          # mqar_docs: document lengths, and queries per document of the previous one's keys
+          "doc_len_min": 48,
+          "doc_len_max": 96,
+          "stale_queries": 4,
       },
       "train": {
           "steps": 1000,
@@ -119,7 +133,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict:
   """
   schema.check(config)
   mesh = resolve_mesh(config.mesh, num_devices)
-  model = GLAConfig(**config.model.to_dict())
+  model, _ = model_from_config(config.model.to_dict())
   model.validate()
   data, train = config.data.to_dict(), config.train.to_dict()
   T, B = data["seq_len"], data["batch_size"]
@@ -152,15 +166,32 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict:
     if not 0 < data["num_queries"] <= region:
       raise ValueError(f"data.num_queries={data['num_queries']} does not fit in a query "
                        f"region of {region} positions")
+  elif data["kind"] == "mqar_docs":
+    if model.vocab_size < 1 + 2 * data["num_keys"]:
+      raise ValueError(f"MQAR needs model.vocab_size >= 1 + 2 * data.num_keys = "
+                       f"{1 + 2 * data['num_keys']}, got {model.vocab_size}")
+    if data["num_pairs"] > data["num_keys"]:
+      raise ValueError(f"data.num_pairs={data['num_pairs']} distinct keys do not fit in "
+                       f"num_keys={data['num_keys']}")
+    room = data["doc_len_min"] - 2 * data["num_pairs"]
+    if data["doc_len_max"] < data["doc_len_min"] or (
+        data["num_queries"] + data["stale_queries"] > room):
+      raise ValueError(f"data: documents of doc_len_min={data['doc_len_min']} .. doc_len_max="
+                       f"{data['doc_len_max']} tokens cannot hold num_pairs="
+                       f"{data['num_pairs']} pairs and num_queries + stale_queries = "
+                       f"{data['num_queries'] + data['stale_queries']} queries; raise "
+                       "doc_len_min (and doc_len_max >= it)")
   elif data["kind"] == "text":
     if not data["path"] or not os.path.exists(data["path"]):
-      raise ValueError(f"data.kind='text' needs data.path, an existing file or folder; got "
-                       f"{data['path']!r}")
-    if model.vocab_size < 256:
-      raise ValueError(f"byte-level text needs model.vocab_size >= 256, got "
-                       f"{model.vocab_size} (--config.model.vocab_size=256)")
+      raise ValueError(f"data.kind='text' needs data.path (or train.py --text DIR), an "
+                       f"existing file or folder; got {data['path']!r}")
+    need = 257 if data["tokenizer"] == "bytes" else 258
+    if model.vocab_size < need:
+      raise ValueError(f"text with data.tokenizer={data['tokenizer']!r} needs "
+                       f"model.vocab_size >= {need} (256 bytes and the end-of-document "
+                       f"token{', and merges' if need > 257 else ''}), got {model.vocab_size}")
   else:
-    raise ValueError(f"data.kind must be 'mqar' or 'text', got {data['kind']!r}")
+    raise ValueError(f"data.kind must be 'mqar', 'mqar_docs' or 'text', got {data['kind']!r}")
   if train["warmup_steps"] >= train["steps"]:
     raise ValueError(f"train.steps={train['steps']} must be > train.warmup_steps="
                      f"{train['warmup_steps']}")

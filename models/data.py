@@ -1,4 +1,6 @@
-"""Training data, a pure function of (seed, step): a resumed run sees exactly the same batches.
+"""Training data. ``mqar`` and ``mqar_docs`` are a pure function of (seed, step); ``text``
+is read in order and its iterator state is checkpointed: either way a resumed run sees
+exactly the same batches.
 
 ``mqar``: multi-query associative recall (Arora et al. 2023, "Zoology"), generated.
 Key-value pairs ``k1 v1 k2 v2 ...`` are shown once; later positions hold a key alone (the
@@ -8,15 +10,19 @@ segment and their queries at the start of the next; with segments = seq shards e
 answer crosses a shard boundary, carried only by the state the All-Scan passes along.
 See :func:`mqar_batch`.
 
-``text``: byte-level language modelling on any file or folder (read recursively):
-random windows, next-byte targets, vocabulary 256.
+``mqar_docs``: cross-document MQAR (:func:`mqar_docs_batch`): rows packed with short
+documents, each with its own pairs and queries, ``segment_ids`` per token; queries of
+the previous document's keys measure whether anything is recalled across a document
+start.
 
-Batches are numpy dicts ``inputs``, ``targets`` (int32 ``[B, T]``) and ``mask``
-(float32 ``[B, T]``, where the loss and accuracy count).
+``text``: documents of a folder of .txt / .jsonl files, tokenized and packed with
+``segment_ids`` (:mod:`models.text`).
+
+Batches are numpy dicts ``inputs``, ``targets`` (int32 ``[B, T]``), ``mask`` (float32
+``[B, T]``, where the loss and accuracy count: never across a document boundary) and, for
+packed documents, ``segment_ids`` (int32 ``[B, T]``).
 """
 from __future__ import annotations
-
-import os
 
 import numpy as np
 
@@ -101,40 +107,111 @@ def cross_shard_mask(batch: dict, num_shards: int) -> np.ndarray:
   return (batch["mask"] * cross).astype(np.float32)
 
 
-class ByteText:
-  """All bytes of a file, or of every file under a folder (sorted, concatenated)."""
+def mqar_docs_batch(seed: int, step: int, *, batch_size: int, seq_len: int, num_keys: int,
+                    num_pairs: int, num_queries: int, stale_queries: int, doc_len_min: int,
+                    doc_len_max: int, rows=None) -> dict:
+  """Cross-document MQAR: rows packed with documents, each its own recall task.
 
-  def __init__(self, path: str):
-    if os.path.isdir(path):
-      files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
-    else:
-      files = [path]
-    chunks = [np.fromfile(f, np.uint8) for f in files if os.path.isfile(f)]
-    self.data = np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)
-    self.path = path
+  A row is documents of ``doc_len_min..doc_len_max`` tokens (the last one cut at the end of
+  the row); ``segment_ids`` number them 1, 2, ... Each document opens with ``num_pairs``
+  pairs of distinct keys (drawn afresh, so a key may come back with another value in a
+  later document), then, at random positions of the rest (pad 0 elsewhere),
+  ``num_queries`` queries of its own keys (target: the value; scored) and
+  ``stale_queries`` queries of keys that were in the previous document but are not in
+  this one. A stale query has no answer inside its document: it is never scored
+  (``mask`` 0); its ``targets`` entry is the previous document's value for that key and
+  ``stale`` marks it, so evaluation measures how often a model recalls across a document
+  boundary (with the state reset at each start: chance, about 1 / num_keys).
+  """
+  row_ids = _row_range(rows, batch_size)
+  B, T, P = len(row_ids), seq_len, num_pairs
+  inputs = np.zeros((B, T), np.int32)
+  targets = np.zeros((B, T), np.int32)
+  mask = np.zeros((B, T), np.float32)
+  stale = np.zeros((B, T), np.float32)
+  segment_ids = np.zeros((B, T), np.int32)
+  source = np.full((B, T), -1, np.int32)
+  for b, row in enumerate(row_ids):
+    rng = _rng(seed, step, row)
+    start, doc, prev = 0, 0, {}
+    while start < T:
+      doc += 1
+      L = int(rng.integers(doc_len_min, doc_len_max + 1))
+      end = min(start + L, T)
+      segment_ids[b, start:end] = doc
+      keys = rng.permutation(num_keys)[:P] + 1
+      values = rng.integers(0, num_keys, P) + 1 + num_keys
+      pair_pos = start + 2 * np.arange(P)
+      for pos, tok in ((pair_pos, keys), (pair_pos + 1, values)):
+        keep = pos < end
+        inputs[b, pos[keep]] = tok[keep]
+      old = np.array(sorted(set(prev) - set(keys.tolist())), np.int64)
+      n_stale = min(stale_queries, len(old))
+      spots = rng.permutation(L - 2 * P)[:num_queries + n_stale] + start + 2 * P
+      which = rng.integers(0, P, num_queries)
+      asked = rng.permutation(old)[:n_stale]
+      for pos, key, target, is_stale, src in (
+          *zip(spots[:num_queries], keys[which], values[which], [0] * num_queries,
+               pair_pos[which]),
+          *zip(spots[num_queries:], asked, [prev.get(int(k), 0) for k in asked],
+               [1] * n_stale, [-1] * n_stale)):
+        if pos >= end:
+          continue
+        inputs[b, pos], targets[b, pos] = key, target
+        if is_stale:
+          stale[b, pos] = 1.0
+        else:
+          mask[b, pos], source[b, pos] = 1.0, src
+      prev = dict(zip(keys.tolist(), values.tolist()))
+      start = end
+  return {"inputs": inputs, "targets": targets, "mask": mask, "stale": stale,
+          "segment_ids": segment_ids, "source": source}
 
-  def batch(self, seed: int, step: int, *, batch_size: int, seq_len: int, rows=None) -> dict:
-    n = self.data.size - seq_len - 1
-    if n <= 0:
-      raise ValueError(f"text data {self.path!r} has {self.data.size} bytes, fewer than "
-                       f"seq_len + 1 = {seq_len + 1}")
-    offsets = _rng(seed, step).integers(0, n, batch_size)[_row_range(rows, batch_size)]
-    window = np.stack([self.data[o:o + seq_len + 1] for o in offsets]).astype(np.int32)
-    return {"inputs": window[:, :-1], "targets": window[:, 1:],
-            "mask": np.ones((len(offsets), seq_len), np.float32)}
+
+# Eval masks beyond the loss mask: batch key -> (metric name, its query count name).
+EVAL_MASKS = {"cross": ("eval_cross_shard_accuracy", "eval_cross_shard_queries"),
+              "stale": ("eval_stale_recall", "eval_stale_queries")}
+
+
+def batch_keys(data_cfg) -> tuple:
+  """The arrays of a training batch for ``data_cfg``; ``segment_ids`` when the data is
+  packed documents and ``data.document_resets`` passes them to the model."""
+  keys = ("inputs", "targets", "mask")
+  if data_cfg["kind"] != "mqar" and data_cfg["document_resets"]:
+    keys += ("segment_ids",)
+  return keys
+
+
+def eval_keys(data_cfg) -> tuple:
+  return batch_keys(data_cfg) + (("cross", "stale") if data_cfg["kind"] == "mqar_docs"
+                                 else ("cross",))
 
 
 class Dataset:
-  """``batch(step)`` for training, ``eval_batch(i)`` for a fixed held-out set."""
+  """``batch(step)`` for training, ``eval_batch(i)`` for a fixed held-out set.
 
-  def __init__(self, data_cfg: dict):
+  ``mqar`` and ``mqar_docs`` batches are a function of (seed, step): any step, any order.
+  ``text`` (:class:`models.text.TextData`) is read in step order from grain iterators;
+  ``stateful`` is True and :meth:`state` / :meth:`restore` carry their position across a
+  checkpoint. ``vocab_size``, ``workdir`` and ``write`` are for the text tokenizer.
+  """
+
+  def __init__(self, data_cfg: dict, *, vocab_size: int = 0, workdir=None, write=True):
     self.cfg = dict(data_cfg)
-    self.text = ByteText(data_cfg["path"]) if data_cfg["kind"] == "text" else None
+    self.keys, self._eval_keys = batch_keys(self.cfg), eval_keys(self.cfg)
+    self.text = None
+    if data_cfg["kind"] == "text":
+      from models.text import TextData
+      self.text = TextData(self.cfg, vocab_size, workdir, write)
+    self.stateful = self.text is not None
 
   def _make(self, seed, step, rows=None):
     c = self.cfg
-    if self.text is not None:
-      return self.text.batch(seed, step, batch_size=c["batch_size"], seq_len=c["seq_len"],
+    if c["kind"] == "mqar_docs":
+      return mqar_docs_batch(seed, step, batch_size=c["batch_size"], seq_len=c["seq_len"],
+                             num_keys=c["num_keys"], num_pairs=c["num_pairs"],
+                             num_queries=c["num_queries"], stale_queries=c["stale_queries"],
+                             doc_len_min=c["doc_len_min"], doc_len_max=c["doc_len_max"],
                              rows=rows)
     return mqar_batch(seed, step, batch_size=c["batch_size"], seq_len=c["seq_len"],
                       num_keys=c["num_keys"], num_pairs=c["num_pairs"],
@@ -143,13 +220,26 @@ class Dataset:
                       query_window=c["query_window"], rows=rows)
 
   def batch(self, step: int, rows=None) -> dict:
-    """Training batch of ``step``: ``inputs``, ``targets``, ``mask`` (only ``rows`` if given:
-    what one process of a multi-process run builds)."""
-    out = self._make(self.cfg["seed"], step, rows)
-    return {k: out[k] for k in ("inputs", "targets", "mask")}
+    """Training batch of ``step``: ``inputs``, ``targets``, ``mask`` and, for packed
+    documents with ``data.document_resets``, ``segment_ids`` (only ``rows`` if given: what
+    one process of a multi-process run builds)."""
+    out = (self.text.batch(step, rows) if self.text is not None
+           else self._make(self.cfg["seed"], step, rows))
+    return {k: out[k] for k in self.keys}
 
   def eval_batch(self, i: int, num_shards: int = 1, rows=None) -> dict:
-    """Held-out batch ``i``, plus ``cross``: the queries whose answer is on an earlier shard."""
-    out = self._make(self.cfg["seed"] + EVAL_SEED_OFFSET, i, rows)
-    out["cross"] = cross_shard_mask(out, num_shards)
-    return {k: out[k] for k in ("inputs", "targets", "mask", "cross")}
+    """Held-out batch ``i``, plus ``cross`` (the queries whose answer is on an earlier
+    shard) and, for ``mqar_docs``, ``stale`` (queries of the previous document's keys)."""
+    if self.text is not None:
+      out = self.text.eval_batch(i, rows)
+    else:
+      out = self._make(self.cfg["seed"] + EVAL_SEED_OFFSET, i, rows)
+      out["cross"] = cross_shard_mask(out, num_shards)
+    return {k: out[k] for k in self._eval_keys}
+
+  def state(self, step: int) -> dict:
+    """The text iterators' position before batch ``step`` (JSON-able; text only)."""
+    return self.text.state(step)
+
+  def restore(self, state: dict, rows=None) -> None:
+    self.text.restore(state, rows)
