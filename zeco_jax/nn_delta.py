@@ -1,0 +1,139 @@
+"""Flax NNX Gated DeltaNet layer: flash-linear-attention's ``GatedDeltaNet`` (chunk mode).
+
+    from zeco_jax.nn_delta import GatedDeltaNet
+    attn = GatedDeltaNet(hidden_size=256, num_heads=2, head_dim=64, rngs=nnx.Rngs(0))
+    y_BxTxD = attn(x_BxTxD)                  # [B, T, 256] -> [B, T, 256]
+
+As FLA's layer: q/k/v projections (key dim ``num_heads * head_dim``, value dim
+``num_heads * head_dim * expand_v``), a causal short convolution (+ SiLU) on each, q and
+k l2-normalised, the write strength ``beta = sigmoid(x W_b)``, the log-decay
+``g = -exp(A_log) * softplus(x W_a + dt_bias)`` (Mamba2's parametrisation, ``A`` drawn
+uniform in (0, 16), ``dt`` log-uniform in [0.001, 0.1]), then per-head RMSNorm of the output
+times a swish output gate (``use_gate``) and an output projection.
+
+Sequence parallelism: :func:`zeco_jax.parallel_delta.zeco_gated_delta_rule` over the mesh
+axis ``seq_axis`` when it has size > 1, else
+:func:`zeco_jax.gated_delta.chunk_gated_delta_rule`. The norms and short convolution are
+:mod:`zeco_jax.nn`'s.
+
+What it does not do: decoding with a recurrent cache, grouped value heads
+(``num_v_heads``), negative eigenvalues (``allow_neg_eigval``), packed documents
+(``segment_ids``: refused with a ValueError).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from zeco_jax.gated_delta import chunk_gated_delta_rule
+from zeco_jax.nn import (LOGICAL_AXES_KEY, RMSNorm, ShortConvolution, _seq_size, normal_param)
+from zeco_jax.parallel_delta import zeco_gated_delta_rule
+from zeco_jax.scan import SCAN_METHODS
+
+
+def _dot(x, w):
+  return jnp.einsum("...i,io->...o", x, w.astype(x.dtype))
+
+
+def gated_delta_op(q, k, v, g, beta, *, mesh=None, seq_axis: str = "seq",
+                   seq_method: str = "all_scan", num_blocks: Optional[int] = None,
+                   chunk_size: int = 64):
+  """Gated DeltaNet with l2-normalised q, k: ``zeco_gated_delta_rule`` over ``seq_axis``
+  when that mesh axis has size > 1, else ``chunk_gated_delta_rule``. Returns o."""
+  if _seq_size(mesh, seq_axis) > 1:
+    o, _ = zeco_gated_delta_rule(q, k, v, g, beta, mesh=mesh, seq_axis=seq_axis,
+                                 method=seq_method, num_blocks=num_blocks,
+                                 chunk_size=chunk_size, use_qk_l2norm=True)
+  else:
+    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, use_qk_l2norm=True)
+  return o
+
+
+class GatedDeltaNet(nnx.Module):
+  """The Gated DeltaNet token mixer: ``[B, T, hidden_size]`` -> ``[B, T, hidden_size]``.
+
+  Args:
+    hidden_size, num_heads, head_dim: width, heads, key dim per head.
+    expand_v: value dim per head = ``head_dim * expand_v`` (an integer).
+    use_gate: swish output gate (FLA's ``FusedRMSNormGated``); else the norm alone.
+    use_short_conv, conv_size: causal short convolution (+ SiLU) on q, k and v.
+    norm_eps, init_std, output_init_std: the output norm's epsilon; std of the
+      projections and of the output projection (default ``init_std``).
+    chunk_size, seq_axis, seq_method, num_blocks: passed to the op.
+  """
+
+  def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int, expand_v: float = 2.0,
+               use_gate: bool = True, use_short_conv: bool = True, conv_size: int = 4,
+               norm_eps: float = 1e-5, init_std: float = 0.02,
+               output_init_std: Optional[float] = None, chunk_size: int = 64,
+               seq_axis: str = "seq", seq_method: str = "all_scan",
+               num_blocks: Optional[int] = None, rngs: nnx.Rngs):
+    for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads),
+                        ("head_dim", head_dim), ("chunk_size", chunk_size),
+                        ("conv_size", conv_size)):
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"GatedDeltaNet: {name} must be a positive int, got {value!r}")
+    head_v = head_dim * expand_v
+    if head_v <= 0 or not math.isclose(head_v, round(head_v)):
+      raise ValueError(f"GatedDeltaNet: head_dim * expand_v = {head_dim} * {expand_v} must be "
+                       "a positive integer (the value dim per head)")
+    if seq_method not in SCAN_METHODS:
+      raise ValueError(f"GatedDeltaNet: seq_method must be one of {tuple(SCAN_METHODS)}, got "
+                       f"{seq_method!r}")
+    D, H = hidden_size, num_heads
+    Kd, Vd = H * head_dim, H * int(round(head_v))
+    out_std = init_std if output_init_std is None else output_init_std
+    self.num_heads, self.use_gate, self.use_short_conv = H, use_gate, use_short_conv
+    self.chunk_size, self.seq_axis = chunk_size, seq_axis
+    self.seq_method, self.num_blocks = seq_method, num_blocks
+    self.q_proj = normal_param(rngs, (D, Kd), init_std, ("embed", "heads"))
+    self.k_proj = normal_param(rngs, (D, Kd), init_std, ("embed", "heads"))
+    self.v_proj = normal_param(rngs, (D, Vd), init_std, ("embed", "heads"))
+    self.a_proj = normal_param(rngs, (D, H), init_std, ("embed", None))
+    self.b_proj = normal_param(rngs, (D, H), init_std, ("embed", None))
+    A = jax.random.uniform(rngs.params(), (H,), jnp.float32, 1e-4, 16.0)
+    self.A_log = nnx.Param(jnp.log(A), **{LOGICAL_AXES_KEY: (None,)})
+    lo, hi = math.log(1e-3), math.log(0.1)
+    dt = jnp.maximum(jnp.exp(jax.random.uniform(rngs.params(), (H,), jnp.float32, lo, hi)),
+                     1e-4)
+    # softplus(dt_bias) = dt at initialisation.
+    self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)), **{LOGICAL_AXES_KEY: (None,)})
+    if use_short_conv:
+      self.q_conv = ShortConvolution(Kd, conv_size, rngs=rngs)
+      self.k_conv = ShortConvolution(Kd, conv_size, rngs=rngs)
+      self.v_conv = ShortConvolution(Vd, conv_size, rngs=rngs)
+    if use_gate:
+      self.g_proj = normal_param(rngs, (D, Vd), init_std, ("embed", "heads"))
+    self.o_norm = RMSNorm(Vd // H, norm_eps, logical_axes=("head_dim",))
+    self.o_proj = normal_param(rngs, (Vd, D), out_std, ("heads", "embed"))
+
+  def __call__(self, x_BxTxD, mesh=None, segment_ids=None):
+    if segment_ids is not None:
+      raise ValueError("GatedDeltaNet: segment_ids (packed documents) are not supported yet; "
+                       "set data.document_resets=False or use model.family='gla'.")
+    B, T, _ = x_BxTxD.shape
+    H = self.num_heads
+    q = _dot(x_BxTxD, self.q_proj[...])
+    k = _dot(x_BxTxD, self.k_proj[...])
+    v = _dot(x_BxTxD, self.v_proj[...])
+    if self.use_short_conv:
+      q, k, v = self.q_conv(q), self.k_conv(k), self.v_conv(v)
+    q, k, v = (x.reshape(B, T, H, -1) for x in (q, k, v))
+    beta = jax.nn.sigmoid(_dot(x_BxTxD, self.b_proj[...]).astype(jnp.float32))
+    a = _dot(x_BxTxD, self.a_proj[...]).astype(jnp.float32)
+    g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])
+    o_BxTxHxV = gated_delta_op(q, k, v, g, beta.astype(v.dtype), mesh=mesh,
+                               seq_axis=self.seq_axis, seq_method=self.seq_method,
+                               num_blocks=self.num_blocks, chunk_size=self.chunk_size)
+    o = self.o_norm(o_BxTxHxV).astype(jnp.float32)
+    if self.use_gate:
+      gate = _dot(x_BxTxD, self.g_proj[...]).reshape(B, T, H, -1)
+      o = o * jax.nn.silu(gate.astype(jnp.float32))
+    return _dot(o.reshape(B, T, -1).astype(x_BxTxD.dtype), self.o_proj[...])
+
+
+__all__ = ["GatedDeltaNet", "gated_delta_op"]
