@@ -37,23 +37,25 @@ TEMPLATES = (
 )
 
 
-def document(rng: np.random.Generator) -> str:
+def document(rng: np.random.Generator, sentences=(3, 25)) -> str:
+  """One story of ``sentences[0] .. sentences[1] - 1`` sentences."""
   cast = {"name": NAMES[rng.integers(len(NAMES))], "place": PLACES[rng.integers(len(PLACES))],
           "thing": THINGS[rng.integers(len(THINGS))]}
-  sentences = []
-  for _ in range(int(rng.integers(3, 25))):
+  lines = []
+  for _ in range(int(rng.integers(*sentences))):
     template = TEMPLATES[rng.integers(len(TEMPLATES))]
-    sentences.append(template.format(**cast, verb=VERBS[rng.integers(len(VERBS))],
+    lines.append(template.format(**cast, verb=VERBS[rng.integers(len(VERBS))],
                                      adj=ADJ[rng.integers(len(ADJ))]))
-  paragraphs = [" ".join(sentences[i:i + 4]) for i in range(0, len(sentences), 4)]
+  paragraphs = [" ".join(lines[i:i + 4]) for i in range(0, len(lines), 4)]
   return "\n\n".join(paragraphs) + "\n"
 
 
-def write_corpus(folder: str, documents: int = 400, seed: int = 0, txt_files: int = 4) -> str:
+def write_corpus(folder: str, documents: int = 400, seed: int = 0, txt_files: int = 4,
+                 sentences=(3, 25)) -> str:
   """Writes ``documents`` documents (``txt_files`` of them as .txt files) to ``folder``."""
   os.makedirs(folder, exist_ok=True)
   rng = np.random.default_rng(seed)
-  docs = [document(rng) for _ in range(documents)]
+  docs = [document(rng, sentences) for _ in range(documents)]
   for k in range(min(txt_files, documents)):
     with open(os.path.join(folder, f"story-{k}.txt"), "w") as f:
       f.write(docs[k])
