@@ -7,7 +7,7 @@ On:    8+ GPUs/TPUs with 80 GB or more each. Sequence length 32768 split over ``
        seq=4). bf16 compute, float32 params, per-block rematerialisation.
 Time:  not measured here; scale the GLA-340M one-GPU tokens/s by about 1/3.8 (parameters).
 Reach: not measured here (fla's GLA-1.3B: about 17 wikitext perplexity after 100B
-       SlimPajama tokens with a BPE tokenizer; byte-level numbers are not comparable).
+       SlimPajama tokens with a BPE tokenizer; another corpus and tokenizer: not comparable).
 """
 import configs
 

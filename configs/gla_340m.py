@@ -2,7 +2,8 @@
 
 Run:   python train.py --config configs/gla_340m.py --config.data.path=/path/to/corpus \
            [--config.mesh=data=2,seq=4]
-       (byte-level text; any file or folder. Synthetic tokens instead:
+       (a folder of .txt / .jsonl documents, or --text DIR: a 32000-token BPE trained on
+       it, documents packed with segment_ids; models/text.py. Synthetic tokens instead:
        --config.data.kind=mqar.)
 On:    GPUs/TPUs. Sequence length 16384 split over the ``seq`` axis (ZeCO All-Scan);
        the global batch of 8 sequences over ``data``. bf16 compute, float32 params.
@@ -11,7 +12,7 @@ Time:  one H200, batch 1 x 16384 tokens, bf16: 78k tokens/s, 25.2 GiB peak, 31 s
        2.6B tokens: about 1.2 h on 8 H200s if it scaled perfectly (not measured).
 Reach: not measured here (no corpus or long GPU run in this repo's CI). For reference,
        fla's GLA-340M reaches about 28 wikitext perplexity after 15B SlimPajama tokens
-       with a 32k BPE tokenizer; byte-level numbers are not comparable.
+       with a 32k BPE tokenizer (another corpus and tokenizer: not comparable).
 """
 import configs
 
