@@ -18,6 +18,7 @@ _DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s6
 _SHAPE = re.compile(r"\b(f64|f32|bf16|f16|s32|u32|s64|u64|pred|s8|u8|s16|u16)\[([0-9,]*)\]")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _GROUPS = re.compile(r"replica_groups=(\{[^=]*?\}\})|replica_groups=\[(\d+),(\d+)\]")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 
 
 def _shape_bytes(dtype: str, dims: str) -> int:
@@ -27,9 +28,11 @@ def _shape_bytes(dtype: str, dims: str) -> int:
 
 
 def _result_shapes(line: str) -> str:
-  """The text between '=' and the op name: the instruction's result type."""
+  """The text between '=' and the op name: the instruction's result type (a tuple type, as
+  an async start's on TPU, starts with its own parenthesis)."""
   lhs, _, rhs = line.partition("=")
-  return rhs.split("(", 1)[0] if "(" in rhs else rhs
+  op = re.search(r"\s[a-z][\w\-]*\(", rhs)
+  return rhs[:op.start()] if op else rhs
 
 
 def collective_bytes(hlo_text: str, num_devices: int) -> dict:
@@ -60,7 +63,10 @@ def collective_bytes(hlo_text: str, num_devices: int) -> dict:
       shapes = _SHAPE.findall(result)
       if not shapes:
         continue
-      nbytes = _shape_bytes(*shapes[-1])
+      if kind == "all-gather" and m.group(2):   # -start: (operands..., results...)
+        shapes = shapes[len(shapes) // 2:]
+      # A combined collective (TPU merges the gradient all-reduces) has a tuple of results.
+      nbytes = sum(_shape_bytes(*s) for s in shapes)
       if kind == "all-gather":          # result holds G shards; each rank sends its one G-1 times
         per_rank = nbytes / group_size * (group_size - 1)
       elif kind == "reduce-scatter":    # result is one shard; ring sends G-1 shards
@@ -71,7 +77,22 @@ def collective_bytes(hlo_text: str, num_devices: int) -> dict:
   return dict(sent)
 
 
+def collective_counts(hlo_text: str) -> dict:
+  """``{kind: number of collective ops}`` of an HLO module (an async pair counts once)."""
+  counts = collections.Counter()
+  for line in hlo_text.splitlines():
+    m = re.search(r"\s(collective-permute|all-gather|all-reduce|reduce-scatter|all-to-all)"
+                  r"(-start)?\(", line)
+    if m and "-done" not in line.split("(")[0]:
+      counts[m.group(1)] += 1
+  return dict(counts)
+
+
 def _group_size(line: str, num_devices: int) -> int:
+  mesh = _MESH_GROUPS.search(line)   # replica_groups=mesh['data'=2,'seq'=4] {'seq'}
+  if mesh:
+    sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))}
+    return int(np.prod([sizes[a] for a in re.findall(r"'([^']+)'", mesh.group(2))]))
   m = _GROUPS.search(line)
   if not m:
     return num_devices
