@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gdn_reference64 import gdn_float64
+from gdn_reference64 import gdn_float64, gdn_float64_documents
 from helpers import rel_err
 from zeco_jax.gated_delta import (chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule)
 
@@ -105,6 +105,28 @@ def test_backward_keeps_inputs_and_one_state_per_chunk():
   beyond = sum(x.size for x in leaves) - inputs
   assert beyond <= (T // C) * H * K * V, (beyond, [x.shape for x in leaves])
   assert not any(x.size >= T * H * K * V for x in leaves), [x.shape for x in leaves]
+
+
+# Documents of 1-30 tokens, a start inside and on chunk boundaries, padding (-1) in the
+# middle and at the end; T = 72, chunk 16 (a padded tail chunk).
+DOC_IDS = np.array([[0] * 5 + [1] * 11 + [2] * 16 + [-1] * 3 + [3] * 30 + [4] + [-1] * 6,
+                    [7] * 20 + [8] * 12 + [9] * 30 + [10] * 10])
+
+
+def check_documents(op, inputs, weights, ids, tol=(1e-5, 1e-4)):
+  o64, s64, g64 = gdn_float64_documents(*inputs, *weights, ids)
+  o, s, grads = gdn_loss_and_grads(functools.partial(op, segment_ids=jnp.asarray(ids)),
+                                   inputs, weights)
+  assert rel_err(o, o64) <= tol[0] and rel_err(s, s64) <= tol[0]
+  errs = {nm: rel_err(grads[nm], g64[nm]) for nm in g64}
+  assert all(e <= tol[1] for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("op", [recurrent_gated_delta_rule,
+                                functools.partial(chunk_gated_delta_rule, chunk_size=16)],
+                         ids=["recurrent", "chunk"])
+def test_segment_ids_match_per_document_float64(op):
+  check_documents(op, *gdn_inputs(7, B, 72, H, K, V), DOC_IDS)
 
 
 def test_argument_errors():

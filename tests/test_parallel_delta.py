@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from gdn_comm_worker import grad_bytes
 from helpers import rel_err
-from test_gated_delta import check_against_float64, gdn_inputs
+from test_gated_delta import check_against_float64, check_documents, gdn_inputs
 from test_parallel import _communicates, _find_shard_map
 from zeco_jax.gated_delta import recurrent_gated_delta_rule
 from zeco_jax.parallel_delta import zeco_gated_delta_rule, zeco_gated_delta_rule_local
@@ -119,11 +119,26 @@ def test_all_scan_sends_two_states_per_rank_whatever_P():
   assert json.loads(out.stdout.strip().splitlines()[-1]) == {"16": 2.0, "32": 2.0}
 
 
-def _local_pass_depends_on_received_state(method):
+# T = 64 on 4 ranks of 16 (and 8 of 8): documents spanning ranks, starts on a rank's first
+# token (t = 16, 48), inside ranks, padding across the boundary at t = 32.
+SEQ_IDS = np.array([[0] * 16 + [1] * 10 + [-1] * 12 + [2] * 10 + [3] * 16,
+                    [5] * 3 + [6] * 45 + [7] * 16])
+
+
+@pytest.mark.parametrize("n,method", [(4, "all_scan"), (4, "tree"), (8, "all_gather"),
+                                      (4, "ring")])
+def test_segment_ids_match_per_document_float64(n, method):
+  op = functools.partial(zeco_gated_delta_rule, mesh=seq_mesh(n), method=method,
+                         chunk_size=16)
+  check_documents(op, *gdn_inputs(30 + n, B, 64, H, K, V), SEQ_IDS)
+
+
+def _local_pass_depends_on_received_state(method, segment_ids=None):
   """Does any input of the chunked local pass (a custom_vjp) depend on a collective?"""
   (q, k, v, g, beta, _), _ = gdn_inputs(23, B, 64, H, K, V)
-  jaxpr = jax.make_jaxpr(lambda *a: zeco_gated_delta_rule(*a, mesh=seq_mesh(4), method=method,
-                                                          chunk_size=16))(q, k, v, g, beta)
+  jaxpr = jax.make_jaxpr(lambda *a: zeco_gated_delta_rule(
+      *a, mesh=seq_mesh(4), method=method, chunk_size=16, segment_ids=segment_ids))(
+          q, k, v, g, beta)
   body = _find_shard_map(jaxpr.jaxpr.eqns).params["jaxpr"]
   tainted, local_calls, comm = set(), [], 0
   for eqn in body.eqns:
@@ -141,6 +156,8 @@ def _local_pass_depends_on_received_state(method):
 def test_local_pass_does_not_wait_for_the_state():
   for method in ("all_scan", "all_gather", "tree"):
     assert not _local_pass_depends_on_received_state(method), method
+  # With documents too: the previous rank's last id (a ppermute) reaches only M_p and R.
+  assert not _local_pass_depends_on_received_state("all_scan", jnp.asarray(SEQ_IDS))
   assert _local_pass_depends_on_received_state("ring")     # LASP-1: compute after receive
 
 

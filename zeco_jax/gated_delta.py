@@ -28,7 +28,8 @@ chunk transitions (the state widened by K columns that start as the identity): t
 the segment's transition and the per-token fix-up rows the sequence-parallel op needs
 (:mod:`zeco_jax.parallel_delta`).
 
-What it does not do: variable-length batches (``cu_seqlens``), Pallas kernels.
+Packed documents: ``segment_ids`` as for GLA (docs/design.md §10; FLA's ``cu_seqlens`` via
+``zeco_jax.segments.cu_seqlens_to_segment_ids``). What it does not do: Pallas kernels.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from jax import lax
 from jax.scipy.linalg import solve_triangular
 
 from zeco_jax import _checks
+from zeco_jax import segments
 from zeco_jax._vma import match_varying
 
 _HI = lax.Precision.HIGHEST
@@ -68,8 +70,13 @@ def check_inputs(q, k, v, g, beta, initial_state, scale, *, name, chunk_size=Non
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
-                               output_final_state=False, use_qk_l2norm=False):
+                               output_final_state=False, use_qk_l2norm=False,
+                               segment_ids=None):
   """Token-by-token Gated DeltaNet in float32 (the spec; FLA's ``fused_recurrent`` form).
+
+  ``segment_ids``: None or integer ``[B, T]`` packed documents, as for GLA
+  (docs/design.md §10): the state is zero before every document start at t > 0; a
+  negative id is padding (no write, zero output).
 
   Returns ``(o, final_state)``: o ``[B, T, H, V]`` in v's dtype; the float32 state after
   the last token ``[B, H, K, V]`` if ``output_final_state``, else None.
@@ -79,6 +86,9 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=No
   B, H, K, V, scale = args.B, args.H, args.K, args.V, args.scale
   if use_qk_l2norm:
     q, k = l2norm(q), l2norm(k)
+  if segment_ids is not None:
+    segments.check_segment_ids(segment_ids, B, args.T, name="recurrent_gated_delta_rule")
+    q, k, g = segments.apply(q, k, g, segment_ids)
   f32 = jnp.float32
   h0 = jnp.zeros((B, H, K, V), f32) if initial_state is None else initial_state.astype(f32)
 
@@ -97,7 +107,8 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=No
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
-                           output_final_state=False, use_qk_l2norm=False, chunk_size=64):
+                           output_final_state=False, use_qk_l2norm=False, chunk_size=64,
+                           segment_ids=None):
   """Chunked Gated DeltaNet (WY / UT form), FLA's ``chunk_gated_delta_rule`` in jnp.
 
   Args:
@@ -109,6 +120,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
     use_qk_l2norm: l2-normalise q and k over K first (FLA's ``use_qk_l2norm_in_kernel``).
     chunk_size: tokens per chunk; T need not be a multiple (the tail is padded with
       tokens that change nothing: k = 0, beta = 0, g = 0).
+    segment_ids: None or integer ``[B, T]`` packed documents (docs/design.md §10): a
+      document start gets the log-decay ``segments.RESET_LOG_DECAY``, exact here because
+      every exponent is a sum over the tokens it spans; negative ids are padding.
 
   Returns:
     ``(o, final_state)``: o ``[B, T, H, V]`` in v's dtype; final_state float32 or None.
@@ -118,6 +132,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
                       chunk_size=chunk_size)
   if use_qk_l2norm:
     q, k = l2norm(q), l2norm(k)
+  if segment_ids is not None:
+    segments.check_segment_ids(segment_ids, args.B, args.T, name=name)
+    q, k, g = segments.apply(q, k, g, segment_ids)
   h0 = None if initial_state is None else initial_state.astype(jnp.float32)
   o, final = chunk_recurrence(q, k, v, g, beta, h0, args.scale, chunk_size, False)
   return o.astype(v.dtype), (final if output_final_state else None)

@@ -17,8 +17,9 @@ axis ``seq_axis`` when it has size > 1, else
 :mod:`zeco_jax.nn`'s.
 
 What it does not do: decoding with a recurrent cache, grouped value heads
-(``num_v_heads``), negative eigenvalues (``allow_neg_eigval``), packed documents
-(``segment_ids``: refused with a ValueError).
+(``num_v_heads``), negative eigenvalues (``allow_neg_eigval``). Packed documents:
+``segment_ids`` ``[B, T]`` reset the short convolutions and the state at every document
+start (docs/design.md §10).
 """
 from __future__ import annotations
 
@@ -41,15 +42,17 @@ def _dot(x, w):
 
 def gated_delta_op(q, k, v, g, beta, *, mesh=None, seq_axis: str = "seq",
                    seq_method: str = "all_scan", num_blocks: Optional[int] = None,
-                   chunk_size: int = 64):
+                   chunk_size: int = 64, segment_ids=None):
   """Gated DeltaNet with l2-normalised q, k: ``zeco_gated_delta_rule`` over ``seq_axis``
   when that mesh axis has size > 1, else ``chunk_gated_delta_rule``. Returns o."""
   if _seq_size(mesh, seq_axis) > 1:
     o, _ = zeco_gated_delta_rule(q, k, v, g, beta, mesh=mesh, seq_axis=seq_axis,
                                  method=seq_method, num_blocks=num_blocks,
-                                 chunk_size=chunk_size, use_qk_l2norm=True)
+                                 chunk_size=chunk_size, use_qk_l2norm=True,
+                                 segment_ids=segment_ids)
   else:
-    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, use_qk_l2norm=True)
+    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, use_qk_l2norm=True,
+                                  segment_ids=segment_ids)
   return o
 
 
@@ -112,23 +115,23 @@ class GatedDeltaNet(nnx.Module):
     self.o_proj = normal_param(rngs, (Vd, D), out_std, ("heads", "embed"))
 
   def __call__(self, x_BxTxD, mesh=None, segment_ids=None):
-    if segment_ids is not None:
-      raise ValueError("GatedDeltaNet: segment_ids (packed documents) are not supported yet; "
-                       "set data.document_resets=False or use model.family='gla'.")
+    """``[B, T, hidden_size]`` -> same; ``segment_ids``: None or int ``[B, T]`` documents."""
     B, T, _ = x_BxTxD.shape
     H = self.num_heads
     q = _dot(x_BxTxD, self.q_proj[...])
     k = _dot(x_BxTxD, self.k_proj[...])
     v = _dot(x_BxTxD, self.v_proj[...])
     if self.use_short_conv:
-      q, k, v = self.q_conv(q), self.k_conv(k), self.v_conv(v)
+      q, k, v = (conv(x, segment_ids) for conv, x in ((self.q_conv, q), (self.k_conv, k),
+                                                      (self.v_conv, v)))
     q, k, v = (x.reshape(B, T, H, -1) for x in (q, k, v))
     beta = jax.nn.sigmoid(_dot(x_BxTxD, self.b_proj[...]).astype(jnp.float32))
     a = _dot(x_BxTxD, self.a_proj[...]).astype(jnp.float32)
     g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])
     o_BxTxHxV = gated_delta_op(q, k, v, g, beta.astype(v.dtype), mesh=mesh,
                                seq_axis=self.seq_axis, seq_method=self.seq_method,
-                               num_blocks=self.num_blocks, chunk_size=self.chunk_size)
+                               num_blocks=self.num_blocks, chunk_size=self.chunk_size,
+                               segment_ids=segment_ids)
     o = self.o_norm(o_BxTxHxV).astype(jnp.float32)
     if self.use_gate:
       gate = _dot(x_BxTxD, self.g_proj[...]).reshape(B, T, H, -1)

@@ -15,6 +15,11 @@ segment of the sequence (docs/design.md §9):
    ``M_p`` never leaves its rank) -> ``X_p``, the state entering the segment;
 3. the fix-up, one GEMM as in GLA: ``o_t += R_t X_p``.
 
+Packed documents (``segment_ids``, docs/design.md §10): the starts inside the segment go
+into the local pass as GLA's sentinel log-decay, which zeroes the widened state's identity
+columns from the start on (so ``M_p = 0`` and the rows after it are 0); a start on the
+segment's first token (known from the previous rank's last id) zeroes ``M_p`` and ``R``.
+
 The backward composes the parts' own backwards: the fix-up's transpose (``dX = R^T dO``,
 ``dR = dO X^T``), the scan's reverse (under ``M_p^T``), and the local pass's reverse
 recurrence over chunks on the widened state. ``"ring"`` (LASP-1) has no overlap: it runs
@@ -31,11 +36,12 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from zeco_jax import scan as _scan
+from zeco_jax import segments
 from zeco_jax import transitions
 from zeco_jax.gated_delta import (check_inputs, chunk_gated_delta_rule, chunk_recurrence,
                                   l2norm)
-from zeco_jax.parallel import (_axes_in, _explicit_batch_head, _from_last_rank,
-                               _mesh_or_context, _on, _resolve_num_blocks)
+from zeco_jax.parallel import (_axes_in, _explicit_batch_head, _first_token_starts,
+                               _from_last_rank, _mesh_or_context, _on, _resolve_num_blocks)
 
 _HI = lax.Precision.HIGHEST
 
@@ -62,23 +68,35 @@ def segment_pass(q, k, v, g, beta, *, scale, chunk_size=64):
 def zeco_gated_delta_rule_local(q, k, v, g, beta, *, axis_name, method="all_scan",
                                 num_blocks=None, chunk_size=64, scale=None,
                                 initial_state=None, output_final_state=False,
-                                use_qk_l2norm=False):
+                                use_qk_l2norm=False, segment_ids=None):
   """The per-shard body of :func:`zeco_gated_delta_rule`, inside the caller's shard_map.
 
   Takes this rank's contiguous segment (``q, k [B, L, H, K]``, ``g, beta [B, L, H]``)
   and the mesh axis the sequence is split over; ``initial_state`` is the state before the
   whole sequence (the same on every rank). Returns ``(o, state_after_segment)``; on the
-  last rank that state is the final state of the sequence.
+  last rank that state is the final state of the sequence. ``segment_ids`` ``[B, L]`` is
+  this rank's slice of the packed rows' document ids (docs/design.md §9, §10).
   """
   name = "zeco_gated_delta_rule_local"
   args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, name=name)
   B, H, K, V, scale = args.B, args.H, args.K, args.V, args.scale
   if use_qk_l2norm:
     q, k = l2norm(q), l2norm(k)
+  first_starts = None
+  if segment_ids is not None:
+    # Starts inside the segment go into the local pass (from zero, a start on its first
+    # token changes nothing); whether the first token starts a document (one ppermute of
+    # the previous rank's last id) only zeroes the transition and the fix-up rows.
+    segments.check_segment_ids(segment_ids, B, args.T, name=name)
+    q, k, g = segments.apply(q, k, g, segment_ids)
+    first_starts = _first_token_starts(segment_ids, axis_name)
   nb = _resolve_num_blocks(num_blocks, method, lax.axis_size(axis_name), B, H, K, V,
                            name=name)
   o_local, seg_state, seg_matrix, rows = segment_pass(q, k, v, g, beta, scale=scale,
                                                       chunk_size=chunk_size)
+  if first_starts is not None:
+    seg_matrix = jnp.where(first_starts[:, None, None, None], 0.0, seg_matrix)
+    rows = jnp.where(first_starts[:, None, None, None], 0.0, rows)
   entering, after = _scan.all_scan(seg_state, transitions.DenseTransition(seg_matrix),
                                    axis_name, num_blocks=nb, method=method,
                                    initial=initial_state)
@@ -87,6 +105,8 @@ def zeco_gated_delta_rule_local(q, k, v, g, beta, *, axis_name, method="all_scan
     o = (o_local + fix).astype(v.dtype)
   else:
     # LASP-1: compute after receive, the whole chunked pass from the received state.
+    if first_starts is not None:
+      g = segments.reset_first_token(g, first_starts)
     o, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=entering,
                                   chunk_size=chunk_size)
   return o, (after if output_final_state else None)
@@ -103,7 +123,7 @@ class _Options(NamedTuple):
 
 def zeco_gated_delta_rule(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method="all_scan",
                           num_blocks=None, chunk_size=64, scale=None, initial_state=None,
-                          output_final_state=False, use_qk_l2norm=False):
+                          output_final_state=False, use_qk_l2norm=False, segment_ids=None):
   """Sequence-parallel Gated DeltaNet over the mesh axis ``seq_axis`` (docs/design.md §9).
 
   Args:
@@ -116,6 +136,8 @@ def zeco_gated_delta_rule(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method
       ``"tree"`` runs ceil(log2 P) rounds of pairs; ``"ring"`` waits for the state.
     chunk_size, scale, initial_state, output_final_state, use_qk_l2norm: as in
       :func:`zeco_jax.gated_delta.chunk_gated_delta_rule`.
+    segment_ids: None or integer ``[B, T]`` (split over ``seq_axis`` like q): packed
+      documents (docs/design.md §10); a rank holding a document start has transition 0.
 
   Returns:
     ``(o, final_state)``: o sharded like q; the float32 final state replicated over
@@ -132,17 +154,20 @@ def zeco_gated_delta_rule(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method
     raise ValueError(f"{name}: sequence length T = {args.T} is not divisible by the size "
                      f"{P_size} of mesh axis {seq_axis!r}; pad T to a multiple of {P_size}.")
   _resolve_num_blocks(num_blocks, method, P_size, args.B, args.H, args.K, args.V, name=name)
+  if segment_ids is not None:
+    segments.check_segment_ids(segment_ids, args.B, args.T, name=name)
   batch_spec, head_spec = _explicit_batch_head(q, mesh, seq_axis)
   options = _Options(method, num_blocks, chunk_size, args.scale, output_final_state,
                      use_qk_l2norm)
-  return _sharded(q, k, v, g, beta, initial_state, mesh=mesh, seq_axis=seq_axis,
-                  batch_spec=batch_spec, head_spec=head_spec, options=options)
+  return _sharded(q, k, v, g, beta, initial_state, segment_ids, mesh=mesh,
+                  seq_axis=seq_axis, batch_spec=batch_spec, head_spec=head_spec,
+                  options=options)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "seq_axis", "batch_spec", "head_spec",
                                              "options"))
-def _sharded(q, k, v, g, beta, initial_state, *, mesh, seq_axis, batch_spec, head_spec,
-             options):
+def _sharded(q, k, v, g, beta, initial_state, segment_ids, *, mesh, seq_axis, batch_spec,
+             head_spec, options):
   """The shard_map over ``seq_axis`` (and the Explicit axes B and H are split over)."""
   opt = options
   manual = {seq_axis} | _axes_in(batch_spec) | _axes_in(head_spec)
@@ -150,25 +175,29 @@ def _sharded(q, k, v, g, beta, initial_state, *, mesh, seq_axis, batch_spec, hea
   seq3 = P(batch_spec, seq_axis, head_spec)
   state_spec = P(batch_spec, head_spec, None, None)
   h0_spec = None if initial_state is None else state_spec
+  ids_spec = None if segment_ids is None else P(batch_spec, seq_axis)
   if manual != {seq_axis}:
     place = lambda x, spec: jax.sharding.reshard(x, _on(mesh, spec))
     q, k, v = (place(x, seq4) for x in (q, k, v))
     g, beta = place(g, seq3), place(beta, seq3)
     if initial_state is not None:
       initial_state = place(initial_state, h0_spec)
+    if segment_ids is not None:
+      segment_ids = place(segment_ids, ids_spec)
 
-  def body(q, k, v, g, beta, h0):
+  def body(q, k, v, g, beta, h0, ids):
     o, after = zeco_gated_delta_rule_local(
         q, k, v, g, beta, axis_name=seq_axis, method=opt.method, num_blocks=opt.num_blocks,
         chunk_size=opt.chunk_size, scale=opt.scale, initial_state=h0,
-        output_final_state=opt.output_final_state, use_qk_l2norm=opt.use_qk_l2norm)
+        output_final_state=opt.output_final_state, use_qk_l2norm=opt.use_qk_l2norm,
+        segment_ids=ids)
     if not opt.output_final_state:
       return o
     return o, _from_last_rank(after, seq_axis)
 
-  run = jax.shard_map(body, mesh=mesh, in_specs=(seq4, seq4, seq4, seq3, seq3, h0_spec),
+  run = jax.shard_map(body, mesh=mesh, in_specs=(seq4, seq4, seq4, seq3, seq3, h0_spec, ids_spec),
                       out_specs=(seq4, state_spec) if opt.output_final_state else seq4,
                       axis_names=manual, check_vma=True)
   if opt.output_final_state:
-    return run(q, k, v, g, beta, initial_state)
-  return run(q, k, v, g, beta, initial_state), None
+    return run(q, k, v, g, beta, initial_state, segment_ids)
+  return run(q, k, v, g, beta, initial_state, segment_ids), None
