@@ -132,7 +132,7 @@ def main(argv):
     try:
       compile_only.run(flags.FLAGS.config, _COMPILE_ONLY.value)
     except ValueError as e:
-      sys.exit(f"compile only: {e}")
+      sys.exit(f"train.py: {e}")
     return
   try:   # first: before anything starts the jax backend
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
