@@ -156,8 +156,9 @@ def timings(log, smoke, iters, reps, docs):
   g = jax.nn.log_sigmoid(jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.float32)) / 16
   ids = jnp.asarray(random_ids(rng, B, T, docs=docs, pad=0))
   starts = int(np.asarray(segments.document_starts(ids)).sum())
+  lengths = np.diff(np.flatnonzero(np.r_[np.asarray(segments.document_starts(ids))[0], True]))
   log(f"timing B{B} T{T} H{H} K{K} V{V} bf16: {starts} documents per row "
-      f"(lengths {np.diff(np.flatnonzero(np.r_[np.asarray(segments.document_starts(ids))[0], True])).tolist()})")
+      f"(lengths {lengths.tolist()})")
 
   def fns(with_ids):
     def fwd(q, k, v, g, ids):
