@@ -7,10 +7,11 @@ Run:   python train.py --config configs/gdn_340m.py --config.data.path=/path/to/
            [--config.mesh=data=2,seq=4]
 On:    GPUs/TPUs; sequence length 16384 split over ``seq`` (zeco_gated_delta_rule's
        All-Scan), global batch 8 over ``data``; bf16 compute, float32 params.
-Differs from FLA's: the output head is tied to the embedding (FLA unties it: 32.8M more
-       parameters), as in this repository's GLA model. The op is the jnp chunked path
-       (no Pallas kernels for GDN yet: about 10x FLA's forward on an H200,
-       benchmarks/results/issue14/).
+Size:  479.5M parameters here (counted with nnx.eval_shape). FLA names this shape 340M;
+       with its untied output head it would be 512.3M (32.8M more, computed); here the
+       head is tied to the embedding, as in this repository's GLA model.
+Op:    the jnp chunked path (no Pallas kernels for GDN yet: its forward is about 10x
+       FLA's on an H200, benchmarks/results/issue14/).
 Time / reach: not measured (no corpus or long GPU run here).
 """
 import configs
