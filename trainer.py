@@ -50,6 +50,7 @@ from models.gdn import model_from_config
 from models import data as datamod
 from models.data import Dataset
 from zeco_jax import distributed
+from zeco_jax.losses import linear_cross_entropy
 
 
 class RunError(RuntimeError):
@@ -76,12 +77,27 @@ def make_mesh(shape: dict, devices=None) -> jax.sharding.Mesh:
 
 
 def masked_loss(logits, batch):
-  """Mean next-token NLL and accuracy over ``mask`` (float32)."""
+  """Mean next-token NLL and accuracy over ``mask`` (float32), from dense logits."""
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+  correct = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
+  return masked_mean(nll, correct, batch)
+
+
+def chunked_masked_loss(hidden_BxTxD, head_VxD, batch, chunk_size: int):
+  """:func:`masked_loss` of the logits ``hidden @ head.T`` without forming them:
+  :func:`zeco_jax.losses.linear_cross_entropy`, ``chunk_size`` tokens at a time."""
+  B, T, D = hidden_BxTxD.shape
+  nll, correct = linear_cross_entropy(hidden_BxTxD.reshape(B * T, D), head_VxD,
+                                      batch["targets"].reshape(B * T),
+                                      chunk_size=min(chunk_size, B * T))
+  return masked_mean(nll.reshape(B, T), correct.reshape(B, T), batch)
+
+
+def masked_mean(nll, correct, batch):
+  """Loss, accuracy and eval sums over ``mask`` from per-position NLL and correctness."""
   mask = batch["mask"]
   count = jnp.maximum(jnp.sum(mask), 1.0)
-  correct = (jnp.argmax(logits, axis=-1) == batch["targets"]).astype(jnp.float32)
   return jnp.sum(nll * mask) / count, {"accuracy": jnp.sum(correct * mask) / count,
                                         "nll_sum": jnp.sum(nll * mask),
                                         "correct": jnp.sum(correct * mask), "count": count,
@@ -95,6 +111,10 @@ class Experiment:
     self.config, self.mesh = config, mesh
     self.model_cfg, self.model_cls = model_from_config(config.model.to_dict())  # gla | gdn
     train = config.train
+    if train.loss_chunk_size and not hasattr(self.model_cls, "hidden"):
+      raise ValueError(f"train.loss_chunk_size={train.loss_chunk_size} needs a model with "
+                       f"hidden() and head_weight() ({self.model_cls.__name__} has none); "
+                       "set --config.train.loss_chunk_size=0 (dense logits)")
     self.rules = sharding.rules_from_config(train.sharding_rules.to_dict())
     abstract = nnx.eval_shape(lambda: self.model_cls(self.model_cfg, rngs=nnx.Rngs(0)))
     self.graphdef, _ = nnx.split(abstract)
@@ -143,8 +163,11 @@ class Experiment:
     def loss_fn(params, batch):
       if self.compute_dtype != jnp.float32:
         params = jax.tree.map(lambda p: p.astype(self.compute_dtype), params)
-      logits = nnx.merge(self.graphdef, params)(batch["inputs"], mesh=mesh,
-                                                segment_ids=batch.get("segment_ids"))
+      model = nnx.merge(self.graphdef, params)
+      if train.loss_chunk_size:    # no [B, T, vocab] logits (docs/training.md)
+        hidden = model.hidden(batch["inputs"], mesh=mesh, segment_ids=batch.get("segment_ids"))
+        return chunked_masked_loss(hidden, model.head_weight(), batch, train.loss_chunk_size)
+      logits = model(batch["inputs"], mesh=mesh, segment_ids=batch.get("segment_ids"))
       return masked_loss(logits, batch)
 
     def loss_and_grad(params, batch):

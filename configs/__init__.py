@@ -83,6 +83,9 @@ def defaults() -> ml_collections.ConfigDict:
           "b1": 0.9,
           "b2": 0.95,
           "grad_clip": 1.0,
+          # cross-entropy this many tokens at a time, never forming the [B, T, vocab] logits
+          # (zeco_jax.losses.linear_cross_entropy); 0: dense float32 logits
+          "loss_chunk_size": 0,
           "compute_dtype": "float32",   # or "bfloat16" (params and optimizer stay float32)
           "seed": 0,                    # parameter init
           "log_every": 10,

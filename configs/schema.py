@@ -161,6 +161,7 @@ SCHEMA: dict[str, Field] = {
     "train.b1": number(0, 1, hi_open=True),
     "train.b2": number(0, 1, hi_open=True),
     "train.grad_clip": number(0, lo_open=True, note="global norm"),
+    "train.loss_chunk_size": integer(0, note="0: dense logits; else tokens per chunk"),
     "train.compute_dtype": choice("float32", "bfloat16"),
     "train.seed": integer(0),
     "train.log_every": integer(1),

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zeco_jax.nn import GatedLinearAttention, RMSNorm, check_gla_args, normal_param
+from zeco_jax.losses import embedding_lookup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,19 +139,31 @@ class GLALM(nnx.Module):
   def blocks(self):
     return [getattr(self, f"block_{i}") for i in range(self.cfg.num_layers)]
 
-  def __call__(self, tokens_BxT, mesh=None, segment_ids=None):
-    """``segment_ids``: None (a row is one sequence) or int ``[B, T]`` document ids of
+  def hidden(self, tokens_BxT, mesh=None, segment_ids=None):
+    """The final-norm hidden states ``[B, T, hidden]`` that the tied head multiplies.
+
+    ``segment_ids``: None (a row is one sequence) or int ``[B, T]`` document ids of
     packed rows (:mod:`zeco_jax.segments`): every layer's state and short convolution
-    start afresh at each document."""
-    emb = self.embed[...]
-    x = jnp.take(emb, tokens_BxT, axis=0)
+    start afresh at each document. The embedding gradient is a float32 scatter-add
+    (:func:`zeco_jax.losses.embedding_lookup`), not one in the compute dtype.
+    """
+    x = embedding_lookup(self.embed[...], tokens_BxT)
     for block in self.blocks():
       if self.cfg.remat:
         x = nnx.remat(lambda blk, h, seg: blk(h, mesh, seg))(block, x, segment_ids)
       else:
         x = block(x, mesh, segment_ids)
-    x = self.norm(x)
-    return jnp.einsum("btd,vd->btv", x, emb.astype(x.dtype),
+    return self.norm(x)
+
+  def head_weight(self):
+    """The output head's ``[vocab, hidden]`` matrix (the tied embedding)."""
+    return self.embed[...]
+
+  def __call__(self, tokens_BxT, mesh=None, segment_ids=None):
+    """Float32 logits ``[B, T, vocab]`` (see :meth:`hidden`; training uses
+    :func:`zeco_jax.losses.linear_cross_entropy` on the hidden states instead)."""
+    x = self.hidden(tokens_BxT, mesh, segment_ids)
+    return jnp.einsum("btd,vd->btv", x, self.embed[...].astype(x.dtype),
                       preferred_element_type=jnp.float32)
 
 
