@@ -16,6 +16,8 @@ Public API:
   debug.checked                        checkify wrapper that reports positive log-decays
   segments                             packed documents: segment_ids helpers, cu_seqlens
                                        -> segment_ids (every op takes ``segment_ids=``)
+  losses.linear_cross_entropy          LM-head cross-entropy in token chunks (no [T, vocab]
+                                       logits); losses.embedding_lookup (float32 scatter grad)
 
 Submodules imported on their own: ``zeco_jax.nn`` (Flax NNX layers: GatedLinearAttention,
 RMSNorm, ShortConvolution) and ``zeco_jax.nn_delta`` (GatedDeltaNet): not imported here,
@@ -25,6 +27,7 @@ cost models), ``zeco_jax.hlo_stats``, ``zeco_jax.distributed``. Kernel configura
 ``pallas_kernels.KernelConfig`` and ``pallas_kernels.default_config``.
 """
 from zeco_jax import debug
+from zeco_jax import losses
 from zeco_jax import segments
 from zeco_jax import transitions
 from zeco_jax.scan import SCAN_METHODS, ScanMethod, all_scan
@@ -38,7 +41,7 @@ from zeco_jax.transitions import (DenseTransition, DiagonalDecay, Identity, Scal
 
 __all__ = ["DenseTransition", "DiagonalDecay", "Identity", "SCAN_METHODS", "ScalarDecay",
            "ScanMethod", "Transition", "all_scan", "chunk_gated_delta_rule", "chunk_gla",
-           "chunk_gla_reference", "debug", "recurrent_gated_delta_rule", "recurrent_gla",
+           "chunk_gla_reference", "debug", "losses", "recurrent_gated_delta_rule", "recurrent_gla",
            "segments", "transitions", "zeco_gated_delta_rule", "zeco_gated_delta_rule_local",
            "zeco_gla", "zeco_gla_local"]
 __version__ = "0.1.0"
