@@ -2,8 +2,8 @@
 
     python benchmarks/comm_volume.py [--max-devices 32] [--out benchmarks/results]
 
-Compiles jit(grad(zeco_gla)) (forward + backward) and the forward alone on simulated CPU
-devices for P = 2 .. max-devices, counts the collective bytes per rank in the HLO
+Compiles jit(grad(zeco_gla)) and jit(grad(zeco_gated_delta_rule)) (forward + backward)
+and the forwards alone on simulated CPU devices for P = 2 .. max-devices, counts the collective bytes per rank in the HLO
 (zeco_jax.hlo_stats), and prints them in units of one state M, for every method of
 zeco_jax.scan.SCAN_METHODS. Then prints the alpha-beta model's prediction (docs/design.md
 §6) of one exclusive scan of the paper's 1 MiB state for P up to 256,
@@ -54,6 +54,15 @@ def main():
       f = sum(collective_bytes(fwd, P).values()).max() / M
       fb = sum(collective_bytes(both, P).values()).max() / M
       measured[(P, method)] = (f, fb)
+      # Gated DeltaNet (docs/design.md §9): the same state, a K x K transition.
+      gdn_shapes = shapes[:3] + [jax.ShapeDtypeStruct((B, T, H), jnp.float32)] * 2
+      gdn = lambda q, k, v, g, beta: zeco_jax.zeco_gated_delta_rule(
+          q, k, v, g, beta, mesh=mesh, method=method, num_blocks=4, chunk_size=C)[0]
+      fwd = jax.jit(gdn).lower(*gdn_shapes).compile().as_text()
+      both = jax.jit(jax.grad(lambda *a: jnp.sum(gdn(*a)), (0, 1, 2, 3, 4)))
+      both = both.lower(*gdn_shapes).compile().as_text()
+      measured[(P, "gdn " + method)] = (sum(collective_bytes(fwd, P).values()).max() / M,
+                                        sum(collective_bytes(both, P).values()).max() / M)
 
   lines = ["# Communication volume per rank, from compiled HLO", "",
            "Command: `python benchmarks/comm_volume.py --max-devices "
@@ -65,6 +74,15 @@ def main():
            "|---|" + "---|" * (2 * len(methods))]
   for P in Ps:
     cells = [f"{measured[(P, m)][0]:.2f} | {measured[(P, m)][1]:.2f}" for m in methods]
+    lines.append(f"| {P} | " + " | ".join(cells) + " |")
+  lines += ["", "Gated DeltaNet (`zeco_gated_delta_rule`, docs/design.md §9), same state; its "
+            f"transition is a K x K matrix (K^2/(K V) = {K / V:.2f} of a state), which only "
+            "all_gather and tree send:", "",
+            "| P | " + " | ".join(f"{m} fwd | {m} fwd+bwd" for m in methods) + " |",
+            "|---|" + "---|" * (2 * len(methods))]
+  for P in Ps:
+    cells = [f"{measured[(P, 'gdn ' + m)][0]:.2f} | {measured[(P, 'gdn ' + m)][1]:.2f}"
+             for m in methods]
     lines.append(f"| {P} | " + " | ".join(cells) + " |")
 
   state = 1 << 20   # the paper's state: d=4096, H=32, head dim 128, bf16 = 1 MiB per layer
@@ -100,6 +118,8 @@ def main():
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
   for m, mk in zip(methods, "osd^"):
     ax1.plot(Ps, [measured[(P, m)][1] for P in Ps], marker=mk, label=f"{m} (HLO, fwd+bwd)")
+    ax1.plot(Ps, [measured[(P, "gdn " + m)][1] for P in Ps], marker=mk, ls="--",
+             label=f"GDN {m} (HLO, fwd+bwd)")
   ax1.plot(model_Ps, [2 * scan_lib.bytes_sent_per_rank(P, 1, "all_gather") for P in model_Ps],
            "k:", label="model all_gather 2(P-1)")
   ax1.plot(model_Ps, [2.0] * len(model_Ps), "k--", label="model All-Scan 2")
