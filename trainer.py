@@ -111,6 +111,12 @@ class Experiment:
     self.config, self.mesh = config, mesh
     self.model_cfg, self.model_cls = model_from_config(config.model.to_dict())  # gla | gdn
     train = config.train
+    if train.loss_chunk_size and mesh.size > 1:
+      # The chunks are taken over the flattened global tokens: on a sharded batch XLA
+      # gathers the hidden states to every device (seen on 8 CPU devices, data=2 x seq=4).
+      raise ValueError(f"train.loss_chunk_size={train.loss_chunk_size} runs on one device "
+                       f"only; this mesh has {mesh.size}: set "
+                       "--config.train.loss_chunk_size=0 (dense logits)")
     if train.loss_chunk_size and not hasattr(self.model_cls, "hidden"):
       raise ValueError(f"train.loss_chunk_size={train.loss_chunk_size} needs a model with "
                        f"hidden() and head_weight() ({self.model_cls.__name__} has none); "
