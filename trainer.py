@@ -84,14 +84,31 @@ def masked_loss(logits, batch):
   return masked_mean(nll, correct, batch)
 
 
-def chunked_masked_loss(hidden_BxTxD, head_VxD, batch, chunk_size: int):
+def chunked_masked_loss(hidden_BxTxD, head_VxD, batch, chunk_size: int, mesh=None,
+                        token_spec=None):
   """:func:`masked_loss` of the logits ``hidden @ head.T`` without forming them:
-  :func:`zeco_jax.losses.linear_cross_entropy`, ``chunk_size`` tokens at a time."""
-  B, T, D = hidden_BxTxD.shape
-  nll, correct = linear_cross_entropy(hidden_BxTxD.reshape(B * T, D), head_VxD,
-                                      batch["targets"].reshape(B * T),
-                                      chunk_size=min(chunk_size, B * T))
-  return masked_mean(nll.reshape(B, T), correct.reshape(B, T), batch)
+  :func:`zeco_jax.losses.linear_cross_entropy`, ``chunk_size`` tokens at a time.
+
+  On a mesh of more than one device it runs per shard (``jax.shard_map`` over the tokens'
+  ``token_spec``, the head replicated): chunks of the flattened global tokens would make
+  XLA gather the hidden states to every device. Each shard's tokens must then be a
+  multiple of ``chunk_size`` (or fewer: one chunk).
+  """
+  def per_token(h_BxTxD, w, targets_BxT):
+    B, T, D = h_BxTxD.shape
+    nll, correct = linear_cross_entropy(h_BxTxD.reshape(B * T, D), w,
+                                        targets_BxT.reshape(B * T),
+                                        chunk_size=min(chunk_size, B * T))
+    return nll.reshape(B, T), correct.reshape(B, T)
+
+  if mesh is not None and mesh.size > 1:
+    P = jax.sharding.PartitionSpec
+    spec = P(*token_spec)
+    # check_vma=False: JAX sums the replicated head's per-shard gradient over the mesh.
+    per_token = jax.shard_map(per_token, mesh=mesh, in_specs=(P(*token_spec, None), P(), spec),
+                              out_specs=(spec, spec), check_vma=False)
+  nll, correct = per_token(hidden_BxTxD, head_VxD, batch["targets"])
+  return masked_mean(nll, correct, batch)
 
 
 def masked_mean(nll, correct, batch):
@@ -111,12 +128,6 @@ class Experiment:
     self.config, self.mesh = config, mesh
     self.model_cfg, self.model_cls = model_from_config(config.model.to_dict())  # gla | gdn
     train = config.train
-    if train.loss_chunk_size and mesh.size > 1:
-      # The chunks are taken over the flattened global tokens: on a sharded batch XLA
-      # gathers the hidden states to every device (seen on 8 CPU devices, data=2 x seq=4).
-      raise ValueError(f"train.loss_chunk_size={train.loss_chunk_size} runs on one device "
-                       f"only; this mesh has {mesh.size}: set "
-                       "--config.train.loss_chunk_size=0 (dense logits)")
     if train.loss_chunk_size and not hasattr(self.model_cls, "hidden"):
       raise ValueError(f"train.loss_chunk_size={train.loss_chunk_size} needs a model with "
                        f"hidden() and head_weight() ({self.model_cls.__name__} has none); "
@@ -172,7 +183,8 @@ class Experiment:
       model = nnx.merge(self.graphdef, params)
       if train.loss_chunk_size:    # no [B, T, vocab] logits (docs/training.md)
         hidden = model.hidden(batch["inputs"], mesh=mesh, segment_ids=batch.get("segment_ids"))
-        return chunked_masked_loss(hidden, model.head_weight(), batch, train.loss_chunk_size)
+        return chunked_masked_loss(hidden, model.head_weight(), batch, train.loss_chunk_size,
+                                   mesh, tuple(self.batch_sharding.spec))
       logits = model(batch["inputs"], mesh=mesh, segment_ids=batch.get("segment_ids"))
       return masked_loss(logits, batch)
 
