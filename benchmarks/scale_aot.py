@@ -182,6 +182,12 @@ NOTES = [
     "GSPMD outside zeco_gla (the embedding / head / packed-document path: not identified in "
     "this session), it is in all three methods, and it is the likely reason gla_7b at 1M "
     "tokens does not fit (libtpu: 325 GiB of temporaries).",
+    "- **All-Scan costs memory at P = 64 here**: gla_1b3 at 1M tokens needs 47.8 GiB per "
+    "chip with all_scan (32.8 GiB of temporaries) and 30.4 GiB with all_gather (14.8 GiB), while "
+    "all_gather sends 22.8 GiB per chip per step against all_scan's 5.1 GiB (its gathers "
+    "lowered as all-reduces). Not explained in this session: the unrolled chain has num_blocks "
+    "+ P - 2 sends per scan and the TPU scheduler may keep many blocks in flight; the lead's "
+    "uncommitted overlap work (head-group pieces) was in the tree. Both fit v5p's 95 GiB.",
     "- **Overlap**: at P = 8 (2 layers) 26 of the 33 All-Scan permutes have compute between "
     "start and done (16 of them a Mosaic kernel); at P = 64 only 29 of 281, and at full "
     "depth 317 of 3361 (gla_340m) and 1051 of 5641 (gla_1b3): the chain has num_blocks + P - "
@@ -262,7 +268,7 @@ def cmd_report(done: dict) -> None:
                                  -r["point"]["tokens_per_chip"]))
   gits = sorted({r.get("git", "?") for r in rows})
   out = ["# The training step at scale, compiled for v5p without a TPU (issue 12 item 4)", "",
-         f"`python benchmarks/scale_aot.py run --sweep p context` then `... report` (jax "
+         f"`python benchmarks/scale_aot.py run --sweep all` (stopped where the notes say) then `... report` (jax "
          f"{jax.__version__}, libtpu 0.0.48.1, a 2-core CPU host shared with other jobs). "
          f"Code: {'; '.join(gits)}. Every row is the trainer's whole train step (forward, "
          "backward, AdamW, bf16 compute, `backend=\"auto\"`: the Mosaic TPU kernels) compiled "
