@@ -11,11 +11,11 @@ Model: 1 Gated DeltaNet block (hidden 64, 1 head, key dim 32, value dim 64, shor
 Reach: eval accuracy 0.9816 at step 200 (0.9769 on the 3,072 queries whose pair is on an
        earlier seq shard), train-batch accuracy > 0.9 from step 180; near chance until
        ~step 120 (2026-12-01, benchmarks/results/issue14/train_gdn_mqar_cpu.txt).
-Time:  not measured on an idle machine: the run shared the 2 cores with four other jobs
-       (load 4-22) and was stopped at step 210 after 24 min wall; step 100 at 2 min 42 s
-       (load ~5), step 200 at 19.7 min (load 15-22). About 10-11 CPU-minutes to step 200,
-       so roughly 5-7 min wall on an idle 2-core machine (an estimate). The full 600 steps
-       and their final accuracy were not run.
+Time:  not measured on an idle machine. Two runs shared the 2 cores with other jobs
+       (load 4-22) and were stopped at step ~210: step 100 at 2 min 42 s wall (load ~5,
+       compile included), step 200 at 19.7 / 37.2 min (load 15-22 / 9-10). At the
+       low-load rate (~1.5 s/step) step 200 would be at ~5 min. The full 600 steps and
+       their final accuracy were not run.
 """
 import configs
 
