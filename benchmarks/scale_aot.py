@@ -164,21 +164,24 @@ def cmd_run(args) -> None:
 
 
 NOTES = [
-    "- **All-Scan bytes are flat in P**: 2 MiB per chip per step at P = 8 and at P = 64 "
+    "- **All-Scan bytes are flat in P**: 2 MiB per chip per step at every P from 8 to 256 "
     "(2 layers x one 512 KiB state forward + one reverse; 4 more bytes: the previous rank's "
     "last segment id of the packed-document path), exactly as the model says. gla_1b3 at "
     "full depth sends 144 MiB = 3 x 24 layers x 2 MiB: with `remat` the backward recomputes "
     "the forward, All-Scan included (one more state per layer).",
     "- **all_gather grows with P**: its scan bytes go from 21 MiB (P = 8) to 253 MiB "
-    "(P = 64) at 2 layers. At P = 64 XLA lowers the gather as an all-reduce of a zero-padded "
-    "buffer (no all-gather op is left), which `hlo_stats` counts as a ring all-reduce (2 (G - "
-    "1) / G of the buffer): x12 for P - 1's x9.",
+    "(P = 64) and 1024 MiB (P = 256) at 2 layers. From P = 64 XLA lowers the gather as an "
+    "all-reduce of a zero-padded buffer (no all-gather op is left), which `hlo_stats` counts "
+    "as a ring all-reduce (2 (G - 1) / G of the buffer): x48.6 from P = 8 to 256 for P - 1's "
+    "x36.4.",
     "- **A non-scan collective grows with P and dominates the all-reduce column**: every "
     "step all-reduces two bf16 `[P, tokens per chip, hidden]` buffers and an int32 / float32 "
     "`[P, tokens per chip]` each built by a dynamic-update-slice into zeros: the whole "
     "sequence's hidden states (and tokens / segment ids) gathered onto every chip through an "
-    "all-reduce. At P = 64 and 4K tokens per chip that is 2 x 512 MiB (the 2.2 GiB of the "
-    "all_scan row against 0.3 GiB at P = 8); at 16K tokens per chip 2 x 2 GiB. It comes from "
+    "all-reduce (at P = 16 and 32 XLA emits it as an all-gather instead: the all-gather "
+    "column of the all_scan rows). At P = 64 and 4K tokens per chip that is 2 x 512 MiB (the "
+    "2.2 GiB of the all_scan row against 0.3 GiB at P = 8; 8.2 GiB at P = 256); at 16K tokens "
+    "per chip 2 x 2 GiB. It comes from "
     "GSPMD outside zeco_gla (the embedding / head / packed-document path: not identified in "
     "this session), it is in all three methods, and it is the likely reason gla_7b at 1M "
     "tokens does not fit (libtpu: 325 GiB of temporaries).",
@@ -189,7 +192,8 @@ NOTES = [
     "+ P - 2 sends per scan and the TPU scheduler may keep many blocks in flight; the lead's "
     "uncommitted overlap work (head-group pieces) was in the tree. Both fit v5p's 95 GiB.",
     "- **Overlap**: at P = 8 (2 layers) 26 of the 33 All-Scan permutes have compute between "
-    "start and done (16 of them a Mosaic kernel); at P = 64 only 29 of 281, and at full "
+    "start and done (16 of them a Mosaic kernel), 64 of 65 at P = 16, 136 of 137 at P = 32; "
+    "from P = 64 only 29 (of 281, 537, 1081 at P = 64, 128, 256), and at full "
     "depth 317 of 3361 (gla_340m) and 1051 of 5641 (gla_1b3): the chain has num_blocks + P - "
     "2 sends per scan and the local pass offers only a few kernels to hide them behind. The "
     "lead's overlap work in zeco_jax/parallel.py and scan.py was uncommitted while this ran "
@@ -203,10 +207,9 @@ NOTES = [
     "- **FLOPs**: `cost_analysis` leaves out the Mosaic kernels (no cost estimate), so "
     "the JSON's `flops` is XLA's part only; `model_flops_6nd` is 6 N D.",
     "- **Not done** (compile time on a 2-core host shared with five other jobs, 1.5-10 min "
-    "per point): P = 16, 32, 128, 256 and beyond (up to 4096 chips) unless rows above show "
-    "them; contexts below 1M for gla_7b (its longest fitting context is not known); "
-    "all_gather at full depth for the configs without a row; a search for the longest "
-    "context above 1M per chip count.",
+    "per point): P = 512 to 4096 chips; tree at P other than 8 and 64 unless rows above show "
+    "it; full depth at P other than 64; contexts below 1M for gla_7b (its longest fitting "
+    "context is not known); a search for the longest context above 1M per chip count.",
 ]
 
 
