@@ -207,8 +207,7 @@ NOTES = [
     "- **FLOPs**: `cost_analysis` leaves out the Mosaic kernels (no cost estimate), so "
     "the JSON's `flops` is XLA's part only; `model_flops_6nd` is 6 N D.",
     "- **Not done** (compile time on a 2-core host shared with five other jobs, 1.5-10 min "
-    "per point): P = 512 to 4096 chips; tree at P other than 8 and 64 unless rows above show "
-    "it; full depth at P other than 64; contexts below 1M for gla_7b (its longest fitting "
+    "per point): P = 512 to 4096 chips; full depth at P other than 64; contexts below 1M for gla_7b (its longest fitting "
     "context is not known); a search for the longest context above 1M per chip count.",
 ]
 
