@@ -191,6 +191,9 @@ NOTES = [
     "lowered as all-reduces). Not explained in this session: the unrolled chain has num_blocks "
     "+ P - 2 sends per scan and the TPU scheduler may keep many blocks in flight; the lead's "
     "uncommitted overlap work (head-group pieces) was in the tree. Both fit v5p's 95 GiB.",
+    "- The full-sequence gather is missing from the tree steps at P = 128 and 256 (1.9 GiB "
+    "per chip against all_scan's 4.0 and 7.1 GiB, all-reduce 0.34 GiB): whether GSPMD emits it "
+    "depends on the program around zeco_gla, not on P alone.",
     "- **Overlap**: at P = 8 (2 layers) 26 of the 33 All-Scan permutes have compute between "
     "start and done (16 of them a Mosaic kernel), 64 of 65 at P = 16, 136 of 137 at P = 32; "
     "from P = 64 only 29 (of 281, 537, 1081 at P = 64, 128, 256), and at full "
@@ -248,7 +251,7 @@ def scan_bytes(by: dict, P: int, method: str):
   """Bytes per chip of ``method``'s scans at ``P``: all_scan's permutes; for the others,
   all bytes minus the all_scan step's plus its permutes (the same step but for the scan;
   XLA may lower a gather as an all-reduce of a zero-padded buffer), None without both."""
-  if method == "all_scan":
+  if method in ("all_scan", "tree"):     # both scan with permutes only
     return _coll(by[(P, method)], "collective-permute") if (P, method) in by else None
   if (P, method) not in by or (P, "all_scan") not in by:
     return None
@@ -324,7 +327,7 @@ def cmd_report(done: dict) -> None:
       if b_lo is None or b_hi is None:
         continue
       what = ("collective-permute bytes per chip (the All-Scan, forward and reverse)"
-              if m == "all_scan" else
+              if m == "all_scan" else "collective-permute bytes per chip" if m == "tree" else
               "scan bytes per chip (all bytes minus the all_scan step's, plus its permutes)")
       summary.append(f"- {m}: {what}: {_mib(b_lo)} MiB at P = {lo}, {_mib(b_hi)} MiB at "
                      f"P = {hi}: x{b_hi / b_lo:.3f} (P - 1: x{(hi - 1) / (lo - 1):.2f}).")
