@@ -100,3 +100,54 @@ def _group_size(line: str, num_devices: int) -> int:
     first = re.search(r"\{([\d,]+)\}", m.group(1))
     return len(first.group(1).split(",")) if first else num_devices
   return int(m.group(3))
+
+
+_COMPUTE = re.compile(r"\s(fusion|custom-call|dot|convolution|while|call)\(")
+_ASYNC_START = re.compile(r"^(?:ROOT )?(\S+) = .*\s(collective-permute|all-gather|all-reduce)"
+                          r"-start\(")
+
+
+def _scheduled_computations(hlo_text: str) -> dict:
+  """``{name: [instruction lines in schedule order]}`` of a compiled module's text (the
+  compiled HLO is printed in schedule order when ``is_scheduled=true``)."""
+  comps, name, body = {}, None, []
+  for raw in hlo_text.splitlines():
+    line = raw.strip()
+    if name is None:
+      m = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{$", line)
+      if m and "=" not in line.split("(")[0]:
+        name, body = m.group(1), []
+      continue
+    if line == "}":
+      comps[name] = body
+      name = None
+    elif line:
+      body.append(line)
+  return comps
+
+
+def async_overlap(hlo_text: str, kind: str = "collective-permute") -> list:
+  """For each async ``kind`` start/done pair of a scheduled HLO module, in schedule order:
+  ``(compute, kernels)``, the number of compute instructions (fusions, custom calls, dots,
+  convolutions, loops, calls) and of those the custom calls (Pallas kernels, library
+  calls) the schedule places between the start and its done.
+
+  A pair with no compute is exposed: nothing runs while its data is in flight
+  (docs/design.md §4: the All-Scan is "zero overhead" only when its sends overlap the
+  local work). Small fusions (the chain's own bookkeeping) count as compute; ``kernels``
+  says whether real local work is there.
+  """
+  report = []
+  for body in _scheduled_computations(hlo_text).values():
+    starts = {}
+    for i, line in enumerate(body):
+      m = _ASYNC_START.match(line)
+      if m and m.group(2) == kind:
+        starts[m.group(1).lstrip("%")] = i
+        continue
+      m = re.search(rf"\s{kind}-done\(%?([\w.\-]+)\)", line)
+      if m and m.group(1) in starts:
+        between = body[starts[m.group(1)] + 1:i]
+        report.append((sum(1 for b in between if _COMPUTE.search(b)),
+                       sum(1 for b in between if " custom-call(" in b)))
+  return report

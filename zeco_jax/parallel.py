@@ -55,6 +55,37 @@ def _resolve_num_blocks(num_blocks, method, P_size, B, H, K, V, *, name):
   return num_blocks
 
 
+def default_overlap_pieces(platform: str, method: str, P: int, num_blocks: int, H: int) -> int:
+  """How many head groups the local pass is split into by default (docs/design.md §4).
+
+  On TPU with ``"all_scan"``: the largest divisor of H not above the chain's
+  ``num_blocks + P - 2`` sends, so each send has a kernel to overlap (XLA's TPU scheduler
+  otherwise puts the whole local pass beside one send; measured in
+  benchmarks/results/tpu_schedule.md). Elsewhere 1: a GPU kernel on a few heads leaves
+  most SMs idle, and the GPU forward's state kernel already gives S_p before its output
+  kernels run.
+  """
+  if platform != "tpu" or method != "all_scan" or P < 2:
+    return 1
+  steps = num_blocks + P - 2
+  return max(d for d in range(1, H + 1) if H % d == 0 and d <= steps)
+
+
+def _resolve_pieces(overlap_pieces, method, platform, P, num_blocks, H, *, name) -> int:
+  if overlap_pieces is None:
+    return default_overlap_pieces(platform, method, P, num_blocks, H)
+  if (not isinstance(overlap_pieces, int) or isinstance(overlap_pieces, bool)
+      or overlap_pieces < 1 or H % overlap_pieces):
+    raise ValueError(f"{name}: `overlap_pieces` must be a positive int dividing the number of "
+                     f"heads H = {H}, got {overlap_pieces!r}; try one of "
+                     f"{[d for d in range(1, H + 1) if H % d == 0]} or None for the default.")
+  if overlap_pieces > 1 and method != "all_scan":
+    raise ValueError(f"{name}: `overlap_pieces`={overlap_pieces} splits the local pass over the "
+                     f"All-Scan's sends; method={method!r} has none to overlap. Use "
+                     "method='all_scan' or overlap_pieces=1.")
+  return overlap_pieces
+
+
 def _check_args(q, k, v, g, initial_state, scale, chunk_size, method, *, name):
   """The trace-time checks zeco_gla and zeco_gla_local share."""
   args = _checks.check_gla_inputs(q, k, v, g, initial_state, scale, name=name)
@@ -65,7 +96,8 @@ def _check_args(q, k, v, g, initial_state, scale, chunk_size, method, *, name):
 
 def zeco_gla_local(q, k, v, g=None, *, axis_name, method="all_scan", num_blocks=None,
                    chunk_size=64, scale=None, initial_state=None, output_final_state=False,
-                   backend="auto", kernel_config=None, segment_ids=None):
+                   backend="auto", kernel_config=None, overlap_pieces=None,
+                   segment_ids=None):
   """The per-shard body of :func:`zeco_gla`, for code already inside its own shard_map.
 
   Takes this rank's contiguous segment of the sequence (``q, k [B, L, H, K]``, ...) and
@@ -82,7 +114,8 @@ def zeco_gla_local(q, k, v, g=None, *, axis_name, method="all_scan", num_blocks=
   """
   name = "zeco_gla_local"
   args = _check_args(q, k, v, g, initial_state, scale, chunk_size, method, name=name)
-  backend = resolve_backend(backend, name=name, platform=platform_of(q))
+  platform = platform_of(q)
+  backend = resolve_backend(backend, name=name, platform=platform)
   B, L, H, K, V, scale = args.B, args.T, args.H, args.K, args.V, args.scale
   nb = _resolve_num_blocks(num_blocks, method, lax.axis_size(axis_name), B, H, K, V,
                            name=name)
@@ -101,9 +134,22 @@ def zeco_gla_local(q, k, v, g=None, *, axis_name, method="all_scan", num_blocks=
   scan = functools.partial(scan, decay=segment_transition(g_seg))
 
   if _scan.SCAN_METHODS[method].overlaps_local:
-    # The local pass from zero, the scan beside it, then GLA's fix-up.
-    o_local, seg_state = local(q, k, v, g_local, output_final_state=True)
-    entering, after = scan(seg_state)
+    pieces = _resolve_pieces(overlap_pieces, method, platform, lax.axis_size(axis_name), nb, H,
+                             name=name)
+    if pieces == 1:
+      # The local pass from zero (its kernel also gives S_p), the scan beside it.
+      o_local, seg_state = local(q, k, v, g_local, output_final_state=True)
+      entering, after = scan(seg_state)
+    else:
+      # S_p first, from one GEMM; the local pass in `pieces` head groups, each released
+      # by one step of the All-Scan so that every send has a kernel to hide behind
+      # (docs/design.md §4).
+      hs = H // pieces
+      part = lambda x, i: None if x is None else x[:, :, i * hs:(i + 1) * hs]
+      local_o = lambda *a: local(*a)[0]
+      work = [(local_o, tuple(part(x, i) for x in (q, k, v, g_local))) for i in range(pieces)]
+      entering, after, outs = scan(_segment_state(k, v, g_local), overlap_with=work)
+      o_local = jnp.concatenate(outs, axis=2)
     o = (o_local.astype(jnp.float32) + _fix_up(q, g_seg, entering, scale)).astype(v.dtype)
   else:
     # No overlap (LASP-1): the segment's state from one GEMM, the scan, then the whole
@@ -158,6 +204,10 @@ def _segment_state(k, v, g):
     later = jnp.concatenate([g[:, 1:], jnp.zeros_like(g[:, :1])], axis=1)   # g_{t+1}
     after_t = chunked.rev_cumsum(later, 1)
     k_decayed = k_decayed * _over_keys(jnp.exp(after_t))
+  if k.dtype == jnp.bfloat16 and v.dtype == jnp.bfloat16:
+    # bf16 operands with float32 accumulation, as the kernels' own state GEMMs.
+    return jnp.einsum("bthk,bthv->bhkv", k_decayed.astype(jnp.bfloat16), v,
+                      preferred_element_type=jnp.float32)
   return jnp.einsum("bthk,bthv->bhkv", k_decayed, v.astype(jnp.float32), precision=_HI)
 
 
@@ -192,6 +242,49 @@ def _explicit_batch_head(q, mesh, seq_axis):
   return (spec[0] if explicit(spec[0]) else None), (spec[2] if explicit(spec[2]) else None)
 
 
+def _batch_axes(batch_axes, batch_spec, head_spec, mesh, seq_axis, B, *, name):
+  """The B entry of the shard_map's specs: ``batch_axes`` checked against the mesh, else
+  q's Explicit split (``batch_spec``)."""
+  if batch_axes is None:
+    return batch_spec
+  axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+  shape = dict(mesh.shape)
+  bad = [a for a in axes if not isinstance(a, str) or a not in shape or a == seq_axis
+         or a in _axes_in(head_spec)]
+  if not axes or bad:
+    raise ValueError(f"{name}: `batch_axes`={batch_axes!r} must name mesh axes other than "
+                     f"seq_axis={seq_axis!r} (and the heads' axes); the mesh's axes are "
+                     f"{tuple(mesh.axis_names)}.")
+  if batch_spec is not None and set(axes) != _axes_in(batch_spec):
+    raise ValueError(f"{name}: `batch_axes`={batch_axes!r} disagrees with q's Explicit "
+                     f"sharding of B over {batch_spec!r}; pass batch_axes={batch_spec!r} "
+                     "or None.")
+  size = 1
+  for a in axes:
+    size *= shape[a]
+  if B % size:
+    raise ValueError(f"{name}: batch size B = {B} is not divisible by the {size} shards of "
+                     f"`batch_axes`={batch_axes!r}; use a batch that is a multiple of {size}.")
+  return axes[0] if len(axes) == 1 else axes
+
+
+def _manual_axes(mesh, seq_axis, batch_spec, head_spec, backend, *, name) -> frozenset:
+  """The mesh axes the shard_map is manual over: the sequence axis and the axes B and H
+  are split over; for the Pallas backend every axis (a kernel cannot be partitioned by the
+  compiler), so an unnamed Auto axis of size > 1 is an error there."""
+  manual = {seq_axis} | _axes_in(batch_spec) | _axes_in(head_spec)
+  if backend != "pallas":
+    return frozenset(manual)
+  unnamed = [a for a in mesh.axis_names if a not in manual and dict(mesh.shape)[a] > 1]
+  if unnamed:
+    raise ValueError(
+        f"{name}: the Pallas kernels run on whole shards, but mesh axes {tuple(unnamed)} "
+        f"(size > 1) split neither the sequence ({seq_axis!r}) nor B nor H as zeco_gla "
+        f"knows. Pass batch_axes={unnamed[0]!r} if B is split over it (or shard B / H over "
+        "Explicit mesh axes), or use backend='jax'.")
+  return frozenset(mesh.axis_names)
+
+
 def _mesh_or_context(mesh, *, name):
   if mesh is not None:
     return mesh
@@ -203,7 +296,8 @@ def _mesh_or_context(mesh, *, name):
 
 def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
              num_blocks=None, chunk_size=64, scale=None, initial_state=None, segment_ids=None,
-             output_final_state=False, backend="auto", kernel_config=None):
+             output_final_state=False, backend="auto", kernel_config=None, batch_axes=None,
+             overlap_pieces=None):
   """Sequence-parallel GLA over the mesh axis ``seq_axis`` (ZeCO, docs/design.md §3-§5).
 
   Args:
@@ -226,6 +320,16 @@ def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
       segment holds a document start passes on only the state since its last start (its
       transition is zero) and applies the received state only before its first start;
       still one state per rank, plus one ppermute of B int32 (the previous rank's last id).
+    batch_axes: the mesh axis (or tuple of axes) B is split over, for meshes with Auto
+      axes (an Explicit split is read from q's type). Kernels cannot be partitioned by the
+      compiler (Mosaic refuses, a GPU kernel would be run on gathered rows), so with the
+      Pallas backend the shard_map is manual over every mesh axis: an Auto axis of size > 1
+      that is neither ``seq_axis`` nor in ``batch_axes`` (nor an Explicit B / H split) is
+      a ValueError. The jnp backend leaves unnamed Auto axes to the compiler.
+    overlap_pieces: ``"all_scan"`` only: split the local pass into this many head groups
+      (a divisor of H), each released by one send of the All-Scan, with the segment's
+      state S_p computed first by one GEMM (docs/design.md §4). None: 
+      :func:`default_overlap_pieces` (on TPU as many as there are sends, else 1).
 
   Returns:
     ``(o, final_state)`` as :func:`zeco_jax.chunk_gla`: o sharded like q over T; the final
@@ -243,15 +347,22 @@ def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
   if args.T % P_size:
     raise ValueError(f"{name}: sequence length T = {args.T} is not divisible by the size "
                      f"{P_size} of mesh axis {seq_axis!r}; pad T to a multiple of {P_size}.")
-  _resolve_num_blocks(num_blocks, method, P_size, args.B, args.H, args.K, args.V, name=name)
 
   batch_spec, head_spec = _explicit_batch_head(q, mesh, seq_axis)
+  batch_spec = _batch_axes(batch_axes, batch_spec, head_spec, mesh, seq_axis, args.B,
+                           name=name)
+  manual = _manual_axes(mesh, seq_axis, batch_spec, head_spec, backend, name=name)
+  nb = _resolve_num_blocks(num_blocks, method, P_size, args.B, args.H, args.K, args.V,
+                           name=name)
+  _resolve_pieces(overlap_pieces, method, platform_of(q, mesh=mesh), P_size, nb, args.H,
+                  name=name)
   options = _Options(method, num_blocks, chunk_size, args.scale, output_final_state, backend,
-                     kernel_config)
+                     kernel_config, overlap_pieces)
   if segment_ids is not None:
     segments.check_segment_ids(segment_ids, args.B, args.T, name=name)
   o, final = _sharded_gla(q, k, v, g, initial_state, segment_ids, mesh=mesh, seq_axis=seq_axis,
-                          batch_spec=batch_spec, head_spec=head_spec, options=options)
+                          batch_spec=batch_spec, head_spec=head_spec, manual=manual,
+                          options=options)
   return o, final
 
 
@@ -264,25 +375,25 @@ class _Options(NamedTuple):
   output_final_state: bool
   backend: str
   kernel_config: object
+  overlap_pieces: Optional[int]
 
 
 # Jitted so that an eager call compiles once per shape and options instead of running the
 # shard_map body op by op (seconds for a tiny input); under an outer jit it is inlined.
 @functools.partial(jax.jit, static_argnames=("mesh", "seq_axis", "batch_spec", "head_spec",
-                                             "options"))
+                                             "manual", "options"))
 def _sharded_gla(q, k, v, g, initial_state, segment_ids, *, mesh, seq_axis, batch_spec,
                  head_spec,
-                 options):
-  """zeco_gla after its checks: the shard_map over ``seq_axis`` (and over the Explicit
-  mesh axes B and H are split over, ``batch_spec`` / ``head_spec``)."""
+                 manual, options):
+  """zeco_gla after its checks: the shard_map over ``manual`` (``seq_axis``, the axes B
+  and H are split over, ``batch_spec`` / ``head_spec``, and for kernels every axis)."""
   opt = options
-  manual = {seq_axis} | _axes_in(batch_spec) | _axes_in(head_spec)
   seq4 = P(batch_spec, seq_axis, head_spec, None)
   g_spec = None if g is None else P(batch_spec, seq_axis, *([head_spec, None][:g.ndim - 2]))
   h0_spec = None if initial_state is None else P(batch_spec, head_spec, None, None)
   ids_spec = None if segment_ids is None else P(batch_spec, seq_axis)
   state_spec = P(batch_spec, head_spec, None, None)
-  if manual != {seq_axis}:
+  if _explicit(mesh, _axes_in(batch_spec) | _axes_in(head_spec)):
     # Explicit mesh axes: B and H stay split as the caller split them, by making the
     # shard_map manual over those axes too (each shard then works on its own rows / heads).
     # A NamedSharding, not a bare spec: the caller may have passed `mesh=` without
@@ -300,7 +411,7 @@ def _sharded_gla(q, k, v, g, initial_state, segment_ids, *, mesh, seq_axis, batc
                               scale=opt.scale, initial_state=h0,
                               output_final_state=opt.output_final_state,
                               backend=opt.backend, kernel_config=opt.kernel_config,
-                              segment_ids=ids)
+                              overlap_pieces=opt.overlap_pieces, segment_ids=ids)
     if not opt.output_final_state:
       return o
     return o, _from_last_rank(after, seq_axis)
@@ -310,10 +421,15 @@ def _sharded_gla(q, k, v, g, initial_state, segment_ids, *, mesh, seq_axis, batc
   # psums for replicated inputs itself.
   run = jax.shard_map(body, mesh=mesh, in_specs=(seq4, seq4, seq4, g_spec, h0_spec, ids_spec),
                       out_specs=(seq4, state_spec) if opt.output_final_state else seq4,
-                      axis_names=manual, check_vma=(opt.backend != "pallas"))
+                      axis_names=set(manual), check_vma=(opt.backend != "pallas"))
   if opt.output_final_state:
     return run(q, k, v, g, initial_state, segment_ids)
   return run(q, k, v, g, initial_state, segment_ids), None
+
+
+def _explicit(mesh, axes) -> bool:
+  types_ = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ())))
+  return any(types_.get(a) == jax.sharding.AxisType.Explicit for a in axes)
 
 
 def _from_last_rank(after, axis_name):

@@ -85,14 +85,18 @@ def _rounds(P):
   return math.ceil(math.log2(P))
 
 
-def _run_chain(S, A, h0, axis_name, num_blocks, reverse):
+def _run_chain(S, A, h0, axis_name, num_blocks, reverse, work=()):
   """The pipelined chain. Every operand gets the same varying axes, so the custom_vjp's
-  cotangents match (autodiff of the cast adds the psum a replicated initial state needs)."""
+  cotangents match (autodiff of the cast adds the psum a replicated initial state needs).
+  With ``work`` (see :func:`all_scan`'s ``overlap_with``) returns ``(X, results)``.""" 
   h0 = jnp.broadcast_to(h0, S.shape)
   leaves = (S, h0, *jax.tree.leaves(A))
   S, h0 = (match_varying(x, *leaves) for x in (S, h0))
   A = jax.tree.map(lambda x: match_varying(x, *leaves), A)
-  return _pipeline(S, A, h0, axis_name, num_blocks, reverse)
+  fns = tuple(fn for fn, _ in work)
+  X, results = _pipeline(S, A, h0, tuple(args for _, args in work), axis_name, num_blocks,
+                         reverse, fns)
+  return (X, results) if work else X
 
 
 def _run_ring(S, A, h0, axis_name, num_blocks, reverse):
@@ -193,7 +197,7 @@ def check_num_blocks(num_blocks, V, *, name: str, none_ok: bool = False) -> None
 
 
 def all_scan(state, decay, axis_name, *, num_blocks=1, method="all_scan", initial=None,
-             reverse=False):
+             reverse=False, overlap_with=None):
   """Exclusive scan of ``state`` under ``X -> A(X) + state`` over ``axis_name``.
 
   Args:
@@ -208,10 +212,18 @@ def all_scan(state, decay, axis_name, *, num_blocks=1, method="all_scan", initia
       or ``"tree"``.
     initial: the state entering the first rank of the chain (zeros if None).
     reverse: run the chain from the last rank to the first.
+    overlap_with: None, or a sequence of ``(fn, args)``: independent local work (it must
+      not depend on the scan's result) to run while the chain's sends are in flight.
+      With ``"all_scan"`` over P >= 2 ranks, piece i runs during send
+      ``i * steps // len(overlap_with)`` of the ``steps = num_blocks + P - 2``: optimization
+      barriers let it start only when that send's data is ready and make the next send
+      wait for it, so XLA cannot bunch every piece beside one send (docs/design.md §4); its
+      backward is tied to the reverse chain the same way. Other methods (and P = 1) just
+      call the pieces.
 
   Returns:
     ``(exclusive, inclusive)``: the state entering this rank and the state after it,
-    float32.
+    float32; with ``overlap_with``, ``(exclusive, inclusive, [fn(*args) per piece])``.
   """
   name = "all_scan"
   spec = get_method(method, name=name)
@@ -226,11 +238,19 @@ def all_scan(state, decay, axis_name, *, num_blocks=1, method="all_scan", initia
   S = state.astype(jnp.float32)
   h0 = (make_varying(jnp.zeros_like(S), axis_name) if initial is None
         else initial.astype(jnp.float32))
+  work = () if overlap_with is None else tuple(overlap_with)
+  results = None
   if lax.axis_size(axis_name) == 1:
     exclusive = jnp.broadcast_to(h0, S.shape)
+  elif work and spec.run is _run_chain:
+    exclusive, results = _run_chain(S, A, h0, axis_name, num_blocks, reverse, work)
   else:
     exclusive = spec.run(S, A, h0, axis_name, num_blocks if spec.blocked else 1, reverse)
-  return exclusive, A.apply(exclusive) + S
+  if overlap_with is None:
+    return exclusive, A.apply(exclusive) + S
+  if results is None:
+    results = [fn(*args) for fn, args in work]
+  return exclusive, A.apply(exclusive) + S, list(results)
 
 
 def _chain(axis_name, reverse):
@@ -242,38 +262,63 @@ def _chain(axis_name, reverse):
   return P, idx, lambda c: c
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _pipeline(S, A, h0, axis_name, nb, reverse):
-  return _pipeline_scan(S, A, h0, axis_name, nb, reverse)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _pipeline(S, A, h0, piece_args, axis_name, nb, reverse, piece_fns):
+  X, results = _pipeline_scan(S, A, h0, axis_name, nb, reverse,
+                              list(zip(piece_fns, piece_args)))
+  return X, tuple(results)
 
 
-def _pipeline_fwd(S, A, h0, axis_name, nb, reverse):
-  X = _pipeline_scan(S, A, h0, axis_name, nb, reverse)
-  return X, (X, A)                # one state (and the transition) kept for the backward
+def _pipeline_fwd(S, A, h0, piece_args, axis_name, nb, reverse, piece_fns):
+  # Each piece runs under jax.vjp, so its backward can be tied to the reverse chain.
+  pieces = [(functools.partial(jax.vjp, fn), args) for fn, args in zip(piece_fns, piece_args)]
+  X, outs = _pipeline_scan(S, A, h0, axis_name, nb, reverse, pieces)
+  results = tuple(out for out, _ in outs)
+  # One state (and the transition) kept for the backward, and the pieces' own residuals.
+  return (X, results), (X, A, tuple(vjp for _, vjp in outs))
 
 
-def _pipeline_bwd(axis_name, nb, reverse, residuals, dX):
+def _pipeline_bwd(axis_name, nb, reverse, piece_fns, residuals, cotangents):
   """The reverse All-Scan (docs/design.md §5): the same chain, run the other way.
 
   With E_p the cotangent of the state leaving position p (X_{p+1}), E is the exclusive
   scan of dX in the opposite direction under the transposed transitions; then
   dS_p = E_p, dA_p = the cotangent of A_p in <E_p, A_p(X_p)>, and the initial state's
-  cotangent is dX_0 + A_0^T(E_0).
+  cotangent is dX_0 + A_0^T(E_0). The pieces' backwards run tied to the reverse chain's
+  sends, as their forwards were to the forward chain's.
   """
-  X, A = residuals
+  del piece_fns
+  X, A, vjps = residuals
+  dX, d_results = cotangents
   A_t = A.transpose()
-  E = _pipeline(dX, A_t, jnp.zeros_like(dX), axis_name, nb, not reverse)
+  if vjps:
+    E, d_args = _pipeline_scan(dX, A_t, jnp.zeros_like(dX), axis_name, nb, not reverse,
+                               [(vjp, (d,)) for vjp, d in zip(vjps, d_results)])
+  else:
+    E, d_args = _pipeline(dX, A_t, jnp.zeros_like(dX), (), axis_name, nb, not reverse, ())
   _, pos, _ = _chain(axis_name, reverse)
   d_initial = jnp.where(pos == 0, dX + A_t.apply(E), 0.0)
-  return E, A.cotangent(X, E), d_initial
+  return E, A.cotangent(X, E), d_initial, tuple(d_args)
 
 
 _pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)
 
 
-def _pipeline_scan(S, A, h0, axis_name, nb, reverse):
-  """ZeCO's chain: at step s the rank at position c handles V block j = s - c."""
+def _pipeline_scan(S, A, h0, axis_name, nb, reverse, pieces=()):
+  """ZeCO's chain: at step s the rank at position c handles V block j = s - c.
+
+  ``pieces``: ``(fn, args)`` pairs of local work independent of the chain (see
+  :func:`all_scan`'s ``overlap_with``). Piece i is assigned to send
+  ``s = i * steps // len(pieces)``; optimization barriers make it start only once that
+  send's data is ready and make the next send wait for its result, so the compiler has
+  exactly that piece to run while send s is in flight (docs/design.md §4). Returns
+  ``(X, [fn(*args) for each piece])``.
+  """
   P, pos, dev = _chain(axis_name, reverse)
+  steps = nb + P - 2
+  n = len(pieces)
+  at_step = [[i for i in range(n) if i * steps // n == s] for s in range(steps)]
+  results, pending = [None] * n, []
   *lead, K, V = S.shape
   to_blocks = lambda x: jnp.moveaxis(x.reshape(*lead, K, nb, V // nb), -2, 0)
   S_b = to_blocks(S)
@@ -287,11 +332,23 @@ def _pipeline_scan(S, A, h0, axis_name, nb, reverse):
     incoming = jnp.where(pos == 0, lax.dynamic_index_in_dim(h0_b, jc, 0, keepdims=False), recv)
     keep = lax.dynamic_index_in_dim(X_b, jc, 0, keepdims=False)
     X_b = lax.dynamic_update_index_in_dim(X_b, jnp.where(active, incoming, keep), jc, 0)
-    if s < nb + P - 2:
+    if s < steps:
       out = A.apply(incoming) + lax.dynamic_index_in_dim(S_b, jc, 0, keepdims=False)
       perm = [(dev(c), dev(c + 1)) for c in range(P - 1) if 0 <= s - c < nb]
+      args = [pieces[i][1] for i in at_step[s]]
+      if args or pending:
+        out, done, args = lax.optimization_barrier((out, [results[i] for i in pending], args))
+        for i, r in zip(pending, done):
+          results[i] = r
       recv = lax.ppermute(out, axis_name, perm)
-  return jnp.moveaxis(X_b, 0, -2).reshape(S.shape)
+      for i, a in zip(at_step[s], args):
+        results[i] = pieces[i][0](*a)
+      pending = at_step[s]
+  if pending:
+    X_b, done = lax.optimization_barrier((X_b, [results[i] for i in pending]))
+    for i, r in zip(pending, done):
+      results[i] = r
+  return jnp.moveaxis(X_b, 0, -2).reshape(S.shape), results
 
 
 def _tree_scan(S, A, h0, axis_name, reverse):
