@@ -285,6 +285,18 @@ def _manual_axes(mesh, seq_axis, batch_spec, head_spec, backend, *, name) -> fro
   return frozenset(mesh.axis_names)
 
 
+def seq_axis_size(mesh, seq_axis, T, *, name) -> int:
+  """The size of mesh axis ``seq_axis``, checked: the axis exists and divides T."""
+  if seq_axis not in mesh.axis_names:
+    raise ValueError(f"{name}: the mesh has no axis `seq_axis`={seq_axis!r}; its axes are "
+                     f"{tuple(mesh.axis_names)}. Pass seq_axis= one of them.")
+  P_size = mesh.shape[seq_axis]
+  if T % P_size:
+    raise ValueError(f"{name}: sequence length T = {T} is not divisible by the size "
+                     f"{P_size} of mesh axis {seq_axis!r}; pad T to a multiple of {P_size}.")
+  return P_size
+
+
 def _mesh_or_context(mesh, *, name):
   if mesh is not None:
     return mesh
@@ -340,13 +352,7 @@ def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
   args = _check_args(q, k, v, g, initial_state, scale, chunk_size, method, name=name)
   mesh = _mesh_or_context(mesh, name=name)
   backend = resolve_backend(backend, name=name, platform=platform_of(q, mesh=mesh))
-  if seq_axis not in mesh.axis_names:
-    raise ValueError(f"{name}: the mesh has no axis `seq_axis`={seq_axis!r}; its axes are "
-                     f"{tuple(mesh.axis_names)}. Pass seq_axis= one of them.")
-  P_size = mesh.shape[seq_axis]
-  if args.T % P_size:
-    raise ValueError(f"{name}: sequence length T = {args.T} is not divisible by the size "
-                     f"{P_size} of mesh axis {seq_axis!r}; pad T to a multiple of {P_size}.")
+  P_size = seq_axis_size(mesh, seq_axis, args.T, name=name)
 
   batch_spec, head_spec = _explicit_batch_head(q, mesh, seq_axis)
   batch_spec = _batch_axes(batch_axes, batch_spec, head_spec, mesh, seq_axis, args.B,

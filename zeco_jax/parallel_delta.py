@@ -41,7 +41,8 @@ from zeco_jax import transitions
 from zeco_jax.gated_delta import (check_inputs, chunk_gated_delta_rule, chunk_recurrence,
                                   l2norm)
 from zeco_jax.parallel import (_axes_in, _explicit_batch_head, _first_token_starts,
-                               _from_last_rank, _mesh_or_context, _on, _resolve_num_blocks)
+                               _from_last_rank, _mesh_or_context, _on, _resolve_num_blocks,
+                               seq_axis_size)
 
 _HI = lax.Precision.HIGHEST
 
@@ -146,13 +147,7 @@ def zeco_gated_delta_rule(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method
   name = "zeco_gated_delta_rule"
   args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, name=name)
   mesh = _mesh_or_context(mesh, name=name)
-  if seq_axis not in mesh.axis_names:
-    raise ValueError(f"{name}: the mesh has no axis `seq_axis`={seq_axis!r}; its axes are "
-                     f"{tuple(mesh.axis_names)}. Pass seq_axis= one of them.")
-  P_size = mesh.shape[seq_axis]
-  if args.T % P_size:
-    raise ValueError(f"{name}: sequence length T = {args.T} is not divisible by the size "
-                     f"{P_size} of mesh axis {seq_axis!r}; pad T to a multiple of {P_size}.")
+  P_size = seq_axis_size(mesh, seq_axis, args.T, name=name)
   _resolve_num_blocks(num_blocks, method, P_size, args.B, args.H, args.K, args.V, name=name)
   if segment_ids is not None:
     segments.check_segment_ids(segment_ids, args.B, args.T, name=name)
