@@ -14,7 +14,7 @@ against the chip's HBM), FLOPs per chip (``cost_analysis``), every collective ki
 count and bytes sent per chip per step (:func:`zeco_jax.hlo_stats.collective_bytes` of the
 compiled HLO) and, from the scheduled HLO, how many collective-permutes (the All-Scan's
 sends) have compute scheduled between their start and done
-(:func:`permute_overlap`). A program over HBM fails to compile in libtpu
+(:func:`zeco_jax.hlo_stats.async_overlap`). A program over HBM fails to compile in libtpu
 ("Ran out of memory on HBM"); that is reported as not fitting, with libtpu's figures.
 
 ``benchmarks/scale_aot.py`` sweeps configs, contexts, topologies and scan methods with it.
@@ -149,35 +149,6 @@ def oom_required_bytes(message: str):
   return float(m.group(1)) * 1024 ** "KMGT".index(m.group(2)) * 1024
 
 
-_COMPUTE = re.compile(r"\s(fusion|custom-call|dot|convolution|while|call)\(")
-
-
-def permute_overlap(hlo_text: str) -> list:
-  """For each collective-permute start/done pair of a scheduled module, in schedule order:
-  ``(compute, kernels)``: the fusions, custom calls, dots, convolutions, loops and calls
-  the schedule places between the start and its done, and of those the custom calls (the
-  Mosaic kernels). A pair with no compute is exposed: nothing runs while its data is in
-  flight (docs/design.md §4). The compiled text lists each computation's instructions in
-  schedule order (``is_scheduled=true``)."""
-  out, starts, body = [], {}, []
-  for raw in hlo_text.splitlines():
-    line = raw.strip()
-    if line.endswith("{") and "=" not in line.split("(")[0]:     # a computation begins
-      starts, body = {}, []
-      continue
-    body.append(line)
-    m = re.match(r"(?:ROOT )?%?([\w.\-]+) = .*\scollective-permute-start\(", line)
-    if m:
-      starts[m.group(1)] = len(body)
-      continue
-    m = re.search(r"\scollective-permute-done\(%?([\w.\-]+)\)", line)
-    if m and m.group(1) in starts:
-      between = body[starts[m.group(1)]:-1]
-      out.append((sum(1 for b in between if _COMPUTE.search(b)),
-                  sum(1 for b in between if " custom-call(" in b)))
-  return out
-
-
 def analyse(compiled, info: dict, hlo_text: str | None = None) -> dict:
   """The report of one compiled train step (see the module docstring); JSON-ready."""
   hbm = HBM_GIB[info["generation"]] * GIB
@@ -208,7 +179,7 @@ def analyse(compiled, info: dict, hlo_text: str | None = None) -> dict:
       for kind in sorted(set(sent) | set(counts))}
   for kind in report["collectives"]:
     report["collectives"][kind].setdefault("bytes_per_chip", 0.0)
-  between = permute_overlap(text)
+  between = hlo_stats.async_overlap(text)
   report["permute_overlap"] = {"pairs": len(between),
                                "with_compute": sum(1 for c, _ in between if c),
                                "with_kernel": sum(1 for _, k in between if k)}
