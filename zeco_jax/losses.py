@@ -149,9 +149,9 @@ def _emb_fwd(table, ids):
 def _emb_bwd(res, g):
   ids, table = res
   shape, dtype = table.shape, table.dtype
-  flat = ids.reshape(-1)
-  acc = jnp.zeros(shape, jnp.float32).at[flat].add(
-      g.reshape(flat.shape[0], shape[1]).astype(jnp.float32))
+  # Scatter with ids as they come ([B, T], no flattening): a reshape merging a data-sharded
+  # and a seq-sharded dim makes the SPMD partitioner all-gather ids and g over seq.
+  acc = jnp.zeros(shape, jnp.float32).at[ids].add(g.astype(jnp.float32))
   return acc.astype(dtype), None
 
 
