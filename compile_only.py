@@ -19,13 +19,12 @@ sends) have compute scheduled between their start and done
 
 ``benchmarks/scale_aot.py`` sweeps configs, contexts, topologies and scan methods with it.
 
-Limits: a mesh with ``data`` > 1 does not compile with the Mosaic kernels today:
-``zeco_gla``'s shard_map is manual over ``seq`` only and Mosaic kernels cannot be
-partitioned over the remaining auto axis ("Mosaic kernels cannot be automatically
-partitioned"). With ``data`` = 1 the mesh is built with the ``seq`` axis alone (the same
-program; every axis is then manual). ``--config.model.backend=jax`` compiles any mesh with
-the jnp path. FLOPs from ``cost_analysis`` do not count the Mosaic kernels' work (the
-kernels carry no cost estimate); :func:`analyse` also gives 6 N D (parameters x tokens).
+Meshes: ``data`` x ``seq``. With ``data`` > 1 the trainer passes the batch axis to the GLA
+layers (``batch_axes``) so the Mosaic kernels run per (data, seq) shard (a kernel cannot be
+partitioned by the compiler); with ``data`` = 1 the mesh is built with the ``seq`` axis alone
+(the same program). ``--config.model.backend=jax`` compiles the jnp path instead. Limits:
+FLOPs from ``cost_analysis`` do not count the Mosaic kernels' work (the kernels carry no
+cost estimate); :func:`analyse` also gives 6 N D (parameters x tokens).
 """
 from __future__ import annotations
 
@@ -103,7 +102,7 @@ def compile_train_step(config: ml_collections.ConfigDict, topology: str):
 
   Raises:
     ValueError: a bad topology or config (validated against the topology's chip count),
-      no libtpu, or a data > 1 mesh with the Mosaic kernels (see the module docstring).
+      or no libtpu.
   """
   devices = topology_devices(topology)
   if config.data.kind == "text" and not config.data.path:
@@ -120,16 +119,7 @@ def compile_train_step(config: ml_collections.ConfigDict, topology: str):
           "tokens_per_chip": B * T // len(devices), "oom": None}
   t0 = time.perf_counter()
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-    try:
-      lowered = exp.train_step.lower(exp.abstract_state, abstract_batch(exp, config))
-    except NotImplementedError as e:
-      if "cannot be automatically partitioned" in str(e):
-        raise ValueError(
-            f"compile_only: mesh data={mesh_shape['data']} x seq={mesh_shape['seq']} with the "
-            "Mosaic kernels: zeco_gla's shard_map is manual over seq only, and Mosaic kernels "
-            "cannot be partitioned over the data axis. Use --config.mesh=data=1,seq="
-            f"{len(devices)} or --config.model.backend=jax.") from None
-      raise
+    lowered = exp.train_step.lower(exp.abstract_state, abstract_batch(exp, config))
     info["lower_s"] = time.perf_counter() - t0
     try:
       compiled = lowered.compile()

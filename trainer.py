@@ -31,6 +31,7 @@ What it does not do: pipeline or tensor parallelism; choose devices or start pro
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -133,12 +134,17 @@ class Experiment:
                        f"hidden() and head_weight() ({self.model_cls.__name__} has none); "
                        "set --config.train.loss_chunk_size=0 (dense logits)")
     self.rules = sharding.rules_from_config(train.sharding_rules.to_dict())
+    self.batch_sharding = sharding.batch_sharding(mesh, self.rules)
+    batch_axes = self.batch_sharding.spec[0] if len(self.batch_sharding.spec) else None
+    if batch_axes is not None and getattr(self.model_cfg, "batch_axes", None) is None:
+      # B is split over `batch_axes`: the GLA kernels run per shard of it (the compiler
+      # cannot partition a kernel), so the layer must know (zeco_jax.nn.gla_op).
+      self.model_cfg = dataclasses.replace(self.model_cfg, batch_axes=batch_axes)
     abstract = nnx.eval_shape(lambda: self.model_cls(self.model_cfg, rngs=nnx.Rngs(0)))
     self.graphdef, _ = nnx.split(abstract)
     self.axes = sharding.logical_axes(abstract)
     self.param_shardings = sharding.param_shardings(self.axes, mesh, self.rules)
     self.replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    self.batch_sharding = sharding.batch_sharding(mesh, self.rules)
     self.compute_dtype = jnp.dtype(train.compute_dtype)
 
     self.schedule = optax.warmup_cosine_decay_schedule(

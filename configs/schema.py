@@ -130,6 +130,8 @@ SCHEMA: dict[str, Field] = {
     "model.seq_method": choice(*SCAN_METHODS),
     "model.num_blocks": integer(1, optional=True, note="None: zeco_gla's default"),
     "model.seq_axis": choice("seq", note="the mesh's sequence axis"),
+    "model.batch_axes": choice("data", optional=True,
+                               note="None: the trainer sets it from the batch sharding"),
     "model.remat": Field(bool),
     "model.use_short_conv": Field(bool),
     "model.conv_size": integer(1),

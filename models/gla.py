@@ -47,6 +47,7 @@ class GLAConfig:
   seq_method: str = "all_scan"               # zeco_gla method over the seq axis
   num_blocks: Optional[int] = None           # All-Scan pipeline blocks (None: zeco_gla's)
   seq_axis: str = "seq"
+  batch_axes: Optional[str] = None           # mesh axis B is split over (the trainer's)
   remat: bool = False                        # recompute each block in the backward
   use_short_conv: bool = False               # fla's ShortConvolution on q, k, v (+ SiLU)
   conv_size: int = 4
@@ -96,7 +97,8 @@ def gla_layer(cfg: GLAConfig, *, rngs: nnx.Rngs) -> GatedLinearAttention:
       gate_bias_init=cfg.gate_bias_init, use_short_conv=cfg.use_short_conv,
       conv_size=cfg.conv_size, norm_eps=cfg.norm_eps, init_std=cfg.init_std,
       output_init_std=_residual_out_std(cfg), chunk_size=cfg.chunk_size, backend=cfg.backend,
-      seq_axis=cfg.seq_axis, seq_method=cfg.seq_method, num_blocks=cfg.num_blocks, rngs=rngs)
+      seq_axis=cfg.seq_axis, seq_method=cfg.seq_method, num_blocks=cfg.num_blocks,
+      batch_axes=cfg.batch_axes, rngs=rngs)
 
 
 class SwiGLU(nnx.Module):

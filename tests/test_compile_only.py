@@ -65,6 +65,27 @@ def test_report_collectives(report):
   assert "collective-permute" in text and "fits" in text and "FLOPs" in text
 
 
+def test_data_and_seq_mesh_compiles_with_kernels():
+  """Mesh data = 2 x seq = 2: the trainer hands the batch axis to the GLA layer
+  (``batch_axes``), so the Mosaic kernels run per (data, seq) shard instead of being refused
+  ("cannot be automatically partitioned"). At seq = 2 a chip sends one All-Scan state of its
+  half of the batch (seq rank 0 forward, rank 1 backward), and nothing is all-gathered: the embedding gradient's scatter once flattened
+  [B, T] ids, which made the partitioner gather ids and gradients over seq."""
+  config = tiny_mqar.get_config()
+  config.model.use_short_conv = False
+  config.mesh = "data=2,seq=2"
+  compiled, info = compile_only.compile_train_step(config, "v5p:2x2x1")
+  r = compile_only.analyse(compiled, info)
+  assert r["mesh"] == {"data": 2, "seq": 2} and r["fits"]
+  assert r["tpu_custom_calls"] >= 3
+  m = config.model
+  H = m.num_heads
+  K, V = int(m.hidden_size * m.expand_k) // H, int(m.hidden_size * m.expand_v) // H
+  state = (config.data.batch_size // 2) * H * K * V * 4
+  assert r["collectives"]["collective-permute"]["bytes_per_chip"] == state * m.num_layers
+  assert "all-gather" not in r["collectives"], r["collectives"]
+
+
 def test_oom_message_parsed():
   msg = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
          "temporaries (18.52G) exceeds available HBM (15.75G).")

@@ -30,6 +30,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from zeco_jax.ops import chunk_gla
@@ -111,18 +112,30 @@ def _seq_size(mesh, axis: str) -> int:
   return int(dict(mesh.shape).get(axis, 1))
 
 
+def _mesh_size(mesh) -> int:
+  if mesh is None:
+    mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or getattr(mesh, "empty", False):
+    return 1
+  return int(np.prod(list(dict(mesh.shape).values()), dtype=np.int64))
+
+
 def gla_op(q, k, v, g, *, mesh=None, seq_axis: str = "seq", seq_method: str = "all_scan",
            num_blocks: Optional[int] = None, chunk_size: int = 64, backend: str = "auto",
-           segment_ids=None):
+           segment_ids=None, batch_axes=None):
   """GLA over ``[B, T, H, K/V]``: ``zeco_gla`` over ``seq_axis`` when that mesh axis has
-  size > 1, else ``chunk_gla`` (on one seq shard, or with no mesh). Returns the output.
-  ``segment_ids``: packed documents, as in :func:`zeco_jax.chunk_gla`."""
+  size > 1 (or when ``batch_axes`` names how B is split on a mesh of more than one
+  device), else ``chunk_gla`` (on one seq shard, or with no mesh). Returns the output.
+  ``segment_ids``: packed documents, as in :func:`zeco_jax.chunk_gla`. ``batch_axes``: the
+  mesh axis (or axes) B is split over, as in :func:`zeco_jax.zeco_gla`: the kernels then
+  run per shard of B too (the compiler cannot partition a kernel: without it a mesh with a
+  data axis > 1 is refused on the Pallas backend)."""
   seg = {} if segment_ids is None else {"segment_ids": segment_ids}
-  if _seq_size(mesh, seq_axis) > 1:
+  if _seq_size(mesh, seq_axis) > 1 or (batch_axes is not None and _mesh_size(mesh) > 1):
     kwargs = {} if num_blocks is None else {"num_blocks": num_blocks}
     kwargs.update(seg)
     o, _ = zeco_gla(q, k, v, g, mesh=mesh, seq_axis=seq_axis, method=seq_method,
-                    chunk_size=chunk_size, backend=backend, **kwargs)
+                    chunk_size=chunk_size, backend=backend, batch_axes=batch_axes, **kwargs)
   else:
     o, _ = chunk_gla(q, k, v, g, chunk_size=chunk_size, backend=backend, **seg)
   return o
@@ -165,6 +178,9 @@ class GatedLinearAttention(nnx.Module):
     chunk_size, backend: passed to ``chunk_gla`` / ``zeco_gla``.
     seq_axis, seq_method, num_blocks: the mesh axis the sequence is split over and
       ``zeco_gla``'s method and pipeline blocks (None: ``zeco_gla``'s choice).
+    batch_axes: the mesh axis (or axes) the batch is split over, e.g. ``"data"`` (None:
+      not split, or left to the compiler, which the Pallas kernels refuse): see
+      :func:`gla_op`.
   """
 
   def __init__(self, hidden_size: int, num_heads: int, *, expand_k: float = 0.5,
@@ -174,7 +190,7 @@ class GatedLinearAttention(nnx.Module):
                init_std: float = 0.02, output_init_std: Optional[float] = None,
                chunk_size: int = 64, backend: str = "auto", seq_axis: str = "seq",
                seq_method: str = "all_scan", num_blocks: Optional[int] = None,
-               rngs: nnx.Rngs):
+               batch_axes=None, rngs: nnx.Rngs):
     try:
       check_gla_args(hidden_size=hidden_size, num_heads=num_heads, expand_k=expand_k,
                      expand_v=expand_v, gate_low_rank_dim=gate_low_rank_dim,
@@ -187,6 +203,7 @@ class GatedLinearAttention(nnx.Module):
     self.num_heads, self.gate_logit_normalizer = num_heads, gate_logit_normalizer
     self.use_short_conv, self.chunk_size, self.backend = use_short_conv, chunk_size, backend
     self.seq_axis, self.seq_method, self.num_blocks = seq_axis, seq_method, num_blocks
+    self.batch_axes = batch_axes
     # Creation order fixes which random draws each parameter gets: keep it.
     self.q_proj = normal_param(rngs, (D, Kd), init_std, ("embed", "heads"))
     self.k_proj = normal_param(rngs, (D, Kd), init_std, ("embed", "heads"))
@@ -220,7 +237,7 @@ class GatedLinearAttention(nnx.Module):
     o_BxTxHxV = gla_op(q, k, v, g.reshape(B, T, H, -1), mesh=mesh, seq_axis=self.seq_axis,
                        seq_method=self.seq_method, num_blocks=self.num_blocks,
                        chunk_size=self.chunk_size, backend=self.backend,
-                       segment_ids=segment_ids)
+                       segment_ids=segment_ids, batch_axes=self.batch_axes)
     gate = _dot(x_BxTxD, self.g_proj[...]).reshape(B, T, H, -1)
     o = self.g_norm(o_BxTxHxV).astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
     return _dot(o.reshape(B, T, -1).astype(x_BxTxD.dtype), self.o_proj[...])
