@@ -206,6 +206,13 @@ def test_zeco_gla_scalar_decay_no_decay_and_bf16():
         chunk_size=C, backend="jax")
 
 
+def test_zeco_gla_head_groups_overlapping_the_sends():
+  """The local pass in head groups (overlap_pieces, the TPU default) with documents: each
+  group's fix-up sees its own slice of the reset decay."""
+  check(zeco_gla, mesh=seq_mesh(4), num_blocks=2, overlap_pieces=2, chunk_size=C,
+        backend="jax")
+
+
 @pytest.mark.parametrize("n,method", [(2, "all_scan"), (8, "ring")])
 def test_zeco_gla_pallas(n, method):
   pytest.importorskip("pallas_kernels")

@@ -144,12 +144,21 @@ def zeco_gla_local(q, k, v, g=None, *, axis_name, method="all_scan", num_blocks=
       # S_p first, from one GEMM; the local pass in `pieces` head groups, each released
       # by one step of the All-Scan so that every send has a kernel to hide behind
       # (docs/design.md §4).
+      # Every use of a head group reads the same slices (the local pass, S_p, the fix-up),
+      # so the backward keeps them once: slicing the kernels' inputs only would keep
+      # q, k, v, g twice (the slices for the kernels, the whole for S_p and the fix-up).
       hs = H // pieces
       part = lambda x, i: None if x is None else x[:, :, i * hs:(i + 1) * hs]
+      groups = [tuple(part(x, i) for x in (q, k, v, g_local, g_seg)) for i in range(pieces)]
       local_o = lambda *a: local(*a)[0]
-      work = [(local_o, tuple(part(x, i) for x in (q, k, v, g_local))) for i in range(pieces)]
-      entering, after, outs = scan(_segment_state(k, v, g_local), overlap_with=work)
-      o_local = jnp.concatenate(outs, axis=2)
+      work = [(local_o, grp[:4]) for grp in groups]
+      s_p = jnp.concatenate([_segment_state(gk, gv, gg) for _, gk, gv, gg, _ in groups], 1)
+      entering, after, outs = scan(s_p, overlap_with=work)
+      fix = [_fix_up(gq, gs, entering[:, i * hs:(i + 1) * hs], scale)
+             for i, (gq, _, _, _, gs) in enumerate(groups)]
+      o = (jnp.concatenate(outs, axis=2).astype(jnp.float32)
+           + jnp.concatenate(fix, axis=2)).astype(v.dtype)
+      return o, (after if output_final_state else None)
     o = (o_local.astype(jnp.float32) + _fix_up(q, g_seg, entering, scale)).astype(v.dtype)
   else:
     # No overlap (LASP-1): the segment's state from one GEMM, the scan, then the whole
@@ -190,6 +199,7 @@ def _over_keys(factor):
   return factor if factor.ndim == 4 else factor[..., None]
 
 
+@jax.checkpoint
 def _segment_state(k, v, g):
   """S_p from one GEMM: sum_t (k_t * exp(sum of g over (t, L])) v_t^T, each factor <= 1.
 
@@ -197,6 +207,8 @@ def _segment_state(k, v, g):
   the difference ``c_L - c_t`` of two prefix sums: that difference cancels when the
   prefix sums are large (a -1e4 spike makes every later c about 1e4, whose float32 ulp
   is 1e-3) and loses the small decays after it.
+
+  Rematerialized in the backward: only k, v, g (kept for the local pass anyway) are kept.
   """
   k_decayed = k.astype(jnp.float32)
   if g is not None:
