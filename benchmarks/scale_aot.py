@@ -148,6 +148,13 @@ def git_state() -> str:
 
 def cmd_run(args) -> None:
   done = load()
+  if "longest" in args.sweep:
+    state = git_state()
+    for config in args.configs:
+      for method in ("all_scan", "all_gather"):
+        t = longest_search(config, method, done, state)
+        print(f"longest {config} {method}: {t} tokens per chip", flush=True)
+    return
   points = [p for s in args.sweep for p in sweep_points(s)]
   state = git_state()
   for p in points:
@@ -161,6 +168,61 @@ def cmd_run(args) -> None:
     mem = (row.get("memory") or {}).get("total") or 0
     print(f"{row['key']}: wall {row['wall_s']:.0f}s fits={row.get('fits')} "
           f"mem={mem / 2**30:.2f}GiB {row.get('error', '')[:200]}", flush=True)
+
+
+# The longest-context search (``run --sweep longest``), per (config, method) at P = 64:
+# tokens per chip of a point that fits and of one that does not (libtpu reports what it
+# would need), then the longest multiple of 4096 the straight line between them puts under
+# HBM, then 4096 down from there until one fits (4096 up while one fits).
+LONGEST_P = 64
+LONGEST_BRACKETS = {"gla_340m": (16384, 65536), "gla_1b3": (16384, 65536),
+                    "gla_7b": (4096, 16384)}
+STEP = 4096
+
+
+def _need(row):
+  mem = row.get("memory") or {}
+  return mem.get("total") or mem.get("required_bytes_libtpu")
+
+
+def _run_once(p, done, state):
+  if key(p) in done:
+    return done[key(p)]
+  row = run_point(p)
+  row["git"] = state
+  with open(JSONL, "a") as fh:
+    fh.write(json.dumps(row) + "\n")
+  done[row["key"]] = row
+  mem = _need(row) or 0
+  print(f"{row['key']}: wall {row['wall_s']:.0f}s fits={row.get('fits')} "
+        f"mem={mem / 2**30:.2f}GiB {row.get('error', '')[:200]}", flush=True)
+  return row
+
+
+def longest_search(config, method, done, state, hbm=95 * 2**30):
+  """Compiles points of (config, method) at P = LONGEST_P until the longest context that
+  fits is pinned to STEP tokens per chip: the two points of LONGEST_BRACKETS give the
+  line of memory against tokens per chip (libtpu's required bytes where over HBM), its
+  crossing of ``hbm`` the first guess, then one STEP at a time until a fitting point sits
+  next to one that does not. Returns the last fitting tokens per chip (None: lo does not
+  fit, the report says so)."""
+  pt = lambda t: dict(config=config, layers=None, seq=LONGEST_P, tokens_per_chip=t,
+                      method=method)
+  lo, hi = LONGEST_BRACKETS[config]
+  r_lo, r_hi = _run_once(pt(lo), done, state), _run_once(pt(hi), done, state)
+  if not r_lo.get("fits") or not (_need(r_lo) and _need(r_hi)):
+    return None
+  slope = (_need(r_hi) - _need(r_lo)) / (hi - lo)
+  t = max(lo, lo + int((hbm - _need(r_lo)) / slope) // STEP * STEP)
+  fits = t == lo or _run_once(pt(t), done, state).get("fits")
+  if fits:
+    while _run_once(pt(t + STEP), done, state).get("fits"):
+      t += STEP
+    return t
+  while not fits and t - STEP > lo:
+    t -= STEP
+    fits = _run_once(pt(t), done, state).get("fits")
+  return t if fits else lo
 
 
 NOTES = [
@@ -439,7 +501,8 @@ if __name__ == "__main__":
   ap = argparse.ArgumentParser()
   sub = ap.add_subparsers(dest="cmd", required=True)
   r = sub.add_parser("run")
-  r.add_argument("--sweep", nargs="+", default=["all"], choices=["p", "context", "all"])
+  r.add_argument("--sweep", nargs="+", default=["all"], choices=["p", "context", "all", "longest"])
+  r.add_argument("--configs", nargs="+", default=list(LONGEST_BRACKETS))
   sub.add_parser("report")
   a = ap.parse_args()
   if a.cmd == "run":
