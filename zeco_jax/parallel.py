@@ -61,9 +61,9 @@ def default_overlap_pieces(platform: str, method: str, P: int, num_blocks: int, 
   On TPU with ``"all_scan"``: the largest divisor of H not above the chain's
   ``num_blocks + P - 2`` sends, so each send has a kernel to overlap (XLA's TPU scheduler
   otherwise puts the whole local pass beside one send; measured in
-  benchmarks/results/tpu_schedule.md). Elsewhere 1: a GPU kernel on a few heads leaves
-  most SMs idle, and the GPU forward's state kernel already gives S_p before its output
-  kernels run.
+  benchmarks/results/tpu_schedule.md). Elsewhere 1: on an H200 the split costs more than any
+  send could hide (16K tokens, H16, K = V = 128: forward + backward 4.1 ms whole, 5.0 ms in 2
+  head groups, against about 1 MiB per send; benchmarks/results/gpu_overlap.md).
   """
   if platform != "tpu" or method != "all_scan" or P < 2:
     return 1
