@@ -14,9 +14,10 @@ On:    TPU/GPU slices only. Float32 parameters, gradients and AdamW moments take
        per parameter (106 GB), more than one v5p chip's 95 GiB of HBM, so the parameters
        are sharded FSDP-style (``train.sharding_rules.embed=data``; with a data axis of 1,
        ``--config.train.sharding_rules.embed=seq`` shards them over the sequence axis).
-       Per-block rematerialisation, bf16 compute. Compile it for a TPU topology without a
-       TPU: python train.py --config configs/gla_7b.py --compile_only=v5p:4x4x4 \
-       --config.mesh=data=1,seq=64 --config.train.sharding_rules.embed=seq
+       Per-block rematerialisation, bf16 compute, the loss in 4096-token chunks. Compile it
+       for a TPU topology without a TPU: python train.py --config configs/gla_7b.py \
+       --compile_only=v5p:4x4x4 --config.mesh=data=1,seq=64 \
+       --config.train.sharding_rules.embed=seq
        (benchmarks/results/scale_aot.md).
 Time:  not measured (never run).
 Reach: not measured here.
@@ -33,6 +34,7 @@ def get_config():
   config.data.update(kind="text", seq_len=32768, batch_size=8)
   config.train.update(
       steps=50000, lr=3e-4, warmup_steps=1000, weight_decay=0.01, compute_dtype="bfloat16",
+      loss_chunk_size=4096,   # no [T, 32000] float32 logits: 2 GiB per 16K tokens per chip
       log_every=10, eval_every=1000, checkpoint_every=1000, keep_checkpoints=3)
   config.train.sharding_rules.embed = "data"
   return config

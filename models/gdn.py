@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.gla import GLAConfig, GLALM, SwiGLU, _residual_out_std
-from zeco_jax.nn import RMSNorm, normal_param
+from zeco_jax.nn import RMSNorm, normal_param, remat_call
 from zeco_jax.nn_delta import GatedDeltaNet
 
 FAMILIES = ("gla", "gdn")
@@ -90,7 +90,7 @@ class GDNLM(nnx.Module):
     x = jnp.take(emb, tokens_BxT, axis=0)
     for block in self.blocks():
       if self.cfg.remat:
-        x = nnx.remat(lambda blk, h, seg: blk(h, mesh, seg))(block, x, segment_ids)
+        x = remat_call(lambda blk, h, seg: blk(h, mesh, seg), block, x, segment_ids)
       else:
         x = block(x, mesh, segment_ids)
     x = self.norm(x)

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zeco_jax.nn import GatedLinearAttention, RMSNorm, check_gla_args, normal_param
+from zeco_jax.nn import (GatedLinearAttention, RMSNorm, check_gla_args, normal_param,
+                         remat_call)
 from zeco_jax.losses import embedding_lookup
 
 
@@ -152,7 +153,7 @@ class GLALM(nnx.Module):
     x = embedding_lookup(self.embed[...], tokens_BxT)
     for block in self.blocks():
       if self.cfg.remat:
-        x = nnx.remat(lambda blk, h, seg: blk(h, mesh, seg))(block, x, segment_ids)
+        x = remat_call(lambda blk, h, seg: blk(h, mesh, seg), block, x, segment_ids)
       else:
         x = block(x, mesh, segment_ids)
     return self.norm(x)

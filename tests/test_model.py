@@ -102,6 +102,40 @@ def test_short_conv_and_remat_variants():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
 
 
+def _barriers(jaxpr):
+  """Every optimization_barrier equation of a jaxpr, sub-jaxprs included."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "optimization_barrier":
+      out.append(eqn)
+    for p in eqn.params.values():
+      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          out += _barriers(inner)
+  return out
+
+
+def test_remat_recomputes_after_the_output_cotangent():
+  """remat=True: each block's backward passes the block's input and the output cotangent
+  (both [B, T, hidden]) through one optimization barrier before it recomputes (so XLA
+  cannot hoist the recomputation; jax.checkpoint's barrier holds the input alone), and the
+  input's cotangent with every parameter's gradient through another after (so no weight
+  gradient is left for later)."""
+  cfg = GLAConfig(**{**SMALL.__dict__, "remat": True})
+  model = GLALM(cfg, rngs=nnx.Rngs(0))
+  n_params = len(jax.tree.leaves(nnx.state(model.block_0)))
+  graphdef, params = nnx.split(model)
+  tokens = jax.random.randint(jax.random.key(3), (1, 32), 0, cfg.vocab_size)
+  loss = lambda p: jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)
+  hidden = (1, 32, cfg.hidden_size)
+  barriers = _barriers(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
+  n_hidden = [sum(tuple(v.aval.shape) == hidden for v in b.invars) for b in barriers]
+  before = [b for b, n in zip(barriers, n_hidden) if n == 2]
+  after = [b for b, n in zip(barriers, n_hidden) if n == 1 and len(b.invars) == n_params + 1]
+  assert len(before) == len(after) == cfg.num_layers
+
+
 @pytest.fixture(scope="module")
 def per_mesh(devices):
   """For seq = 1, 4, 8: loss and grads on one batch, and the losses of 3 optimizer steps."""
