@@ -1,6 +1,7 @@
 """The training step at scale, compiled for v5p topologies without a TPU (issue 12 item 4).
 
     python benchmarks/scale_aot.py run [--sweep all|p|context]   # resumable, JSON lines
+    python benchmarks/scale_aot.py run --sweep longest [--configs gla_1b3 ...]
     python benchmarks/scale_aot.py report     # -> results/scale_aot.md, .json, .png
 
 Each point is the trainer's whole train step (forward, backward, AdamW; ``backend="auto"``,
@@ -18,11 +19,14 @@ Points (``sweep_points``; ``all`` interleaves them, most needed first):
 * ``p``: the gla_340m shape with 2 of its 24 layers (compile time: a 24-layer step took 4
   min to compile on this 2-core host when it was idle; bytes per layer do not depend on
   depth), 4096 tokens per chip (context 32K at P = 8 to 1M at P = 256), all_scan,
-  all_gather and tree at P = 8 and 64 first, then 16, 32, 128, 256.
+  all_gather and tree at P = 8 and 64 first, then 16, 32, 128, 256, then 4 and 1 (P = 1:
+  v5p's smallest slice, 4 chips, as data = 4 with one 4096-token sequence per chip).
 * ``context``: gla_340m, gla_1b3 and gla_7b at full depth, P = 64 (v5p:4x4x4), a 1M-token
   sequence (16K tokens per chip), all_scan and all_gather: does the longest context of the
   range fit v5p's HBM (libtpu refuses to compile a program over HBM, so "fits" is the
   compiler's own answer)?
+* ``longest`` (``--configs``): per config and method (all_scan, all_gather), at P = 64 and
+  full depth, the longest context that fits, to 4096 tokens per chip (:func:`longest_search`).
 """
 from __future__ import annotations
 
@@ -43,7 +47,8 @@ JSONL = os.path.join(RESULTS, "scale_aot.jsonl")
 HLO_DIR = os.environ.get("SCALE_AOT_HLO_DIR", "/tmp/scale_aot_hlo")
 
 # v5p topologies by chip count (Google Cloud v5p docs' slice shapes).
-TOPOLOGY = {4: "v5p:2x2x1", 8: "v5p:2x2x2", 16: "v5p:2x2x4", 32: "v5p:2x4x4", 64: "v5p:4x4x4",
+# P = 1 (no sequence parallelism): the smallest v5p slice, 4 chips, as data = 4 (config_for).
+TOPOLOGY = {1: "v5p:2x2x1", 4: "v5p:2x2x1", 8: "v5p:2x2x2", 16: "v5p:2x2x4", 32: "v5p:2x4x4", 64: "v5p:4x4x4",
             128: "v5p:4x4x8", 256: "v5p:4x8x8", 512: "v5p:8x8x8", 1024: "v5p:8x8x16",
             2048: "v5p:8x16x16", 4096: "v5p:16x16x16"}
 METHODS = ("all_scan", "all_gather", "tree")
@@ -76,7 +81,8 @@ def sweep_points(name: str) -> list:
   ctx_scan = [_context_point(c, "all_scan") for c in ("gla_340m", "gla_1b3", "gla_7b")]
   ctx_gather = [_context_point(c, "all_gather") for c in ("gla_7b", "gla_1b3", "gla_340m")]
   if name == "p":
-    return ends + trees + middle + far + [_p_point(P, "tree") for P in (16, 32, 128, 256)]
+    return (ends + trees + middle + far + [_p_point(P, "tree") for P in (16, 32, 128, 256)]
+            + [_p_point(4, m) for m in METHODS] + [_p_point(1, "all_scan")])
   if name == "context":
     return ctx_scan + ctx_gather
   if name == "all":     # what a short session can afford, most needed first
@@ -111,6 +117,9 @@ def config_for(p: dict):
   config.data.batch_size = 1
   config.data.seq_len = p["seq"] * p["tokens_per_chip"]
   config.mesh = f"data=1,seq={p['seq']}"
+  if p["seq"] == 1:    # one sequence per chip on v5p's smallest slice: data = 4, no seq axis work
+    config.data.batch_size = 4
+    config.mesh = "data=4,seq=1"
   if config.train.sharding_rules.embed == "data":   # FSDP (gla_7b): over seq when data = 1
     config.train.sharding_rules.embed = "seq"
   return config
@@ -201,79 +210,94 @@ def _run_once(p, done, state):
 
 def longest_search(config, method, done, state, hbm=95 * 2**30):
   """Compiles points of (config, method) at P = LONGEST_P until the longest context that
-  fits is pinned to STEP tokens per chip: the two points of LONGEST_BRACKETS give the
-  line of memory against tokens per chip (libtpu's required bytes where over HBM), its
-  crossing of ``hbm`` the first guess, then one STEP at a time until a fitting point sits
-  next to one that does not. Returns the last fitting tokens per chip (None: lo does not
-  fit, the report says so)."""
+  fits is pinned to STEP tokens per chip. Memory against tokens per chip is close to a
+  line but not one (XLA's scheduler spends spare HBM), so each next point is where the line
+  through the two points nearest the crossing of ``hbm`` (the longest that fits and the
+  shortest that does not, or the two longest that fit) meets it, in multiples of STEP,
+  strictly between the two brackets; libtpu reports the bytes a program over HBM would need,
+  so points that do not fit count too. Starts from the two points of LONGEST_BRACKETS and
+  any points of an earlier run in ``done``.
+  Returns the longest fitting tokens per chip (None: the shorter bracket does not fit)."""
   pt = lambda t: dict(config=config, layers=None, seq=LONGEST_P, tokens_per_chip=t,
                       method=method)
-  lo, hi = LONGEST_BRACKETS[config]
-  r_lo, r_hi = _run_once(pt(lo), done, state), _run_once(pt(hi), done, state)
-  if not r_lo.get("fits") or not (_need(r_lo) and _need(r_hi)):
-    return None
-  slope = (_need(r_hi) - _need(r_lo)) / (hi - lo)
-  t = max(lo, lo + int((hbm - _need(r_lo)) / slope) // STEP * STEP)
-  fits = t == lo or _run_once(pt(t), done, state).get("fits")
-  if fits:
-    while _run_once(pt(t + STEP), done, state).get("fits"):
-      t += STEP
-    return t
-  while not fits and t - STEP > lo:
-    t -= STEP
-    fits = _run_once(pt(t), done, state).get("fits")
-  return t if fits else lo
+  tried = {r["point"]["tokens_per_chip"]: r for r in done.values()   # an earlier run's points
+           if "error" not in r and r["point"] == pt(r["point"]["tokens_per_chip"])}
+  for t in LONGEST_BRACKETS[config]:
+    tried[t] = _run_once(pt(t), done, state)
+  while True:
+    fit = sorted(t for t, r in tried.items() if r.get("fits"))
+    over = sorted(t for t, r in tried.items() if not r.get("fits"))
+    if not fit:
+      return None
+    if over and over[0] - fit[-1] <= STEP:
+      return fit[-1]
+    a, b = (fit[-1], over[0]) if over else (fit[-2], fit[-1]) if len(fit) > 1 else (None, None)
+    if a is None or not (_need(tried[a]) and _need(tried[b])):
+      return fit[-1]                      # nothing to draw a line through: say what fits
+    slope = (_need(tried[b]) - _need(tried[a])) / (b - a)
+    guess = (fit[-1] + 8 * STEP if slope <= 0 else
+             a + int((hbm - _need(tried[a])) / slope) // STEP * STEP)
+    t = max(fit[-1] + STEP, guess)
+    if over:
+      t = min(t, over[0] - STEP)
+    tried[t] = _run_once(pt(t), done, state)
 
 
 NOTES = [
-    "- **All-Scan bytes are flat in P**: 2 MiB per chip per step at every P from 8 to 256 "
+    "- **All-Scan bytes are flat in P**: 2.00 MiB per chip per step at every P from 4 to 256 "
     "(2 layers x one 512 KiB state forward + one reverse; 4 more bytes: the previous rank's "
-    "last segment id of the packed-document path), exactly as the model says. gla_1b3 at "
-    "full depth sends 144 MiB = 3 x 24 layers x 2 MiB: with `remat` the backward recomputes "
-    "the forward, All-Scan included (one more state per layer).",
-    "- **all_gather grows with P**: its scan bytes go from 21 MiB (P = 8) to 253 MiB "
-    "(P = 64) and 1024 MiB (P = 256) at 2 layers. From P = 64 XLA lowers the gather as an "
-    "all-reduce of a zero-padded buffer (no all-gather op is left), which `hlo_stats` counts "
-    "as a ring all-reduce (2 (G - 1) / G of the buffer): x48.6 from P = 8 to 256 for P - 1's "
-    "x36.4.",
-    "- **A non-scan collective grows with P and dominates the all-reduce column**: every "
-    "step all-reduces two bf16 `[P, tokens per chip, hidden]` buffers and an int32 / float32 "
-    "`[P, tokens per chip]` each built by a dynamic-update-slice into zeros: the whole "
-    "sequence's hidden states (and tokens / segment ids) gathered onto every chip through an "
-    "all-reduce (at P = 16 and 32 XLA emits it as an all-gather instead: the all-gather "
-    "column of the all_scan rows). At P = 64 and 4K tokens per chip that is 2 x 512 MiB (the "
-    "2.2 GiB of the all_scan row against 0.3 GiB at P = 8; 8.2 GiB at P = 256); at 16K tokens "
-    "per chip 2 x 2 GiB. It comes from "
-    "GSPMD outside zeco_gla (the embedding / head / packed-document path: not identified in "
-    "this session), it is in all three methods, and it is the likely reason gla_7b at 1M "
-    "tokens does not fit (libtpu: 325 GiB of temporaries).",
-    "- **All-Scan costs memory at P = 64 here**: gla_1b3 at 1M tokens needs 47.8 GiB per "
-    "chip with all_scan (32.8 GiB of temporaries) and 30.4 GiB with all_gather (14.8 GiB), while "
-    "all_gather sends 22.8 GiB per chip per step against all_scan's 5.1 GiB (its gathers "
-    "lowered as all-reduces). Not explained in this session: the unrolled chain has num_blocks "
-    "+ P - 2 sends per scan and the TPU scheduler may keep many blocks in flight; the lead's "
-    "uncommitted overlap work (head-group pieces) was in the tree. Both fit v5p's 95 GiB.",
-    "- The full-sequence gather is missing from the tree steps at P = 128 and 256 (1.9 GiB "
-    "per chip against all_scan's 4.0 and 7.1 GiB, all-reduce 0.34 GiB): whether GSPMD emits it "
-    "depends on the program around zeco_gla, not on P alone.",
-    "- **Overlap**: at P = 8 (2 layers) 26 of the 33 All-Scan permutes have compute between "
-    "start and done (16 of them a Mosaic kernel), 64 of 65 at P = 16, 136 of 137 at P = 32; "
-    "from P = 64 only 29 (of 281, 537, 1081 at P = 64, 128, 256), and at full "
-    "depth 317 of 3361 (gla_340m) and 1051 of 5641 (gla_1b3): the chain has num_blocks + P - "
-    "2 sends per scan and the local pass offers only a few kernels to hide them behind. The "
-    "lead's overlap work in zeco_jax/parallel.py and scan.py was uncommitted while this ran "
-    "(the Code line above).",
-    "- **The data axis is 1 in every point**: with data > 1 the Mosaic kernels do not "
-    "compile inside zeco_gla (its shard_map is manual over seq only; 'Mosaic kernels cannot be "
-    "automatically partitioned'), so there is no data-parallel gradient reduction here; "
-    "gradients are all-reduced over the seq axis (parameters are replicated over it). P = 1 "
-    "(no sequence parallelism) is not compiled for the same reason at 4 chips, and v5p "
-    "names start at 2x2x1.",
+    "last segment id of the packed-document path), as the model says. At full depth gla_340m "
+    "sends 24 MiB (24 layers x 1 MiB), gla_1b3 144 MiB = 24 layers x 3 x its 2 MiB state: with "
+    "`remat` the backward recomputes the forward, All-Scan included (one more state per layer).",
+    "- **all_gather grows with P**: its scan bytes go from 9 MiB (P = 4) and 21 MiB (P = 8) "
+    "to 1024 MiB (P = 256) at 2 layers. From P = 64 XLA lowers the gather as an all-reduce "
+    "of a zero-padded buffer (no all-gather op is left), which `hlo_stats` counts as a ring "
+    "all-reduce (2 (G - 1) / G of the buffer): x113 from P = 4 to 256 for P - 1's x85 "
+    "(x48.6 from P = 8 for x36.4). P = 1 sends nothing over seq (its all-reduce: the "
+    "gradients over data = 4).",
+    "- **No full-sequence collective is left**: the all_scan and tree steps all-reduce only "
+    "the gradients (305 MiB at P = 8 to 347 MiB at P = 256, 2 layers). The sweep before this "
+    "one (code 0792133 + uncommitted changes) also all-reduced the whole sequence's hidden "
+    "states every step (2.2 GiB per chip at P = 64, 8.2 GiB at P = 256); gone at 03fe6a0. "
+    "The embedding backward's flattened ids (replaced in bb60d99) were on that path; those "
+    "rows also ran uncommitted model code, so the cause is not pinned to one change.",
+    "- **Memory: All-Scan needs no more than all_gather**, so it reaches as far or further: "
+    "gla_340m at 1M tokens 22.1 GiB per chip against 23.3, at 4M 69.6 against 71.6; gla_1b3 "
+    "at 1M 23.1 against 23.5, at 4M 36.4 against 36.3, at 16896K 94.7 against 93.4. The "
+    "longest contexts are in the table above.",
+    "- **remat and XLA's scheduler** (3f3a27b): with `jax.checkpoint` a block's recomputation "
+    "and its weight-gradient dots depend on nothing the next block's backward needs, and the "
+    "TPU latency-hiding scheduler moved them beside the All-Scan's permutes, keeping every "
+    "block's MLP activations alive: gla_1b3 at 1M tokens needed 46.8 GiB per chip with "
+    "all_scan against 30.4 with all_gather (no permutes to fill), the gap growing with depth "
+    "(equal at 2 and 6 layers; 12 layers: 18.3 against 11.5 GiB of temporaries). "
+    "`zeco_jax.nn.remat_call` ties each block's recomputation to its output cotangent and its "
+    "weight gradients to its input's cotangent (two optimization barriers): 12 layers 10.4 "
+    "GiB. The same commit moved gla_1b3 and gla_7b to the chunked loss "
+    "(`train.loss_chunk_size=4096`; dense float32 logits are 2 GiB per 16K tokens per chip). "
+    "Together: gla_1b3 at 1M tokens 46.8 -> 23.1 GiB (all_scan), 30.4 -> 23.5 (all_gather); "
+    "gla_7b at 1M tokens from 325 GiB (libtpu's figure, either method) to 17.5 GiB with "
+    "all_gather (all_scan not compiled at 3f3a27b: session time).",
+    "- **Overlap** (collective-permutes with compute between start and done): at 2 layers 12 "
+    "of 13 at P = 4 (8 with a kernel), 32 of 33 at P = 8, 64 of 65 at P = 16, 136 of 137 at P = 32, then 58 of 281, 537 and 1081 "
+    "at P = 64, 128 and 256; at full depth 774 of 3361 (gla_340m, 16K tokens per chip). The "
+    "unrolled chain has num_blocks + P - 2 sends per scan and each rank's own data rides on "
+    "num_blocks of them; the local pass, split in head groups (4 for these H = 4 shapes), gives "
+    "a kernel to 16 sends per 2 layers from P = 32 on. What stays exposed is the chain's "
+    "latency, (num_blocks + P - 2) hops per scan: the model column's 0.46 ms per step at "
+    "P = 64 (2 layers). zeco_gla alone at seq = 8: a kernel inside 7 of 8 forward and 16 of "
+    "16 forward + backward sends (benchmarks/results/tpu_schedule.md).",
+    "- **The data axis**: since 96425ab the Mosaic kernels compile on data x seq meshes (the "
+    "trainer passes its batch axis to the GLA layers; tests/test_compile_only.py compiles "
+    "v5p:2x2x1 as data = 2 x seq = 2). The sweep keeps data = 1 (P = 1: data = 4).",
     "- **FLOPs**: `cost_analysis` leaves out the Mosaic kernels (no cost estimate), so "
     "the JSON's `flops` is XLA's part only; `model_flops_6nd` is 6 N D.",
-    "- **Not done** (compile time on a 2-core host shared with five other jobs, 1.5-10 min "
-    "per point): P = 512 to 4096 chips; full depth at P other than 64; contexts below 1M for gla_7b (its longest fitting "
-    "context is not known); a search for the longest context above 1M per chip count.",
+    "- **Not done**: P = 512 to 4096 chips (the p sweep's largest, 256, compiled in 40-90 s "
+    "per point, but a longest-context search per P at full depth costs 2-8 min per point on "
+    "this 2-core host, and about 22 GB of host memory for one gla_1b3 all_scan point near HBM); full depth at P "
+    "other than 64; gla_7b with all_scan at 3f3a27b, and its all_gather search stopped at "
+    "118784 tokens per chip (94.85 GiB; 122880 not compiled); the GPU schedule of "
+    "the sends (benchmarks/results/gpu_overlap.md).",
 ]
 
 
@@ -335,7 +359,8 @@ def cmd_report(done: dict) -> None:
                                  -r["point"]["tokens_per_chip"]))
   gits = sorted({r.get("git", "?") for r in rows})
   out = ["# The training step at scale, compiled for v5p without a TPU (issue 12 item 4)", "",
-         f"`python benchmarks/scale_aot.py run --sweep all` (stopped where the notes say) then `... report` (jax "
+         f"`python benchmarks/scale_aot.py run --sweep p`, `... run --sweep longest --configs "
+         f"gla_340m gla_1b3 gla_7b`, then `... report` (jax "
          f"{jax.__version__}, libtpu 0.0.48.1, a 2-core CPU host shared with other jobs). "
          f"Code: {'; '.join(gits)}. Every row is the trainer's whole train step (forward, "
          "backward, AdamW, bf16 compute, `backend=\"auto\"`: the Mosaic TPU kernels) compiled "
@@ -352,10 +377,11 @@ def cmd_report(done: dict) -> None:
          f"way), alpha = {TPU_ALPHA_S * 1e6:.0f} us (an assumption: no public per-hop figure).",
          "", "## Bytes per chip per step vs P (gla_340m shape, 2 of its 24 layers, 4096 "
          "tokens per chip)", "",
-         "Compiled at 2 layers to fit the compile time (a 24-layer step took 4 min to "
-         "compile on this host idle; 2 layers took 1.5-10 min under this session's load). "
-         "The scan collectives are per layer (the full model sends 12x them); the all-reduce "
-         "is the gradients' and a full-sequence gather (Notes).", "",
+         "Compiled at 2 layers to fit the compile time (2 layers: 45-90 s each on this host; "
+         "the full model 2-8 min). The scan collectives are per layer (the full model sends "
+         "12x them); the all-reduce is the gradients' (and from P = 64 all_gather's own "
+         "gathers, which XLA lowers as all-reduces). P = 1 is 4 chips as data = 4, one "
+         "4096-token sequence each (its all-reduce: the gradients over data).", "",
          "| P | topology | context | method | permutes | permute MiB | all-gather MiB | "
          "reduce-scatter MiB | all-reduce MiB | all MiB | memory GiB | fits | permutes "
          "with compute (with a kernel) | model comm ms | compile s |", "|" + "---|" * 15]
@@ -382,7 +408,7 @@ def cmd_report(done: dict) -> None:
   Ps = sorted({P for P, _ in by})
   summary = []
   for m in METHODS:
-    have = [P for P in Ps if (P, m) in by]
+    have = [P for P in Ps if (P, m) in by and P > 1]    # P = 1 sends nothing
     if len(have) >= 2:
       lo, hi = have[0], have[-1]
       b_lo, b_hi = scan_bytes(by, lo, m), scan_bytes(by, hi, m)
@@ -395,16 +421,20 @@ def cmd_report(done: dict) -> None:
                      f"P = {hi}: x{b_hi / b_lo:.3f} (P - 1: x{(hi - 1) / (lo - 1):.2f}).")
   out += ["", *summary]
 
-  out += ["", "## Longest context that fits v5p HBM (full depth)", "",
-          "The top of the range: one 1M-token sequence over P = 64 chips (16K tokens per "
-          "chip), every layer. gla_7b shards its parameters and optimizer state over the seq "
-          "axis (FSDP, `train.sharding_rules.embed=seq`: the data axis is 1); gla_340m and "
-          "gla_1b3 replicate them, as their configs do. Per-chip memory depends on the tokens "
-          "per chip, not on P, except for all_gather's gathered states (P per layer).", "",
-          "| config | P | method | context | tokens per chip | memory GiB | fits | permute "
+  out += ["", "## Longest context that fits v5p HBM (full depth, P = 64)", "",
+          "`run --sweep longest`: per (config, method), the whole model on P = 64 chips "
+          "(v5p:4x4x4), one sequence; from two points (16K and 64K tokens per chip; 4K and "
+          "16K for gla_7b) a straight line of memory against tokens per chip gives the first "
+          "guess, then 4096 tokens per chip at a time until a point that fits sits next to one "
+          "that does not (libtpu's own answer: it refuses to compile a program over HBM, "
+          "reporting what it would need). gla_7b shards its parameters and optimizer state over "
+          "the seq axis (FSDP, `train.sharding_rules.embed=seq`: the data axis is 1); gla_340m "
+          "and gla_1b3 replicate them, as their configs do. Per-chip memory depends on the "
+          "tokens per chip, not on P, except for all_gather's gathered states (P per layer).",
+          "", "| config | P | method | context | tokens per chip | memory GiB | fits | permute "
           "MiB | all-gather MiB | reduce-scatter MiB | all-reduce MiB | permutes with compute "
           "| compile s |", "|" + "---|" * 13]
-  longest = {}
+  fit, over = {}, {}
   for r in c_rows:
     q = r["point"]
     ctx = q["seq"] * q["tokens_per_chip"]
@@ -425,17 +455,28 @@ def cmd_report(done: dict) -> None:
         f"{ov.get('pairs', '')} | {r.get('compile_s', 0):.0f} |")
     k = (q["config"], q["seq"], q["method"])
     if r.get("fits"):
-      longest[k] = max(longest.get(k, 0), ctx)
+      fit[k] = max(fit.get(k, 0), ctx)
     else:
-      longest.setdefault(k, 0)
-  out += ["", "| config | P | all_scan longest context | all_gather longest context |",
-          "|---|---|---|---|"]
+      over[k] = min(over.get(k, ctx), ctx)
+  longest = {k: fit.get(k, 0) for k in set(fit) | set(over)}
+
+  def cell(k):
+    f, o = fit.get(k), over.get(k)
+    if f is None and o is None:
+      return "not compiled"
+    if f is None:
+      return f"none compiled fits (smallest tried: {o // 1024}K)"
+    if o is None or o < f:
+      return f"{f // 1024}K fits (longer not compiled)"
+    if o - f <= STEP * k[1]:
+      return f"**{f // 1024}K** ({o // 1024}K does not fit)"
+    return f"{f // 1024}K fits, {o // 1024}K does not (between: not compiled)"
+
+  out += ["", "| config | P | all_scan: longest context that fits | all_gather: longest context "
+          "that fits |", "|---|---|---|---|"]
   for config, P in sorted({(c, P) for c, P, _ in longest}):
-    cell = lambda m: (f">= {longest[(config, P, m)] // 1024}K (the range's top)"
-                      if longest.get((config, P, m)) else
-                      ("< 1M (shorter contexts not compiled)" if (config, P, m) in longest
-                       else "not compiled"))
-    out.append(f"| {config} | {P} | {cell('all_scan')} | {cell('all_gather')} |")
+    out.append(f"| {config} | {P} | {cell((config, P, 'all_scan'))} | "
+               f"{cell((config, P, 'all_gather'))} |")
 
   from zeco_jax import scan as scan_lib
   state = 1 << 20
@@ -458,7 +499,8 @@ def cmd_report(done: dict) -> None:
     fh.write(text)
   with open(os.path.join(RESULTS, "scale_aot.json"), "w") as fh:
     json.dump({"rows": rows, "alpha_s": TPU_ALPHA_S, "beta_s_per_byte": TPU_BETA_S_PER_BYTE,
-               "longest_context": {"|".join(map(str, k)): v for k, v in longest.items()}},
+               "longest_context": {"|".join(map(str, k)): {"fits": fit.get(k), "does_not_fit":
+                                                       over.get(k)} for k in longest}},
               fh, indent=1)
   print(text)
   _plot(by, Ps, c_rows)
@@ -470,12 +512,12 @@ def _plot(by, Ps, c_rows) -> None:
   import matplotlib.pyplot as plt
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
   for m, mk in zip(METHODS, "osd"):
-    have = [P for P in Ps if scan_bytes(by, P, m) is not None]
+    have = [P for P in Ps if P > 1 and scan_bytes(by, P, m) is not None]
     ax1.plot(have, [scan_bytes(by, P, m) / 2**20 for P in have], marker=mk,
              label=f"{m}: its scans")
   have = [P for P in Ps if (P, "all_scan") in by]
   ax1.plot(have, [_coll(by[(P, "all_scan")], "all-reduce") / 2**20 for P in have], "k:",
-           label="all-reduce: gradients + full-sequence gather")
+           label="all_scan step all-reduce: the gradients")
   ax1.set(xscale="log", yscale="log", xlabel="chips on the seq axis P",
           ylabel="MiB sent per chip per step",
           title="gla_340m shape, 2 layers, 4K tokens/chip (v5p)")
