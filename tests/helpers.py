@@ -1,7 +1,17 @@
-"""Shared test helpers: random GLA inputs (never zeros) and the relative-norm error."""
+"""Shared test helpers: random GLA inputs (never zeros), the relative-norm error, and the
+sub-jaxprs of a jaxpr equation (to walk a traced program)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+def sub_jaxprs(eqn):
+  """The jaxprs inside one equation's parameters (jit, shard_map, custom_vjp, ...)."""
+  for value in eqn.params.values():
+    for item in (value if isinstance(value, (tuple, list)) else (value,)):
+      inner = getattr(item, "jaxpr", item)
+      if hasattr(inner, "eqns"):
+        yield inner
 
 
 def rel_err(a, b):

@@ -9,6 +9,7 @@ from flax import nnx
 import configs.tiny_mqar
 import trainer
 from conftest import rel_err
+from helpers import sub_jaxprs
 from models import GLALM, GLAConfig, sharding
 from models.data import Dataset
 from zeco_jax.nn import GatedLinearAttention
@@ -108,11 +109,8 @@ def _barriers(jaxpr):
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "optimization_barrier":
       out.append(eqn)
-    for p in eqn.params.values():
-      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          out += _barriers(inner)
+    for inner in sub_jaxprs(eqn):
+      out += _barriers(inner)
   return out
 
 

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from helpers import cotangents, gla_inputs, loss_and_grads, rel_err
+from helpers import cotangents, gla_inputs, loss_and_grads, rel_err, sub_jaxprs
 from zeco_jax import recurrent_gla, transitions, zeco_gla, zeco_gla_local
 from zeco_jax.hlo_stats import collective_bytes
 from zeco_jax.parallel import segment_transition
@@ -84,7 +84,7 @@ def test_segment_transition_keeps_the_decay_kind():
     for eqn in eqns:
       if eqn.primitive.name in _COLLECTIVES:
         moved.extend(tuple(x.aval.shape) for x in eqn.invars)
-      for inner in _sub_jaxprs(eqn):
+      for inner in sub_jaxprs(eqn):
         walk(inner.eqns)
 
   walk(jaxpr.eqns)
@@ -213,18 +213,10 @@ def test_zeco_gla_argument_errors():
 _COLLECTIVES = ("ppermute", "all_gather")
 
 
-def _sub_jaxprs(eqn):
-  for value in eqn.params.values():
-    for item in (value if isinstance(value, (tuple, list)) else (value,)):
-      inner = getattr(item, "jaxpr", item)
-      if hasattr(inner, "eqns"):
-        yield inner
-
-
 def _communicates(eqn) -> bool:
   """Whether the equation is, or contains, a collective (e.g. the All-Scan's custom_vjp)."""
   return eqn.primitive.name in _COLLECTIVES or any(
-      _communicates(e) for j in _sub_jaxprs(eqn) for e in j.eqns)
+      _communicates(e) for j in sub_jaxprs(eqn) for e in j.eqns)
 
 
 def _find_shard_map(eqns):
@@ -232,7 +224,7 @@ def _find_shard_map(eqns):
   for eqn in eqns:
     if eqn.primitive.name == "shard_map":
       return eqn
-    for inner in _sub_jaxprs(eqn):
+    for inner in sub_jaxprs(eqn):
       found = _find_shard_map(inner.eqns)
       if found is not None:
         return found
