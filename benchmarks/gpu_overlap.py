@@ -1,12 +1,13 @@
 """The All-Scan's overlap on the GPU path (issue 12): the schedule XLA's GPU compiler gives
 the chain's sends, and what splitting the local pass (``overlap_pieces``) costs on a GPU.
 
-Two modes, each its own process (the mock topology changes the GPU client):
+Two modes, each its own process (--mock changes the GPU client):
 
   # The schedule: zeco_gla forward + backward over seq = P GPUs, compiled by the real GPU
-  # compiler on ONE GPU with a mocked multi-node topology (jax_mock_gpu_topology: P nodes of
-  # one GPU, mock NCCL), so the latency-hiding scheduler's placement of every
-  # collective-permute start/done pair can be read from the compiled HLO.
+  # compiler, so the latency-hiding scheduler's placement of every collective-permute
+  # start/done pair can be read from the compiled HLO. On a multi-GPU host without --mock;
+  # on ONE GPU --mock 8 mocks 8 processes of one GPU each (jax's mock_num_gpu_processes,
+  # mock NCCL; with jax 0.11.2 on an H200 it did not finish compiling: results/gpu_overlap.md).
   python benchmarks/gpu_overlap.py schedule --mock 8 --pieces 1 2 4 8
 
   # The cost: the local pass of one GPU (16K tokens, H16, K = V = 128, bf16) whole against
@@ -38,9 +39,9 @@ def _inputs(T, sharding=None):
   r = np.random.default_rng(0)
   shapes = ((B, T, H, K), (B, T, H, K), (B, T, H, V), (B, T, H, K))
   dtypes = (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, jnp.float32)
-  make = lambda i, s, dt: (np.log(r.uniform(0.9, 1.0, s)) if i == 3
-                           else r.standard_normal(s)).astype(np.float32)
-  hosts = [make(i, s, dt) for i, (s, dt) in enumerate(zip(shapes, dtypes))]
+  make = lambda i, s: (np.log(r.uniform(0.9, 1.0, s)) if i == 3   # log-decays in (log 0.9, 0]
+                       else r.standard_normal(s)).astype(np.float32)
+  hosts = [make(i, s) for i, s in enumerate(shapes)]
   if sharding is None:
     return [jnp.asarray(h, dt) for h, dt in zip(hosts, dtypes)]
   return [jax.make_array_from_callback(h.shape, sharding,

@@ -48,8 +48,8 @@ HLO_DIR = os.environ.get("SCALE_AOT_HLO_DIR", "/tmp/scale_aot_hlo")
 
 # v5p topologies by chip count (Google Cloud v5p docs' slice shapes).
 # P = 1 (no sequence parallelism): the smallest v5p slice, 4 chips, as data = 4 (config_for).
-TOPOLOGY = {1: "v5p:2x2x1", 4: "v5p:2x2x1", 8: "v5p:2x2x2", 16: "v5p:2x2x4", 32: "v5p:2x4x4", 64: "v5p:4x4x4",
-            128: "v5p:4x4x8", 256: "v5p:4x8x8", 512: "v5p:8x8x8", 1024: "v5p:8x8x16",
+TOPOLOGY = {1: "v5p:2x2x1", 4: "v5p:2x2x1", 8: "v5p:2x2x2", 16: "v5p:2x2x4", 32: "v5p:2x4x4",
+            64: "v5p:4x4x4", 128: "v5p:4x4x8", 256: "v5p:4x8x8", 512: "v5p:8x8x8", 1024: "v5p:8x8x16",
             2048: "v5p:8x16x16", 4096: "v5p:16x16x16"}
 METHODS = ("all_scan", "all_gather", "tree")
 # Alpha-beta figures for v5p ICI (docs/design.md §6 model). beta: Google Cloud's v5p page
@@ -167,22 +167,11 @@ def cmd_run(args) -> None:
   points = [p for s in args.sweep for p in sweep_points(s)]
   state = git_state()
   for p in points:
-    if key(p) in done:
-      continue
-    row = run_point(p)
-    row["git"] = state
-    with open(JSONL, "a") as fh:
-      fh.write(json.dumps(row) + "\n")
-    done[row["key"]] = row
-    mem = (row.get("memory") or {}).get("total") or 0
-    print(f"{row['key']}: wall {row['wall_s']:.0f}s fits={row.get('fits')} "
-          f"mem={mem / 2**30:.2f}GiB {row.get('error', '')[:200]}", flush=True)
+    _run_once(p, done, state)
 
 
-# The longest-context search (``run --sweep longest``), per (config, method) at P = 64:
-# tokens per chip of a point that fits and of one that does not (libtpu reports what it
-# would need), then the longest multiple of 4096 the straight line between them puts under
-# HBM, then 4096 down from there until one fits (4096 up while one fits).
+# The longest-context search (``run --sweep longest``, :func:`longest_search`), per
+# (config, method) at P = 64, from two points of tokens per chip.
 LONGEST_P = 64
 LONGEST_BRACKETS = {"gla_340m": (16384, 65536), "gla_1b3": (16384, 65536),
                     "gla_7b": (4096, 16384)}
@@ -195,6 +184,7 @@ def _need(row):
 
 
 def _run_once(p, done, state):
+  """The row of point ``p``: from ``done``, else compiled, appended to JSONL and printed."""
   if key(p) in done:
     return done[key(p)]
   row = run_point(p)
@@ -422,11 +412,12 @@ def cmd_report(done: dict) -> None:
   out += ["", *summary]
 
   out += ["", "## Longest context that fits v5p HBM (full depth, P = 64)", "",
-          "`run --sweep longest`: per (config, method), the whole model on P = 64 chips "
-          "(v5p:4x4x4), one sequence; from two points (16K and 64K tokens per chip; 4K and "
-          "16K for gla_7b) a straight line of memory against tokens per chip gives the first "
-          "guess, then 4096 tokens per chip at a time until a point that fits sits next to one "
-          "that does not (libtpu's own answer: it refuses to compile a program over HBM, "
+          f"`run --sweep longest`: per (config, method), the whole model on P = {LONGEST_P} "
+          f"chips ({TOPOLOGY[LONGEST_P]}), one sequence; from two points of tokens per chip "
+          f"({', '.join(f'{c}: {a} and {b}' for c, (a, b) in LONGEST_BRACKETS.items())}), "
+          "each next point is where the line through the two points nearest the crossing of "
+          "HBM meets it, until a point that fits sits 4096 tokens per chip below one that "
+          "does not (libtpu's own answer: it refuses to compile a program over HBM, "
           "reporting what it would need). gla_7b shards its parameters and optimizer state over "
           "the seq axis (FSDP, `train.sharding_rules.embed=seq`: the data axis is 1); gla_340m "
           "and gla_1b3 replicate them, as their configs do. Per-chip memory depends on the "
@@ -458,7 +449,7 @@ def cmd_report(done: dict) -> None:
       fit[k] = max(fit.get(k, 0), ctx)
     else:
       over[k] = min(over.get(k, ctx), ctx)
-  longest = {k: fit.get(k, 0) for k in set(fit) | set(over)}
+  searched = sorted(set(fit) | set(over))
 
   def cell(k):
     f, o = fit.get(k), over.get(k)
@@ -474,7 +465,7 @@ def cmd_report(done: dict) -> None:
 
   out += ["", "| config | P | all_scan: longest context that fits | all_gather: longest context "
           "that fits |", "|---|---|---|---|"]
-  for config, P in sorted({(c, P) for c, P, _ in longest}):
+  for config, P in sorted({(c, P) for c, P, _ in searched}):
     out.append(f"| {config} | {P} | {cell((config, P, 'all_scan'))} | "
                f"{cell((config, P, 'all_gather'))} |")
 
@@ -500,7 +491,7 @@ def cmd_report(done: dict) -> None:
   with open(os.path.join(RESULTS, "scale_aot.json"), "w") as fh:
     json.dump({"rows": rows, "alpha_s": TPU_ALPHA_S, "beta_s_per_byte": TPU_BETA_S_PER_BYTE,
                "longest_context": {"|".join(map(str, k)): {"fits": fit.get(k), "does_not_fit":
-                                                       over.get(k)} for k in longest}},
+                                                       over.get(k)} for k in searched}},
               fh, indent=1)
   print(text)
   _plot(by, Ps, c_rows)

@@ -243,7 +243,6 @@ class GatedLinearAttention(nnx.Module):
     return _dot(o.reshape(B, T, -1).astype(x_BxTxD.dtype), self.o_proj[...])
 
 
-
 def remat_call(fn, module: nnx.Module, *args):
   """``fn(module, *args)`` recomputed in the backward (like ``nnx.remat``), where the
   recomputation cannot start before the cotangent of the output has arrived.
