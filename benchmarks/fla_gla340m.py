@@ -15,7 +15,9 @@ The model is the issue-15 configuration: ``GLAConfig(hidden_size=1024,
 num_hidden_layers=24, num_heads=4, expand_k=0.5, expand_v=1.0, hidden_ratio=4,
 vocab_size=32000, attn_mode="chunk", use_gk=True, use_gv=False, tie_word_embeddings=True,
 fuse_cross_entropy=True, fuse_norm=True, use_cache=False)``, plus ``initializer_range``
-(``--init-std``; init only, no effect on speed). float32 parameters under
+(``--init-std``; init only, no effect on speed), with the attention and MLP output
+projections redrawn from N(0, init_std / sqrt(2 L)) as ours are (FLA's GLA draws them
+from N(0, init_std)). float32 parameters under
 ``torch.autocast(bfloat16)``, ``torch.optim.AdamW(fused=True)`` with weight decay on
 matrices only (as the JAX trainer's mask), gradient clipping at 1.0. The first step
 includes Triton's autotuning unless ``TRITON_CACHE_DIR`` holds a filled cache.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 
 import numpy as np
@@ -39,6 +42,14 @@ def build(init_std: float, checkpointing: bool):
                      initializer_range=init_std)
   torch.manual_seed(0)
   model = GLAForCausalLM(config).cuda().float()
+  # FLA draws every projection from N(0, init_std); ours draws the two residual-branch
+  # outputs (attention o_proj, MLP down_proj) from N(0, init_std / sqrt(2 L)) (GPT-2's
+  # scaling, models/gla.py). Same here, so both start from one init distribution.
+  out_std = init_std / math.sqrt(2 * config.num_hidden_layers)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith(("o_proj.weight", "down_proj.weight")):
+        p.normal_(0.0, out_std)
   if checkpointing:
     model.gradient_checkpointing_enable()
   model.train()
@@ -97,6 +108,9 @@ def main():
       if s == 0:
         torch.cuda.synchronize()
         result["first_step_s"] = time.time() - t0
+      if s < args.warmup or s == steps - 1:   # progress: the first steps autotune for minutes
+        print(f"fla step {s}: loss {float(losses[-1]):.4f} at {time.time() - t0:.0f} s",
+              flush=True)
     torch.cuda.synchronize()
     timed = steps - args.warmup
     dt = time.time() - marks["t0"]
