@@ -160,8 +160,8 @@ def cmd_run(args) -> None:
   if "longest" in args.sweep:
     state = git_state()
     for config in args.configs:
-      for method in ("all_scan", "all_gather"):
-        t = longest_search(config, method, done, state)
+      for method in args.methods:
+        t = longest_search(config, method, done, state, brackets=args.brackets)
         print(f"longest {config} {method}: {t} tokens per chip", flush=True)
     return
   points = [p for s in args.sweep for p in sweep_points(s)]
@@ -198,21 +198,21 @@ def _run_once(p, done, state):
   return row
 
 
-def longest_search(config, method, done, state, hbm=95 * 2**30):
+def longest_search(config, method, done, state, hbm=95 * 2**30, brackets=None):
   """Compiles points of (config, method) at P = LONGEST_P until the longest context that
   fits is pinned to STEP tokens per chip. Memory against tokens per chip is close to a
   line but not one (XLA's scheduler spends spare HBM), so each next point is where the line
   through the two points nearest the crossing of ``hbm`` (the longest that fits and the
   shortest that does not, or the two longest that fit) meets it, in multiples of STEP,
   strictly between the two brackets; libtpu reports the bytes a program over HBM would need,
-  so points that do not fit count too. Starts from the two points of LONGEST_BRACKETS and
-  any points of an earlier run in ``done``.
+  so points that do not fit count too. Starts from the two points of ``brackets`` (tokens
+  per chip; default LONGEST_BRACKETS[config]) and any points of an earlier run in ``done``.
   Returns the longest fitting tokens per chip (None: the shorter bracket does not fit)."""
   pt = lambda t: dict(config=config, layers=None, seq=LONGEST_P, tokens_per_chip=t,
                       method=method)
   tried = {r["point"]["tokens_per_chip"]: r for r in done.values()   # an earlier run's points
            if "error" not in r and r["point"] == pt(r["point"]["tokens_per_chip"])}
-  for t in LONGEST_BRACKETS[config]:
+  for t in brackets or LONGEST_BRACKETS[config]:
     tried[t] = _run_once(pt(t), done, state)
   while True:
     fit = sorted(t for t, r in tried.items() if r.get("fits"))
@@ -536,6 +536,11 @@ if __name__ == "__main__":
   r = sub.add_parser("run")
   r.add_argument("--sweep", nargs="+", default=["all"], choices=["p", "context", "all", "longest"])
   r.add_argument("--configs", nargs="+", default=list(LONGEST_BRACKETS))
+  r.add_argument("--methods", nargs="+", default=["all_scan", "all_gather"],
+                 choices=["all_scan", "all_gather"], help="longest: the methods searched")
+  r.add_argument("--brackets", nargs=2, type=int, default=None,
+                 help="longest: the two tokens-per-chip points to start from (each a "
+                      "multiple of STEP), instead of LONGEST_BRACKETS[config]")
   sub.add_parser("report")
   a = ap.parse_args()
   if a.cmd == "run":
