@@ -251,10 +251,13 @@ NOTES = [
     "states every step (2.2 GiB per chip at P = 64, 8.2 GiB at P = 256); gone at 03fe6a0. "
     "The embedding backward's flattened ids (replaced in bb60d99) were on that path; those "
     "rows also ran uncommitted model code, so the cause is not pinned to one change.",
-    "- **Memory: All-Scan needs no more than all_gather**, so it reaches as far or further: "
-    "gla_340m at 1M tokens 22.1 GiB per chip against 23.3, at 4M 69.6 against 71.6; gla_1b3 "
-    "at 1M 23.1 against 23.5, at 4M 36.4 against 36.3, at 16896K 94.7 against 93.4. The "
-    "longest contexts are in the table above.",
+    "- **Memory: All-Scan and all_gather need about the same per chip** (within 1.5 GiB "
+    "either way near HBM; All-Scan less at 1M tokens): gla_340m at 1M tokens 22.1 GiB per "
+    "chip against 23.3, at 4M 69.6 against 71.6; gla_1b3 at 1M 23.1 against 23.5, at 4M 36.4 "
+    "against 36.3, at 16896K 94.7 against 93.4; gla_7b at 7168K 91.9 against 93.4, at 7424K "
+    "95.2 against 94.9. So All-Scan reaches further on gla_340m (6144K against 5888K), as "
+    "far on gla_1b3 (16896K) and one 4096-tokens-per-chip step less on gla_7b (7168K "
+    "against 7424K): the table above.",
     "- **remat and XLA's scheduler** (3f3a27b): with `jax.checkpoint` a block's recomputation "
     "and its weight-gradient dots depend on nothing the next block's backward needs, and the "
     "TPU latency-hiding scheduler moved them beside the All-Scan's permutes, keeping every "
@@ -267,7 +270,7 @@ NOTES = [
     "(`train.loss_chunk_size=4096`; dense float32 logits are 2 GiB per 16K tokens per chip). "
     "Together: gla_1b3 at 1M tokens 46.8 -> 23.1 GiB (all_scan), 30.4 -> 23.5 (all_gather); "
     "gla_7b at 1M tokens from 325 GiB (libtpu's figure, either method) to 17.5 GiB with "
-    "all_gather (all_scan not compiled at 3f3a27b: session time).",
+    "all_gather (all_scan at 1M not compiled).",
     "- **Overlap** (collective-permutes with compute between start and done): at 2 layers 12 "
     "of 13 at P = 4 (8 with a kernel), 32 of 33 at P = 8, 64 of 65 at P = 16, 136 of 137 at P = 32, then 58 of 281, 537 and 1081 "
     "at P = 64, 128 and 256; at full depth 774 of 3361 (gla_340m, 16K tokens per chip). The "
@@ -282,12 +285,22 @@ NOTES = [
     "v5p:2x2x1 as data = 2 x seq = 2). The sweep keeps data = 1 (P = 1: data = 4).",
     "- **FLOPs**: `cost_analysis` leaves out the Mosaic kernels (no cost estimate), so "
     "the JSON's `flops` is XLA's part only; `model_flops_6nd` is 6 N D.",
+    "- **gla_7b**: All-Scan reaches 7168K tokens (114688 per chip, 91.93 GiB; 118784 needs "
+    "95.23), all_gather one step further, 7424K (118784 per chip, 94.85 GiB; 122880 needs "
+    "95.47). Memory is not a line here: All-Scan needs 1.46 GiB less than all_gather at "
+    "114688 tokens per chip (91.93 against 93.39) and 0.38 GiB more at 118784, 3.3 GiB more "
+    "than its own 114688 for 4096 more tokens (122880: 96.70). All-Scan at 7B has 7521 "
+    "collective-permutes per step (235 per layer, as gla_1b3's 5641 for 24), 2302 (114688 "
+    "tokens per chip) to 2686 with compute between start and done. Its compile holds more host memory "
+    "than this 24 GB host has (a 4096-tokens-per-chip point was OOM-killed at 24.4 GB "
+    "resident): these points were compiled with 62 GB of swap added, 19-27 min each, from "
+    "brackets near all_gather's answer (`--methods all_scan --brackets 114688 122880`, "
+    "then `118784 122880`) instead of LONGEST_BRACKETS' 4096 and 16384.",
     "- **Not done**: P = 512 to 4096 chips (the p sweep's largest, 256, compiled in 40-90 s "
-    "per point, but a longest-context search per P at full depth costs 2-8 min per point on "
-    "this 2-core host, and about 22 GB of host memory for one gla_1b3 all_scan point near HBM); full depth at P "
-    "other than 64; gla_7b with all_scan at 3f3a27b, and its all_gather search stopped at "
-    "118784 tokens per chip (94.85 GiB; 122880 not compiled); the GPU schedule of "
-    "the sends (benchmarks/results/gpu_overlap.md).",
+    "per point, but a longest-context search per P at full depth costs 2-27 min per point on "
+    "this 2-core host, and 22-30 GB of host memory for one gla_1b3 or gla_7b all_scan point "
+    "near HBM); full depth at P other than 64; the GPU schedule of the sends "
+    "(benchmarks/results/gpu_overlap.md).",
 ]
 
 
