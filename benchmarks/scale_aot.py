@@ -18,9 +18,11 @@ and the paper's GPU figures and writes the table and plot.
 Points (``sweep_points``; ``all`` interleaves them, most needed first):
 * ``p``: the gla_340m shape with 2 of its 24 layers (compile time: a 24-layer step took 4
   min to compile on this 2-core host when it was idle; bytes per layer do not depend on
-  depth), 4096 tokens per chip (context 32K at P = 8 to 1M at P = 256), all_scan,
-  all_gather and tree at P = 8 and 64 first, then 16, 32, 128, 256, then 4 and 1 (P = 1:
-  v5p's smallest slice, 4 chips, as data = 4 with one 4096-token sequence per chip).
+  depth), 4096 tokens per chip (context 32K at P = 8 to 8M at P = 2048), all_scan,
+  all_gather and tree at P = 8 and 64 first, then all_scan and all_gather at 16, 32, 128,
+  256, 512, 1024 and 2048 (P = 4096, v5p:16x16x16, ran out of this host's 24 GB), tree at 16, 32,
+  128 and 256, then 4 and 1 (P = 1: v5p's smallest slice, 4 chips, as data = 4 with one
+  4096-token sequence per chip).
 * ``context``: gla_340m, gla_1b3 and gla_7b at full depth, P = 64 (v5p:4x4x4), a 1M-token
   sequence (16K tokens per chip), all_scan and all_gather: does the longest context of the
   range fit v5p's HBM (libtpu refuses to compile a program over HBM, so "fits" is the
@@ -77,7 +79,7 @@ def sweep_points(name: str) -> list:
   ends = [_p_point(P, m) for P in (8, 64) for m in ("all_scan", "all_gather")]
   trees = [_p_point(P, "tree") for P in (8, 64)]
   middle = [_p_point(P, m) for P in (16, 32) for m in ("all_scan", "all_gather")]
-  far = [_p_point(P, m) for P in (128, 256) for m in ("all_scan", "all_gather")]
+  far = [_p_point(P, m) for P in (128, 256, 512, 1024, 2048) for m in ("all_scan", "all_gather")]
   ctx_scan = [_context_point(c, "all_scan") for c in ("gla_340m", "gla_1b3", "gla_7b")]
   ctx_gather = [_context_point(c, "all_gather") for c in ("gla_7b", "gla_1b3", "gla_340m")]
   if name == "p":
@@ -234,19 +236,21 @@ def longest_search(config, method, done, state, hbm=95 * 2**30, brackets=None):
 
 
 NOTES = [
-    "- **All-Scan bytes are flat in P**: 2.00 MiB per chip per step at every P from 4 to 256 "
+    "- **All-Scan bytes are flat in P**: 2.00 MiB per chip per step at every P from 4 to 2048 "
     "(2 layers x one 512 KiB state forward + one reverse; 4 more bytes: the previous rank's "
     "last segment id of the packed-document path), as the model says. At full depth gla_340m "
     "sends 24 MiB (24 layers x 1 MiB), gla_1b3 144 MiB = 24 layers x 3 x its 2 MiB state: with "
     "`remat` the backward recomputes the forward, All-Scan included (one more state per layer).",
     "- **all_gather grows with P**: its scan bytes go from 9 MiB (P = 4) and 21 MiB (P = 8) "
-    "to 1024 MiB (P = 256) at 2 layers. From P = 64 XLA lowers the gather as an all-reduce "
+    "to 1024 MiB (P = 256) and 8220 MiB (P = 2048) at 2 layers, doubling with each doubling "
+    "of P from 64 on. From P = 64 XLA lowers the gather as an all-reduce "
     "of a zero-padded buffer (no all-gather op is left), which `hlo_stats` counts as a ring "
-    "all-reduce (2 (G - 1) / G of the buffer): x113 from P = 4 to 256 for P - 1's x85 "
-    "(x48.6 from P = 8 for x36.4). P = 1 sends nothing over seq (its all-reduce: the "
+    "all-reduce (2 (G - 1) / G of the buffer): x910 from P = 4 to 2048 for P - 1's x682 "
+    "(x113 to 256 for x85). Per-chip memory at P = 2048: all_gather 7.20 GiB, All-Scan "
+    "2.58. P = 1 sends nothing over seq (its all-reduce: the "
     "gradients over data = 4).",
     "- **No full-sequence collective is left**: the all_scan and tree steps all-reduce only "
-    "the gradients (305 MiB at P = 8 to 347 MiB at P = 256, 2 layers). The sweep before this "
+    "the gradients (305 MiB at P = 8 to 348 MiB at P = 2048, 2 layers). The sweep before this "
     "one (code 0792133 + uncommitted changes) also all-reduced the whole sequence's hidden "
     "states every step (2.2 GiB per chip at P = 64, 8.2 GiB at P = 256); gone at 03fe6a0. "
     "The embedding backward's flattened ids (replaced in bb60d99) were on that path; those "
@@ -272,8 +276,8 @@ NOTES = [
     "gla_7b at 1M tokens from 325 GiB (libtpu's figure, either method) to 17.5 GiB with "
     "all_gather (all_scan at 1M not compiled).",
     "- **Overlap** (collective-permutes with compute between start and done): at 2 layers 12 "
-    "of 13 at P = 4 (8 with a kernel), 32 of 33 at P = 8, 64 of 65 at P = 16, 136 of 137 at P = 32, then 58 of 281, 537 and 1081 "
-    "at P = 64, 128 and 256; at full depth 774 of 3361 (gla_340m, 16K tokens per chip). The "
+    "of 13 at P = 4 (8 with a kernel), 32 of 33 at P = 8, 64 of 65 at P = 16, 136 of 137 at P = 32, then 58 of 281, 537, 1081 and "
+    "2105 at P = 64 to 512, 188 of 4217 at 1024, 316 of 8313 at 2048; at full depth 774 of 3361 (gla_340m, 16K tokens per chip). The "
     "unrolled chain has num_blocks + P - 2 sends per scan and each rank's own data rides on "
     "num_blocks of them; the local pass, split in head groups (4 for these H = 4 shapes), gives "
     "a kernel to 16 sends per 2 layers from P = 32 on. What stays exposed is the chain's "
@@ -296,10 +300,11 @@ NOTES = [
     "resident): these points were compiled with 62 GB of swap added, 19-27 min each, from "
     "brackets near all_gather's answer (`--methods all_scan --brackets 114688 122880`, "
     "then `118784 122880`) instead of LONGEST_BRACKETS' 4096 and 16384.",
-    "- **Not done**: P = 512 to 4096 chips (the p sweep's largest, 256, compiled in 40-90 s "
-    "per point, but a longest-context search per P at full depth costs 2-27 min per point on "
-    "this 2-core host, and 22-30 GB of host memory for one gla_1b3 or gla_7b all_scan point "
-    "near HBM); full depth at P other than 64; the GPU schedule of the sends "
+    "- **Not done**: P = 4096 (v5p:16x16x16): the All-Scan point at 2 layers was OOM-killed "
+    "on this 24 GB host (24.4 GB resident; P = 2048 compiled in 376 s: the unrolled chain is "
+    "8313 permutes there); the longest-context search per P at full depth (2-27 min per point "
+    "on this 2-core host, and 22-30 GB of host memory for one gla_1b3 or gla_7b all_scan "
+    "point near HBM): full depth is compiled at P = 64 only; the GPU schedule of the sends "
     "(benchmarks/results/gpu_overlap.md).",
 ]
 
