@@ -20,8 +20,8 @@ Points (``sweep_points``; ``all`` interleaves them, most needed first):
   min to compile on this 2-core host when it was idle; bytes per layer do not depend on
   depth), 4096 tokens per chip (context 32K at P = 8 to 8M at P = 2048), all_scan,
   all_gather and tree at P = 8 and 64 first, then all_scan and all_gather at 16, 32, 128,
-  256, 512, 1024 and 2048 (P = 4096, v5p:16x16x16, ran out of this host's 24 GB), tree at 16, 32,
-  128 and 256, then 4 and 1 (P = 1: v5p's smallest slice, 4 chips, as data = 4 with one
+  256, 512, 1024 and 2048 (P = 4096, v5p:16x16x16, ran out of this host's 24 GB), tree at
+  16, 32, 128 and 256, then 4 and 1 (P = 1: v5p's smallest slice, 4 chips, as data = 4 with one
   4096-token sequence per chip).
 * ``context``: gla_340m, gla_1b3 and gla_7b at full depth, P = 64 (v5p:4x4x4), a 1M-token
   sequence (16K tokens per chip), all_scan and all_gather: does the longest context of the
@@ -175,6 +175,7 @@ def cmd_run(args) -> None:
 # The longest-context search (``run --sweep longest``, :func:`longest_search`), per
 # (config, method) at P = 64, from two points of tokens per chip.
 LONGEST_P = 64
+LONGEST_METHODS = ("all_scan", "all_gather")
 LONGEST_BRACKETS = {"gla_340m": (16384, 65536), "gla_1b3": (16384, 65536),
                     "gla_7b": (4096, 16384)}
 STEP = 4096
@@ -247,8 +248,7 @@ NOTES = [
     "of a zero-padded buffer (no all-gather op is left), which `hlo_stats` counts as a ring "
     "all-reduce (2 (G - 1) / G of the buffer): x910 from P = 4 to 2048 for P - 1's x682 "
     "(x113 to 256 for x85). Per-chip memory at P = 2048: all_gather 7.20 GiB, All-Scan "
-    "2.58. P = 1 sends nothing over seq (its all-reduce: the "
-    "gradients over data = 4).",
+    "2.58. P = 1 sends nothing over seq (its all-reduce: the gradients over data = 4).",
     "- **No full-sequence collective is left**: the all_scan and tree steps all-reduce only "
     "the gradients (305 MiB at P = 8 to 348 MiB at P = 2048, 2 layers). The sweep before this "
     "one (code 0792133 + uncommitted changes) also all-reduced the whole sequence's hidden "
@@ -276,8 +276,9 @@ NOTES = [
     "gla_7b at 1M tokens from 325 GiB (libtpu's figure, either method) to 17.5 GiB with "
     "all_gather (all_scan at 1M not compiled).",
     "- **Overlap** (collective-permutes with compute between start and done): at 2 layers 12 "
-    "of 13 at P = 4 (8 with a kernel), 32 of 33 at P = 8, 64 of 65 at P = 16, 136 of 137 at P = 32, then 58 of 281, 537, 1081 and "
-    "2105 at P = 64 to 512, 188 of 4217 at 1024, 316 of 8313 at 2048; at full depth 774 of 3361 (gla_340m, 16K tokens per chip). The "
+    "of 13 at P = 4 (8 with a kernel), 32 of 33 at P = 8, 64 of 65 at P = 16, 136 of 137 at "
+    "P = 32, then 58 of 281, 537, 1081 and 2105 at P = 64 to 512, 188 of 4217 at 1024, 316 "
+    "of 8313 at 2048; at full depth 774 of 3361 (gla_340m, 16K tokens per chip). The "
     "unrolled chain has num_blocks + P - 2 sends per scan and each rank's own data rides on "
     "num_blocks of them; the local pass, split in head groups (4 for these H = 4 shapes), gives "
     "a kernel to 16 sends per 2 layers from P = 32 on. What stays exposed is the chain's "
@@ -291,12 +292,11 @@ NOTES = [
     "the JSON's `flops` is XLA's part only; `model_flops_6nd` is 6 N D.",
     "- **gla_7b**: All-Scan reaches 7168K tokens (114688 per chip, 91.93 GiB; 118784 needs "
     "95.23), all_gather one step further, 7424K (118784 per chip, 94.85 GiB; 122880 needs "
-    "95.47). Memory is not a line here: All-Scan needs 1.46 GiB less than all_gather at "
-    "114688 tokens per chip (91.93 against 93.39) and 0.38 GiB more at 118784, 3.3 GiB more "
-    "than its own 114688 for 4096 more tokens (122880: 96.70). All-Scan at 7B has 7521 "
-    "collective-permutes per step (235 per layer, as gla_1b3's 5641 for 24), 2302 (114688 "
-    "tokens per chip) to 2686 with compute between start and done. Its compile holds more host memory "
-    "than this 24 GB host has (a 4096-tokens-per-chip point was OOM-killed at 24.4 GB "
+    "95.47; the two methods' memory beside each other: the Memory note). Memory is not a "
+    "line in tokens here: All-Scan's 118784 needs 3.3 GiB more than its 114688. All-Scan at "
+    "7B has 7521 collective-permutes per step (235 per layer, as gla_1b3's 5641 for 24), "
+    "2302 (114688 tokens per chip) to 2686 with compute between start and done. Its compile "
+    "holds more host memory than this 24 GB host has (a 4096-tokens-per-chip point was OOM-killed at 24.4 GB "
     "resident): these points were compiled with 62 GB of swap added, 19-27 min each, from "
     "brackets near all_gather's answer (`--methods all_scan --brackets 114688 122880`, "
     "then `118784 122880`) instead of LONGEST_BRACKETS' 4096 and 16384.",
@@ -385,7 +385,8 @@ def cmd_report(done: dict) -> None:
          f"way), alpha = {TPU_ALPHA_S * 1e6:.0f} us (an assumption: no public per-hop figure).",
          "", "## Bytes per chip per step vs P (gla_340m shape, 2 of its 24 layers, 4096 "
          "tokens per chip)", "",
-         "Compiled at 2 layers to fit the compile time (2 layers: 45-90 s each on this host; "
+         "Compiled at 2 layers to fit the compile time (2 layers: 45-90 s each on this host "
+         "up to P = 256, 376 s at P = 2048; "
          "the full model 2-8 min). The scan collectives are per layer (the full model sends "
          "12x them); the all-reduce is the gradients' (and from P = 64 all_gather's own "
          "gathers, which XLA lowers as all-reduces). P = 1 is 4 chips as data = 4, one "
@@ -554,8 +555,8 @@ if __name__ == "__main__":
   r = sub.add_parser("run")
   r.add_argument("--sweep", nargs="+", default=["all"], choices=["p", "context", "all", "longest"])
   r.add_argument("--configs", nargs="+", default=list(LONGEST_BRACKETS))
-  r.add_argument("--methods", nargs="+", default=["all_scan", "all_gather"],
-                 choices=["all_scan", "all_gather"], help="longest: the methods searched")
+  r.add_argument("--methods", nargs="+", default=list(LONGEST_METHODS),
+                 choices=LONGEST_METHODS, help="longest: the methods searched")
   r.add_argument("--brackets", nargs=2, type=int, default=None,
                  help="longest: the two tokens-per-chip points to start from (each a "
                       "multiple of STEP), instead of LONGEST_BRACKETS[config]")
