@@ -147,8 +147,10 @@ def jax_peak(exe):
 
 
 # Which stages a KernelConfig field changes (--stage-sweep times only those).
-STAGE_OF_KEY = {"cumsum": ("chunk_cumsum",), "state": ("state_pass", "state_grad_pass"),
-                "scores": ("scores",), "diag": ("scores",), "da": ("score_grad",),
+STAGE_OF_KEY = {"cumsum": ("chunk_cumsum", "chunk_decays"), "decays": ("chunk_decays",),
+                "state": ("folded_state_pass", "state_pass", "state_grad_pass", "state_passes"),
+                "scores": ("scores", "scores_off"),
+                "diag": ("scores", "scores_diag"), "da": ("score_grad",),
                 "out": ("output",), "dv": ("dv",), "dqdk_diag": ("dqdk_diag",),
                 "dqdk": ("dqdk",)}
 
@@ -169,32 +171,45 @@ def stage_inputs(q, k, v, g, do, scale, config):
   V = v.shape[-1]
   h0 = jnp.zeros((B, H, K, V), jnp.float32)
   g = g if g.ndim == 4 else jnp.broadcast_to(g[..., None], q.shape).astype(jnp.float32)
-  p, s = jax.jit(lambda g: state.chunk_cumsum(g, **kw))(g)
-  h, _ = jax.jit(lambda k, v, p, s: state.state_pass(k, v, p, s, h0, **kw))(k, v, p, s)
+  d = jax.jit(lambda g, q, k: state.chunk_decays(g, q, k, **kw))(g, q, k)
+  h, _ = jax.jit(lambda k, v, p, s: state.state_pass(k, v, p, s, h0, **kw))(k, v, d.p, d.s)
   dH, _ = jax.jit(lambda q, do, p: state.state_grad_pass(q, do, p, h0, scale=scale,
-                                                         **kw))(q, do, p)
-  A = jax.jit(lambda q, k, g, p, s: intra.scores(q, k, g, p, s, **kw))(q, k, g, p, s)
+                                                         **kw))(q, do, d.p)
+  A = jax.jit(lambda q, k, g, p, s: intra.scores(q, k, g, p, s, **kw))(q, k, g, d.p, d.s)
   dA = jax.jit(lambda do, v: intra.score_grad(do, v, scale=scale, **kw))(do, v)
   diag = jax.jit(lambda *a: grads.diag_grads(*a, **kw))(q, k, g, dA)
-  return dict(h0=h0, g=g, p=p, s=s, h=h, dH=dH, A=A, dA=dA, diag=diag)
+  return dict(h0=h0, g=g, d=d, h=h, dH=dH, A=A, dA=dA, diag=diag)
 
 
 def stage_times(q, k, v, g, do, scale, iters, reps, config, *, names=None, pre=None):
   """Each Pallas kernel alone under ``config``, on the benchmark inputs (where the time
-  goes); ``names``: only these stages; ``pre``: stage_inputs computed already."""
+  goes); ``names``: only these stages; ``pre``: stage_inputs computed already. The
+  forward runs chunk_decays, folded_state_pass, scores (scores_off, then scores_diag in
+  place: timed alone, scores_diag also copies A) and output; the backward chunk_cumsum,
+  score_grad, state_passes (state_pass and state_grad_pass in one launch), dv,
+  dqdk_diag and dqdk."""
   from pallas_kernels import grads, intra, state
   kw = dict(chunk_size=64, config=config)
   p = pre or stage_inputs(q, k, v, g, do, scale, config)
-  h0, g, ps, ss, h, dH, A, dA, diag = (
-      p[n] for n in ("h0", "g", "p", "s", "h", "dH", "A", "dA", "diag"))
+  h0, g, d, h, dH, A, dA, diag = (
+      p[n] for n in ("h0", "g", "d", "h", "dH", "A", "dA", "diag"))
+  ps, ss = d.p, d.s
   stages = {
+      "chunk_decays": (lambda g, q, k: state.chunk_decays(g, q, k, **kw), (g, q, k)),
+      "folded_state_pass": (lambda kd, v, dl: state.folded_state_pass(kd, v, dl, h0, **kw),
+                            (d.kd, v, d.dl)),
+      "scores": (lambda q, k, g, p, s: intra.scores(q, k, g, p, s, **kw), (q, k, g, ps, ss)),
+      "scores_off": (lambda q, k, p, s: intra.scores_off(q, k, p, s, **kw), (q, k, ps, ss)),
+      "scores_diag": (lambda q, k, g, A: intra.scores_diag(q, k, g, A, **kw), (q, k, g, A)),
+      "output": (lambda qd, v, h, A: intra.output(qd, v, h, A, scale=scale, **kw),
+                 (d.qd, v, h, A)),
       "chunk_cumsum": (lambda g: state.chunk_cumsum(g, **kw), (g,)),
       "state_pass": (lambda k, v, p, s: state.state_pass(k, v, p, s, h0, **kw), (k, v, ps, ss)),
-      "scores": (lambda q, k, g, p, s: intra.scores(q, k, g, p, s, **kw), (q, k, g, ps, ss)),
-      "output": (lambda q, v, p, h, A: intra.output(q, v, p, h, A, scale=scale, **kw),
-                 (q, v, ps, h, A)),
       "state_grad_pass": (lambda q, do, p: state.state_grad_pass(q, do, p, h0, scale=scale,
                                                                  **kw), (q, do, ps)),
+      "state_passes": (lambda q, k, v, do, p, s: state.both_passes(q, k, v, do, p, s, h0, h0,
+                                                                   scale=scale, **kw),
+                       (q, k, v, do, ps, ss)),
       "score_grad": (lambda do, v: intra.score_grad(do, v, scale=scale, **kw), (do, v)),
       "dv": (lambda k, p, s, do, A, dH: grads.dv(k, p, s, do, A, dH, scale=scale, **kw),
              (k, ps, ss, do, A, dH)),

@@ -8,12 +8,12 @@ keyword, ``config``: a :class:`KernelConfig`, the frozen launch configuration
 
 * ``"gpu"``: :mod:`pallas_kernels.triton_backend`, pallas_call lowered through Triton.
 * ``"cpu"``: the same kernels in the Pallas interpreter (tests).
-* ``"tpu"``: :mod:`pallas_kernels.tpu_backend` (Mosaic TPU). It lowers and is tested in the
-  interpreter but has never run on a TPU, so :func:`zeco_jax.chunk_gla` uses it only when
-  asked (``backend="pallas"``); ``"auto"`` stays on the jnp path there.
+* ``"tpu"``: :mod:`pallas_kernels.tpu_backend` (Mosaic TPU), what ``backend="auto"`` picks
+  for a TPU target. libtpu compiles it ahead of time for v5e / v5p / v6e and it is checked
+  in the interpreter; it has not run on a TPU chip here.
 
 Modules: ``config`` (:class:`KernelConfig`, :func:`default_config`), ``state`` (chunk
-cumsum; sequential state pass and state-gradient pass, also in one launch), ``intra``
+cumsums and the decayed q, k; sequential state pass and state-gradient pass, also in one launch), ``intra``
 (intra-chunk scores: off-diagonal blocks by tensor-core dots, 16 x 16 diagonal blocks
 exact in log space; dA; output), ``grads`` (dv; diagonal dq/dk terms; dq, dk, dg),
 ``triton_backend`` (composition), ``tpu_backend`` (the Mosaic TPU variant), ``_common``

@@ -38,10 +38,12 @@ class KernelConfig:
   none of them yet). ``*_kd``, ``*_bk``, ``*_bv`` are tile caps: a kernel uses the largest
   power of two <= the cap that divides the dimension; ``*_warps`` and ``*_stages`` are
   Triton's ``num_warps`` and ``num_stages`` (ignored by the interpreter). Prefixes name the
-  kernel: ``cumsum`` the chunk cumsum of g, ``state`` the state walks (forward state pass,
-  backward state-gradient pass), ``scores`` / ``diag`` the off-diagonal / 16 x 16 diagonal
-  blocks of the intra-chunk scores, ``da`` their cotangent, ``out`` the output, ``dv``,
-  ``dqdk`` the chunk-wide dq / dk / dg kernel and ``dqdk_diag`` its diagonal-block terms.
+  kernel: ``cumsum`` the chunk cumsums of g (``decays_kd``: the K tile of the forward's
+  ``chunk_decays``, which also folds the decay into q and k; its warps are
+  ``cumsum_warps``), ``state`` the state walks (forward state pass, backward
+  state-gradient pass), ``scores`` / ``diag`` the off-diagonal / 16 x 16 diagonal blocks
+  of the intra-chunk scores, ``da`` their cotangent, ``out`` the output, ``dv``, ``dqdk``
+  the chunk-wide dq / dk / dg kernel and ``dqdk_diag`` its diagonal-block terms.
 
   ``state_bv``: the V tile of a state walk launched alone; ``state_both_bv``: the V tile
   when the state pass and the state-gradient pass share one launch (twice the programs).
@@ -56,6 +58,7 @@ class KernelConfig:
   platform: str = "gpu"
   interpret: bool = False
   cumsum_kd: int = 64
+  decays_kd: int = 128
   cumsum_warps: int = 4
   state_bk: int = 64
   state_bv: int = 64

@@ -88,21 +88,34 @@ def _diag_kernel(q_ref, k_ref, g_ref, a_in_ref, a_ref, *, C, K, KD):
       0, K // KD, k_slice, jnp.zeros((S, S), cm.F32))
 
 
-def scores(q, k, g, p, s, *, chunk_size, config):
-  """A [B, H, N, C, C] float32: unscaled, zero above the diagonal. ``g``: the per-dim
-  float32 log-decay; ``p``, ``s``: chunk_cumsum's."""
+def scores_off(q, k, p, s, *, chunk_size, config):
+  """A [B, H, N, C, C] float32 below the 16 x 16 diagonal blocks (``gla_scores``); the
+  diagonal blocks and everything above them are zero."""
   B, T, H, K = q.shape
   C = chunk_size
   N = T // C
-  a_shape = jax.ShapeDtypeStruct((B, H, N, C, C), cm.F32)
   off = functools.partial(_scores_off_kernel, C=C, K=K, KD=cm.block(K, config.scores_kd),
                           dt=q.dtype)
-  A = cm.call(off, a_shape, (B, H, N), config=config, num_warps=config.scores_warps,
-              num_stages=config.scores_stages, name="gla_scores")(q, k, p, s)
+  return cm.call(off, jax.ShapeDtypeStruct((B, H, N, C, C), cm.F32), (B, H, N), config=config,
+                 num_warps=config.scores_warps, num_stages=config.scores_stages,
+                 name="gla_scores")(q, k, p, s)
+
+
+def scores_diag(q, k, g, A, *, chunk_size, config):
+  """``A`` with its 16 x 16 diagonal blocks written in place (``gla_scores_diag``)."""
+  B, T, H, K = q.shape
+  C = chunk_size
   diag = functools.partial(_diag_kernel, C=C, K=K, KD=cm.block(K, config.diag_kd))
-  return cm.call(diag, a_shape, (B, H, N, C // S), config=config, num_warps=config.diag_warps,
-                 num_stages=config.diag_stages, name="gla_scores_diag",
-                 aliases={3: 0})(q, k, g, A)
+  return cm.call(diag, jax.ShapeDtypeStruct(A.shape, cm.F32), (B, H, T // C, C // S),
+                 config=config, num_warps=config.diag_warps, num_stages=config.diag_stages,
+                 name="gla_scores_diag", aliases={3: 0})(q, k, g, A)
+
+
+def scores(q, k, g, p, s, *, chunk_size, config):
+  """A [B, H, N, C, C] float32: unscaled, zero above the diagonal. ``g``: the per-dim
+  float32 log-decay; ``p``, ``s``: chunk_cumsum's (or chunk_decays')."""
+  kw = dict(chunk_size=chunk_size, config=config)
+  return scores_diag(q, k, g, scores_off(q, k, p, s, **kw), **kw)
 
 
 def _da_kernel(do_ref, v_ref, da_ref, *, C, V, BV, dt, scale):
@@ -128,29 +141,25 @@ def score_grad(do, v, *, scale, chunk_size, config):
                  name="gla_score_grad")(do, v)
 
 
-def _output_kernel(q_ref, v_ref, p_ref, h_ref, a_ref, o_ref, *, C, K, BK, BV, dt, scale):
+def _output_kernel(qd_ref, v_ref, h_ref, a_ref, o_ref, *, C, K, BK, BV, dt, scale):
   b, hd, n, iv = (pl.program_id(i) for i in range(4))
   tc, vs = pl.ds(n * C, C), pl.ds(iv * BV, BV)
-  blk = cm.iota((C, BK), 0) // S
   o = cm.dot(a_ref[b, hd, n], v_ref[b, tc, hd, vs], dt)
   for kk in range(K // BK):
     ks = pl.ds(kk * BK, BK)
-    bc = cm.chunk_prefix(p_ref[b, tc, hd, ks], cm.sub_totals(p_ref, b, n * C, hd, ks, C // S),
-                         blk)
-    q_dec = q_ref[b, tc, hd, ks].astype(cm.F32) * jnp.exp(bc)
-    o = o + cm.dot(q_dec, h_ref[b, hd, n, ks, vs], dt)
+    o = o + cm.dot(qd_ref[b, tc, hd, ks], h_ref[b, hd, n, ks, vs], dt)
   o_ref[b, tc, hd, vs] = (scale * o).astype(o_ref.dtype)
 
 
-def output(q, v, p, h, A, *, scale, chunk_size, config):
-  """o = scale * ((q e^bc) h[n] + A v): [B, T, H, V] in v's dtype (``bc`` from
-  chunk_cumsum's ``p`` and the sub-chunk totals)."""
-  B, T, H, K = q.shape
+def output(qd, v, h, A, *, scale, chunk_size, config):
+  """o = scale * (qd h[n] + A v): [B, T, H, V] in v's dtype (``qd = q e^bc`` from
+  :func:`pallas_kernels.state.chunk_decays`)."""
+  B, T, H, K = qd.shape
   V = v.shape[-1]
   C = chunk_size
   N = T // C
   BK, BV = cm.block(K, config.out_bk), cm.block(V, config.out_bv)
-  kern = functools.partial(_output_kernel, C=C, K=K, BK=BK, BV=BV, dt=q.dtype, scale=scale)
+  kern = functools.partial(_output_kernel, C=C, K=K, BK=BK, BV=BV, dt=qd.dtype, scale=scale)
   return cm.call(kern, jax.ShapeDtypeStruct(v.shape, v.dtype), (B, H, N, V // BV),
                  config=config, num_warps=config.out_warps, num_stages=config.out_stages,
-                 name="gla_output")(q, v, p, h, A)
+                 name="gla_output")(qd, v, h, A)

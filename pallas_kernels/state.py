@@ -1,4 +1,5 @@
-"""The sub-chunk-local cumulative log-decays, and the sequential passes over chunks.
+"""The sub-chunk-local cumulative log-decays, the decay folded into q and k, and the
+sequential passes over chunks.
 
 ``chunk_cumsum``, grid ``(B, H, N, K / KD)``, fully parallel, writes two float32
 ``[B, T, H, K]`` arrays, both local to each 16-row sub-chunk:
@@ -16,6 +17,16 @@ one -1e4 token in a chunk, issue 16): ``bc_r = sum_{u < blk(r)} T_u + p_r``,
 row down, all sub-chunks of the chunk at once (strided ``[C / 16, KD]`` row tiles: Triton
 has no reverse cumsum, and ``total - cumsum`` would cancel).
 
+``chunk_decays`` (the forward's) is the same program that also folds the decay into q
+and k once, in their dtype: ``qd = q e^{bc}`` (for the output), ``kd = k e^{b_last - bc}``
+(for the state walk), and writes ``dl = e^{b_last}`` per chunk ``[B, H, N, K]``. Every
+dot that reads them casts its operands to the input dtype anyway, so the forward walk's
+sequential chunk steps do a dot and a scale and nothing else (no exp, no select) on the
+values the walk formed itself before. The backward keeps ``chunk_cumsum`` and forms the
+decayed keys inside its walks: measured on one H200 (``docs/kernels.md``), the fold
+made the forward 6-7% faster and the backward slower (its extra writes cost more than
+its walks saved).
+
 State passes, grid ``(B, H, K / BK, V / BV)``: each program owns one ``[BK, BV]`` tile of
 one head's state and walks the chunks in order (or in reverse); this ``K x V`` recurrence
 is the only sequential work in the algorithm.
@@ -28,6 +39,7 @@ is the only sequential work in the algorithm.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,21 +48,61 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _common as cm
 
 
-def _cumsum_kernel(g_ref, p_ref, s_ref, *, C, KD):
+class Decays(NamedTuple):
+  """What :func:`chunk_decays` writes for the forward's kernels (module docstring)."""
+  p: jax.Array      # [B, T, H, K] float32: inclusive prefix of g within each sub-chunk
+  s: jax.Array      # [B, T, H, K] float32: exclusive suffix of g within each sub-chunk
+  qd: jax.Array     # [B, T, H, K] q's dtype: q e^{bc}
+  kd: jax.Array     # [B, T, H, K] k's dtype: k e^{b_last - bc}
+  dl: jax.Array     # [B, H, N, K] float32: e^{b_last}, the chunk's decay of the state
+
+
+def _cumsum_kernel(*refs, C, KD, fold):
+  """p and s of one chunk's [C, KD] tile; with ``fold`` also qd, kd and dl."""
+  if fold:
+    g_ref, q_ref, k_ref, p_ref, s_ref, qd_ref, kd_ref, dl_ref = refs
+  else:
+    g_ref, p_ref, s_ref = refs
   b, hd, n, ik = (pl.program_id(i) for i in range(4))
   ks = pl.ds(ik * KD, KD)
   S, L = cm.SUB, C // cm.SUB
-  for u in range(L):                  # p: a forward cumsum of each [16, KD] sub-chunk tile
+  last = cm.iota((S, KD), 0) == S - 1
+  # p: a forward cumsum of each [16, KD] sub-chunk tile. Folding: its last row is the
+  # sub-chunk's total T_u (a masked sum: exact), and bc = T_0 + ... + T_{u-1} + p, added
+  # in the order _common.chunk_prefix adds them.
+  tot, before = [], None
+  for u in range(L):
     sub = pl.ds(n * C + u * S, S)
-    p_ref[b, sub, hd, ks] = jnp.cumsum(g_ref[b, sub, hd, ks].astype(cm.F32), axis=0)
+    p = jnp.cumsum(g_ref[b, sub, hd, ks].astype(cm.F32), axis=0)
+    p_ref[b, sub, hd, ks] = p
+    if fold:
+      bc = p if before is None else p + before[None, :]
+      qd_ref[b, sub, hd, ks] = (q_ref[b, sub, hd, ks].astype(cm.F32)
+                                * jnp.exp(bc)).astype(qd_ref.dtype)
+      tot.append(jnp.sum(jnp.where(last, p, 0.0), axis=0))
+      before = tot[-1] if before is None else before + tot[-1]
+  after = 0.0
+  if fold:
+    dl_ref[b, hd, n, ks] = jnp.exp(before)                            # b_last = sum_u T_u
+    # The later sub-chunks' totals per sub-chunk as a [L, KD] tile (row u: T_{u+1} + ...
+    # + T_{L-1}, added in _common.chunk_suffix's order).
+    lrow, acc, after = cm.iota((L, KD), 0), None, jnp.zeros((L, KD), cm.F32)
+    for u in range(L - 2, -1, -1):
+      acc = tot[L - 1] if acc is None else acc + tot[u + 1]
+      after = jnp.where(lrow == u, acc[None, :], after)
+
   # s: row j of every sub-chunk at once (a [L, KD] tile, rows 16 apart), last row first,
-  # accumulated exactly: s_j = g_{j+1} + s_{j+1}.
+  # accumulated exactly: s_j = g_{j+1} + s_{j+1}. Folding: b_last - bc = s + the later
+  # totals, and the 16 steps are unrolled at trace time (the row loads issued ahead).
   def row(i, acc):
     rows = pl.ds(n * C + S - 1 - i, L, stride=S)
     s_ref[b, rows, hd, ks] = acc
+    if fold:
+      kd_ref[b, rows, hd, ks] = (k_ref[b, rows, hd, ks].astype(cm.F32)
+                                 * jnp.exp(acc + after)).astype(kd_ref.dtype)
     return acc + g_ref[b, rows, hd, ks].astype(cm.F32)
 
-  jax.lax.fori_loop(0, S, row, jnp.zeros((L, KD), cm.F32))
+  cm.unrolled(S, S if fold else 1, row, jnp.zeros((L, KD), cm.F32))
 
 
 def chunk_cumsum(g, *, chunk_size, config):
@@ -59,10 +111,26 @@ def chunk_cumsum(g, *, chunk_size, config):
   B, T, H, K = g.shape
   C = chunk_size
   KD = cm.block(K, config.cumsum_kd)
-  kern = functools.partial(_cumsum_kernel, C=C, KD=KD)
+  kern = functools.partial(_cumsum_kernel, C=C, KD=KD, fold=False)
   out = jax.ShapeDtypeStruct(g.shape, cm.F32)
   return cm.call(kern, (out, out), (B, H, T // C, K // KD), config=config,
                  num_warps=config.cumsum_warps, num_stages=1, name="gla_chunk_cumsum")(g)
+
+
+def chunk_decays(g, q, k, *, chunk_size, config):
+  """:class:`Decays`: :func:`chunk_cumsum`'s p and s, and the decay folded into q and k
+  (module docstring), in one launch (tile ``config.decays_kd``)."""
+  B, T, H, K = g.shape
+  C = chunk_size
+  N = T // C
+  KD = cm.block(K, config.decays_kd)
+  kern = functools.partial(_cumsum_kernel, C=C, KD=KD, fold=True)
+  f32 = jax.ShapeDtypeStruct(g.shape, cm.F32)
+  out = (f32, f32, jax.ShapeDtypeStruct(g.shape, q.dtype), jax.ShapeDtypeStruct(g.shape, k.dtype),
+         jax.ShapeDtypeStruct((B, H, N, K), cm.F32))
+  return Decays(*cm.call(kern, out, (B, H, N, K // KD), config=config,
+                         num_warps=config.cumsum_warps, num_stages=1,
+                         name="gla_chunk_decays")(g, q, k))
 
 
 def walk_params(k, v, *, chunk_size, config, both=False):
@@ -94,26 +162,44 @@ def walk_call(kernel, out, grid, name, config):
                  num_stages=config.state_stages, name=name)
 
 
-def _state_walk(k_ref, v_ref, p_ref, s_ref, h0_ref, h_ref, ht_ref, b, hd, ik, iv, *, C, N,
-                BK, BV, dt):
+def _state_walk(keys, v_ref, h0_ref, h_ref, ht_ref, b, hd, ik, iv, *, C, N, BK, BV, dt):
+  """One [BK, BV] state tile walked over the chunks; ``keys(n, t, ks)`` gives chunk n's
+  decayed keys ``k e^{b_last - bc}`` [C, BK] and its decay ``e^{b_last}`` [BK]."""
   ks, vs = pl.ds(ik * BK, BK), pl.ds(iv * BV, BV)
-  blk = cm.iota((C, BK), 0) // cm.SUB
 
   def body(n, state):
     h_ref[b, hd, n, ks, vs] = state.astype(h_ref.dtype)
     t = pl.ds(n * C, C)
-    tot = cm.sub_totals(p_ref, b, n * C, hd, ks, C // cm.SUB)
-    sc = cm.chunk_suffix(s_ref[b, t, hd, ks], tot, blk)           # b_last - bc, [C, BK]
-    k_dec = k_ref[b, t, hd, ks].astype(cm.F32) * jnp.exp(sc)
+    k_dec, decay = keys(n, t, ks)
     inc = cm.dot(k_dec, v_ref[b, t, hd, vs], dt, ta=True)          # [BK, BV]
-    return jnp.exp(cm.chunk_total(tot))[:, None] * state + inc
+    return decay[:, None] * state + inc
 
   ht_ref[b, hd, ks, vs] = jax.lax.fori_loop(0, N, body, h0_ref[b, hd, ks, vs])
 
 
+def _decayed_keys(k_ref, p_ref, s_ref, b, hd, *, C, BK):
+  """``keys`` of :func:`_state_walk` formed from k, p and s (chunk_cumsum's)."""
+  blk = cm.iota((C, BK), 0) // cm.SUB
+
+  def keys(n, t, ks):
+    tot = cm.sub_totals(p_ref, b, n * C, hd, ks, C // cm.SUB)
+    sc = cm.chunk_suffix(s_ref[b, t, hd, ks], tot, blk)           # b_last - bc, [C, BK]
+    return (k_ref[b, t, hd, ks].astype(cm.F32) * jnp.exp(sc),
+            jnp.exp(cm.chunk_total(tot)))
+
+  return keys
+
+
 def _state_kernel(k_ref, v_ref, p_ref, s_ref, h0_ref, h_ref, ht_ref, **kw):
-  _state_walk(k_ref, v_ref, p_ref, s_ref, h0_ref, h_ref, ht_ref,
-              *(pl.program_id(i) for i in range(4)), **kw)
+  b, hd, ik, iv = (pl.program_id(i) for i in range(4))
+  keys = _decayed_keys(k_ref, p_ref, s_ref, b, hd, C=kw["C"], BK=kw["BK"])
+  _state_walk(keys, v_ref, h0_ref, h_ref, ht_ref, b, hd, ik, iv, **kw)
+
+
+def _folded_state_kernel(kd_ref, v_ref, dl_ref, h0_ref, h_ref, ht_ref, **kw):
+  b, hd, ik, iv = (pl.program_id(i) for i in range(4))
+  keys = lambda n, t, ks: (kd_ref[b, t, hd, ks], dl_ref[b, hd, n, ks])
+  _state_walk(keys, v_ref, h0_ref, h_ref, ht_ref, b, hd, ik, iv, **kw)
 
 
 def state_pass(k, v, p, s, h0, *, chunk_size, config):
@@ -124,6 +210,14 @@ def state_pass(k, v, p, s, h0, *, chunk_size, config):
   out = walk_outputs(k, v, chunk_size=chunk_size, config=config, states=True, grads=False)
   return walk_call(functools.partial(_state_kernel, **kw), out, grid, "gla_state_pass",
                    config)(k, v, p, s, h0)
+
+
+def folded_state_pass(kd, v, dl, h0, *, chunk_size, config):
+  """:func:`state_pass` from :func:`chunk_decays`' ``kd`` and ``dl`` (the forward's)."""
+  grid, kw = walk_params(kd, v, chunk_size=chunk_size, config=config)
+  out = walk_outputs(kd, v, chunk_size=chunk_size, config=config, states=True, grads=False)
+  return walk_call(functools.partial(_folded_state_kernel, **kw), out, grid,
+                   "gla_state_pass", config)(kd, v, dl, h0)
 
 
 def _grad_walk(q_ref, do_ref, p_ref, dht_ref, dh_ref, dh0_ref, b, hd, ik, iv, *, C, N, BK, BV,
@@ -161,10 +255,10 @@ def _both_kernel(k_ref, v_ref, q_ref, do_ref, p_ref, s_ref, h0_ref, dht_ref, h_r
                  dh_ref, dh0_ref, *, B, scale, **kw):
   pid, hd, ik, iv = (pl.program_id(i) for i in range(4))
   b = pid % B
+  keys = _decayed_keys(k_ref, p_ref, s_ref, b, hd, C=kw["C"], BK=kw["BK"])
   jax.lax.cond(
       pid < B,
-      lambda: _state_walk(k_ref, v_ref, p_ref, s_ref, h0_ref, h_ref, ht_ref, b, hd, ik, iv,
-                          **kw),
+      lambda: _state_walk(keys, v_ref, h0_ref, h_ref, ht_ref, b, hd, ik, iv, **kw),
       lambda: _grad_walk(q_ref, do_ref, p_ref, dht_ref, dh_ref, dh0_ref, b, hd, ik, iv,
                          scale=scale, **kw))
 

@@ -5,7 +5,8 @@ g per-dim ``[B, T, H, K]``, per-head scalar ``[B, T, H]`` or None), plus the lau
 configuration ``config`` (:class:`pallas_kernels.KernelConfig`; with ``interpret`` the
 same kernels run in the Pallas interpreter, on any platform):
 
-  fwd: sub-chunk cumsums (p, s) -> state pass -> scores A (off-diagonal, diagonal) -> output
+  fwd: sub-chunk cumsums (p, s) and the decay folded into q, k -> state pass -> scores A
+       (off-diagonal, diagonal) -> output
   bwd: sub-chunk cumsums -> dA -> state pass (recomputed) | state-gradient pass (one
        launch, or two with ``config.fuse_state_passes`` off) -> A (recomputed) -> dv
        -> diagonal dq/dk terms -> dq, dk, dg
@@ -36,10 +37,10 @@ def fwd_res(q, k, v, g, *, scale, initial_state, chunk_size, config):
   cm.check_dims(q.shape[-1], v.shape[-1], chunk_size)
   kw = dict(chunk_size=chunk_size, config=config)
   g = cm.per_dim_decay(g, q.shape)
-  p, s = state.chunk_cumsum(g, **kw)
-  h, final = state.state_pass(k, v, p, s, initial_state, **kw)
-  A = intra.scores(q, k, g, p, s, **kw)
-  o = intra.output(q, v, p, h, A, scale=scale, **kw)
+  d = state.chunk_decays(g, q, k, **kw)
+  h, final = state.folded_state_pass(d.kd, v, d.dl, initial_state, **kw)
+  A = intra.scores(q, k, g, d.p, d.s, **kw)
+  o = intra.output(d.qd, v, h, A, scale=scale, **kw)
   return (o, final), A
 
 

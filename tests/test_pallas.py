@@ -236,6 +236,33 @@ def test_state_storage_dtype():
   assert A.dtype == jnp.float32
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_chunk_decays_folds_the_decay_into_q_and_k(dtype):
+  """The forward's chunk_decays: p and s exactly chunk_cumsum's, qd = q e^{bc}, kd = k
+  e^{b_last - bc} in the input dtype and dl = e^{b_last} against a float64 numpy
+  computation (the benchmark's mild decay, so that e^{b_last} does not underflow; two
+  chunks; chunk-cumulative exponents formed in float64);
+  and the walk over kd, dl gives state_pass's states (the backward's walk)."""
+  from pallas_kernels import state
+  q, k, v, g, h0, _ = _inputs(8, 1, 128, 2, 64, 32, decay="mild")
+  q, k, v = (a.astype(dtype) for a in (q, k, v))
+  config = _config(q, v)
+  d = state.chunk_decays(g, q, k, chunk_size=64, config=config)
+  p, s = state.chunk_cumsum(g, chunk_size=64, config=config)
+  assert np.array_equal(d.p, p) and np.array_equal(d.s, s)
+  assert d.qd.dtype == d.kd.dtype == dtype and d.dl.shape == (1, 2, 2, 64)
+  gc = np.cumsum(np.asarray(g, np.float64).reshape(1, 2, 64, 2, 64), axis=2)   # bc
+  last = gc[:, :, -1:]
+  f64 = lambda a: np.asarray(a.astype(jnp.float32), np.float64).reshape(gc.shape)
+  tol = 1e-6 if dtype == jnp.float32 else 8e-3          # bf16: one rounding of qd / kd
+  assert rel_err(f64(d.qd), f64(q) * np.exp(gc)) <= tol
+  assert rel_err(f64(d.kd), f64(k) * np.exp(last - gc)) <= tol
+  assert rel_err(np.asarray(d.dl), np.exp(last[:, :, 0]).transpose(0, 2, 1, 3)) <= 1e-6
+  h1, f1 = state.folded_state_pass(d.kd, v, d.dl, h0, chunk_size=64, config=config)
+  h2, f2 = state.state_pass(k, v, p, s, h0, chunk_size=64, config=config)
+  assert rel_err(h1, h2) <= 1e-6 and rel_err(f1, f2) <= 1e-6
+
+
 def test_walk_tiles_target_one_program_per_sm():
   """State-walk tiles of the default config: about one program per SM for the launch (the
   benchmark shapes on a 132-SM GPU; 132 when the SM count is unknown), set explicitly in
@@ -295,14 +322,14 @@ def test_kernel_config_type_is_checked():
 # The figures in docs/kernels.md were measured with exactly these.
 _H200_LAUNCHES = {
     (1, 16384, 16, 128, 128): [
-        ("gla_chunk_cumsum", (1, 16, 256, 2), 4, 1), ("gla_state_pass", (1, 16, 2, 4), 4, 3),
+        ("gla_chunk_decays", (1, 16, 256, 1), 4, 1), ("gla_state_pass", (1, 16, 2, 4), 4, 3),
         ("gla_scores", (1, 16, 256), 4, 1), ("gla_scores_diag", (1, 16, 256, 4), 2, 1),
         ("gla_output", (1, 16, 256, 1), 4, 3), ("gla_chunk_cumsum", (1, 16, 256, 2), 4, 1),
         ("gla_score_grad", (1, 16, 256), 4, 2), ("gla_state_passes", (2, 16, 2, 2), 4, 3),
         ("gla_dv", (1, 16, 256, 1), 4, 2), ("gla_dqdk_diag", (1, 16, 256, 4, 2), 2, 1),
         ("gla_dqdk", (1, 16, 256, 4), 4, 3)],
     (8, 4096, 4, 128, 256): [
-        ("gla_chunk_cumsum", (8, 4, 64, 2), 4, 1), ("gla_state_pass", (8, 4, 2, 2), 4, 3),
+        ("gla_chunk_decays", (8, 4, 64, 1), 4, 1), ("gla_state_pass", (8, 4, 2, 2), 4, 3),
         ("gla_scores", (8, 4, 64), 4, 1), ("gla_scores_diag", (8, 4, 64, 4), 2, 1),
         ("gla_output", (8, 4, 64, 2), 4, 3), ("gla_chunk_cumsum", (8, 4, 64, 2), 4, 1),
         ("gla_score_grad", (8, 4, 64), 4, 2), ("gla_state_passes", (16, 4, 2, 2), 4, 3),
