@@ -255,10 +255,10 @@ def _both_kernel(k_ref, v_ref, q_ref, do_ref, p_ref, s_ref, h0_ref, dht_ref, h_r
                  dh_ref, dh0_ref, *, B, scale, **kw):
   pid, hd, ik, iv = (pl.program_id(i) for i in range(4))
   b = pid % B
-  keys = _decayed_keys(k_ref, p_ref, s_ref, b, hd, C=kw["C"], BK=kw["BK"])
   jax.lax.cond(
       pid < B,
-      lambda: _state_walk(keys, v_ref, h0_ref, h_ref, ht_ref, b, hd, ik, iv, **kw),
+      lambda: _state_walk(_decayed_keys(k_ref, p_ref, s_ref, b, hd, C=kw["C"], BK=kw["BK"]),
+                          v_ref, h0_ref, h_ref, ht_ref, b, hd, ik, iv, **kw),
       lambda: _grad_walk(q_ref, do_ref, p_ref, dht_ref, dh_ref, dh0_ref, b, hd, ik, iv,
                          scale=scale, **kw))
 
