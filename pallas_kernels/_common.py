@@ -150,6 +150,23 @@ def chunk_suffix(s, tot, blk):
   return s + off
 
 
+# The 16 x 16 diagonal blocks' dot form (``diag_dots`` / ``dqdk_diag_dots``): a block is
+# factored through its sub-chunk's first row when the decay from that row to the last,
+# per K column, is at least -DIAG_DOT_SPAN (else the exact column loop runs).
+DIAG_DOT_SPAN = 16.0
+
+
+def sub_chunk_decay(g_ref, b, rows, hd, ks, row):
+  """``(P, fits)`` of one 16-row sub-chunk's ``[16, KD]`` tile: ``P_r = sum_{0 < m <= r}
+  g_m`` (an inclusive cumsum from the sub-chunk's second row: same-sign terms) and
+  whether every ``P >= -DIAG_DOT_SPAN``. Then ``e^{P_r - P_j} = e^{P_r} e^{-P_j}`` with
+  ``e^{P_r} <= 1``, ``e^{-P_j} <= e^{16}`` (no overflow), and the exponent's rounding
+  error at most ``2 * 16 * eps`` (about 2e-6) instead of the column loop's ``eps`` of
+  the exponent: the only place where an exponent is a difference, bounded by the span."""
+  P = jnp.cumsum(jnp.where(row == 0, 0.0, g_ref[b, rows, hd, ks].astype(F32)), axis=0)
+  return P, jnp.min(jnp.min(P, axis=1), axis=0) >= -DIAG_DOT_SPAN
+
+
 def unrolled(n, unroll, body, carry):
   """``carry = body(i, carry)`` for i in range(n), ``unroll`` steps per iteration of a
   fori_loop; ``unroll >= n``: a plain Python loop (i a Python int, unrolled at trace

@@ -21,7 +21,8 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 # Streaming multiprocessors assumed when the target GPU is not known (an H100 / H200, the
 # GPU the defaults were measured on).
 DEFAULT_SM_COUNT = 132
-_BOOL_FIELDS = ("interpret", "states_in_input_dtype", "fuse_state_passes")
+_BOOL_FIELDS = ("interpret", "states_in_input_dtype", "fuse_state_passes", "diag_dots",
+                "dqdk_diag_dots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,11 @@ class KernelConfig:
   input dtype (every dot that reads them casts them to it anyway; the walks carry float32),
   else float32. ``fuse_state_passes``: the backward runs the state pass and the
   state-gradient pass side by side in one launch, else one after the other.
+  ``diag_dots`` / ``dqdk_diag_dots``: the 16 x 16 diagonal blocks of the scores / of dq
+  and dk as tensor-core dots factored through each sub-chunk's first row, where the
+  decay over the sub-chunk is at least -16 per K column (exponent error at most about
+  2e-6; the exact column loops elsewhere); off by default until measured on a GPU
+  (``docs/kernels.md``).
 
   Build one with :func:`default_config` and change fields with ``dataclasses.replace``;
   ``KernelConfig()`` alone has the GPU defaults with 64 x 64 walk tiles.
@@ -71,6 +77,7 @@ class KernelConfig:
   diag_kd: int = 32
   diag_warps: int = 2
   diag_stages: int = 1
+  diag_dots: bool = False
   da_bv: int = 128
   da_warps: int = 4
   da_stages: int = 2
@@ -89,6 +96,7 @@ class KernelConfig:
   dqdk_diag_bk: int = 64
   dqdk_diag_warps: int = 2
   dqdk_diag_stages: int = 1
+  dqdk_diag_dots: bool = False
   states_in_input_dtype: bool = True
   fuse_state_passes: bool = True
 

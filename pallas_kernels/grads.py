@@ -61,12 +61,14 @@ def dv(k, p, s, do, A, dH, *, scale, chunk_size, config):
                  name="gla_dv")(k, p, s, do, A, dH)
 
 
-def _diag_grad_kernel(q_ref, k_ref, g_ref, da_ref, dqd_ref, dkd_ref, *, C, BK):
+def _diag_grad_kernel(q_ref, k_ref, g_ref, da_ref, dqd_ref, dkd_ref, *, C, BK, dt, dots):
   """Diagonal-block terms of dq and dk for sub-chunk s, exact in log space:
   dq_r += sum_{j <= r} dA[r, j] k_j e^{sum_{j < m <= r} g_m} (j from the last row down,
   the exponent carried as ``e <- e + g_j``), dk_i += sum_{j >= i} dA[j, i] q_j
   e^{sum_{i < m <= j} g_m} (j from the first row up, ``f <- f + g_j``), on [16, BK]
-  tiles (small: many programs per SM)."""
+  tiles (small: many programs per SM). With ``dots``, a tile whose decay over the
+  sub-chunk fits ``_common.DIAG_DOT_SPAN`` takes two dots instead: dq = e^{P} (dA (k
+  e^{-P})), dk = e^{-P} (dA^T (q e^{P})) (``_common.sub_chunk_decay``)."""
   b, hd, n, s, ik = (pl.program_id(i) for i in range(5))
   r0 = n * C + s * S
   rows, ks = pl.ds(r0, S), pl.ds(ik * BK, BK)
@@ -94,9 +96,27 @@ def _diag_grad_kernel(q_ref, k_ref, g_ref, da_ref, dqd_ref, dkd_ref, *, C, BK):
     return dk + da_row * qi * cm.masked_exp(row <= i, f), f
 
   zero = jnp.zeros((S, BK), cm.F32)
-  dq, _ = cm.unrolled(S, DIAG_UNROLL, dq_step, (zero, zero))
+  if not dots:
+    dq, _ = cm.unrolled(S, DIAG_UNROLL, dq_step, (zero, zero))
+    dqd_ref[b, rows, hd, ks] = dq.astype(dqd_ref.dtype)
+    dk, _ = cm.unrolled(S, DIAG_UNROLL, dk_step, (zero, zero))
+    dkd_ref[b, rows, hd, ks] = dk.astype(dkd_ref.dtype)
+    return
+  P, fits = cm.sub_chunk_decay(g_ref, b, rows, hd, ks, row)
+
+  def factored():
+    e_pos, e_neg = jnp.exp(P), jnp.exp(-P)
+    dA = da_ref[b, hd, n, pl.ds(s * S, S), pl.ds(s * S, S)]        # lower triangle
+    dq = e_pos * cm.dot(dA, k_ref[b, rows, hd, ks].astype(cm.F32) * e_neg, dt)
+    dk = e_neg * cm.dot(dA, q_ref[b, rows, hd, ks].astype(cm.F32) * e_pos, dt, ta=True)
+    return dq, dk
+
+  def loops():
+    return (cm.unrolled(S, DIAG_UNROLL, dq_step, (zero, zero))[0],
+            cm.unrolled(S, DIAG_UNROLL, dk_step, (zero, zero))[0])
+
+  dq, dk = jax.lax.cond(fits, factored, loops)
   dqd_ref[b, rows, hd, ks] = dq.astype(dqd_ref.dtype)
-  dk, _ = cm.unrolled(S, DIAG_UNROLL, dk_step, (zero, zero))
   dkd_ref[b, rows, hd, ks] = dk.astype(dkd_ref.dtype)
 
 
@@ -166,7 +186,8 @@ def diag_grads(q, k, g, dA, *, chunk_size, config):
   C = chunk_size
   BK = cm.block(K, config.dqdk_diag_bk)
   part = jax.ShapeDtypeStruct(q.shape, cm.F32)
-  return cm.call(functools.partial(_diag_grad_kernel, C=C, BK=BK), (part, part),
+  return cm.call(functools.partial(_diag_grad_kernel, C=C, BK=BK, dt=q.dtype,
+                                   dots=config.dqdk_diag_dots), (part, part),
                  (B, H, T // C, C // S, K // BK), config=config,
                  num_warps=config.dqdk_diag_warps, num_stages=config.dqdk_diag_stages,
                  name="gla_dqdk_diag")(q, k, g, dA)

@@ -55,9 +55,12 @@ def _scores_off_kernel(q_ref, k_ref, p_ref, s_ref, a_ref, *, C, K, KD, dt):
   a_ref[b, hd, n] = jax.lax.fori_loop(0, K // KD, k_slice, jnp.zeros((C, C), cm.F32))
 
 
-def _diag_kernel(q_ref, k_ref, g_ref, a_in_ref, a_ref, *, C, K, KD):
+def _diag_kernel(q_ref, k_ref, g_ref, a_in_ref, a_ref, *, C, K, KD, dt, dots):
   """The 16 x 16 diagonal block of sub-chunk s, exact in log space, one column j at a
-  time from the last (written in place into A from ``_scores_off_kernel``)."""
+  time from the last (written in place into A from ``_scores_off_kernel``). With
+  ``dots``, each K slice whose decay over the sub-chunk fits ``_common.DIAG_DOT_SPAN``
+  is one ``[16, KD] x [KD, 16]`` dot of ``q e^{P}`` and ``k e^{-P}`` instead
+  (``_common.sub_chunk_decay``); the others take the column loop."""
   del a_in_ref                      # aliased to a_ref: the off-diagonal part is kept
   b, hd, n, s = (pl.program_id(i) for i in range(4))
   r0 = n * C + s * S
@@ -65,10 +68,7 @@ def _diag_kernel(q_ref, k_ref, g_ref, a_in_ref, a_ref, *, C, K, KD):
   row = cm.iota((S, KD), 0)
   col = cm.iota((S, S), 1)
 
-  def k_slice(kk, diag):
-    ks = pl.ds(kk * KD, KD)
-    q_a = q_ref[b, rows, hd, ks].astype(cm.F32)
-
+  def columns(q_a, ks, diag):
     def column(i, carry):
       diag, e = carry                 # e[r] = sum_{j < m <= r} g_m on rows r >= j
       j = S - 1 - i
@@ -83,6 +83,20 @@ def _diag_kernel(q_ref, k_ref, g_ref, a_in_ref, a_ref, *, C, K, KD):
     # on the carried exponent, so Triton issues them ahead of the exp / reduce chain
     # (H200: gla_scores 0.62 -> 0.51 ms at B1 T16384 H16 K128; 68 registers, no spills).
     return cm.unrolled(S, S, column, (diag, jnp.zeros((S, KD), cm.F32)))[0]
+
+  def k_slice(kk, diag):
+    ks = pl.ds(kk * KD, KD)
+    q_a = q_ref[b, rows, hd, ks].astype(cm.F32)
+    if not dots:
+      return columns(q_a, ks, diag)
+    P, fits = cm.sub_chunk_decay(g_ref, b, rows, hd, ks, row)
+
+    def factored():
+      k_a = k_ref[b, rows, hd, ks].astype(cm.F32)
+      part = cm.dot(q_a * jnp.exp(P), k_a * jnp.exp(-P), dt, tb=True)      # [S, S]
+      return diag + jnp.where(cm.iota((S, S), 0) >= col, part, 0.0)
+
+    return jax.lax.cond(fits, factored, lambda: columns(q_a, ks, diag))
 
   a_ref[b, hd, n, pl.ds(s * S, S), pl.ds(s * S, S)] = jax.lax.fori_loop(
       0, K // KD, k_slice, jnp.zeros((S, S), cm.F32))
@@ -105,7 +119,8 @@ def scores_diag(q, k, g, A, *, chunk_size, config):
   """``A`` with its 16 x 16 diagonal blocks written in place (``gla_scores_diag``)."""
   B, T, H, K = q.shape
   C = chunk_size
-  diag = functools.partial(_diag_kernel, C=C, K=K, KD=cm.block(K, config.diag_kd))
+  diag = functools.partial(_diag_kernel, C=C, K=K, KD=cm.block(K, config.diag_kd), dt=q.dtype,
+                           dots=config.diag_dots)
   return cm.call(diag, jax.ShapeDtypeStruct(A.shape, cm.F32), (B, H, T // C, C // S),
                  config=config, num_warps=config.diag_warps, num_stages=config.diag_stages,
                  name="gla_scores_diag", aliases={3: 0})(q, k, g, A)

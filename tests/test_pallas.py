@@ -89,7 +89,8 @@ def test_pallas_float32_matches_reference(B, T, H, K, V, decay):
 
 
 @pytest.mark.parametrize("overrides", [{}, {"states_in_input_dtype": False,
-                                            "fuse_state_passes": False}])
+                                            "fuse_state_passes": False},
+                                       {"diag_dots": True, "dqdk_diag_dots": True}])
 def test_pallas_bf16_matches_reference(overrides):
   q, k, v, g, h0, key = _inputs(1, 1, 96, 2, 64, 128, decay="mild", dtype=jnp.bfloat16)
   config = _config(q, v, **overrides)
@@ -193,6 +194,7 @@ def test_tpu_variant_lowers_to_mosaic(monkeypatch):
              "da_bv": 64, "out_bv": 64, "dv_bv": 64, "diag_kd": 64, "dqdk_diag_bk": 32}),
     (True, {"fuse_state_passes": False, "state_bv": 64, "out_bk": 32, "dv_bk": 32,
             "dqdk_bv": 32, "scores_kd": 16}),
+    (True, {"diag_dots": True, "dqdk_diag_dots": True}),     # strong decay: the loops run
 ])
 def test_gpu_launch_options_keep_results(kept, overrides):
   """Launch options the benchmark sweeps (float32 states, other tiles, the state walks in
@@ -217,6 +219,70 @@ def test_gpu_launch_options_keep_results(kept, overrides):
   assert rel_err(fin, fin_r) <= 1e-5
   for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), grads, grads_r):
     assert rel_err(a, b) <= 1e-4, (name, rel_err(a, b))
+
+
+@pytest.mark.parametrize("decay", ["mild", "mixed"])
+def test_diagonal_blocks_as_dots(decay):
+  """``diag_dots`` / ``dqdk_diag_dots``: the 16 x 16 diagonal blocks factored through the
+  sub-chunk's first row where the decay over the sub-chunk fits DIAG_DOT_SPAN (every
+  sub-chunk with the mild decay; every other one in "mixed", whose odd sub-chunks decay
+  by about -20 per token and take the exact loops). float32 against the jnp path; the
+  blocks differ from the loops' in rounding only, so the dot path did run."""
+  from pallas_kernels import grads, intra, state
+  from zeco_jax import chunked
+  q, k, v, g, h0, key = _inputs(9, 1, 128, 1, 64, 64, decay="mild")
+  if decay == "mixed":
+    odd = (jnp.arange(128) // 16 % 2 == 1)[None, :, None, None]
+    g = jnp.where(odd, 320.0 * g - 1.0, g)
+  config = _config(q, v, diag_dots=True, dqdk_diag_dots=True)
+  o, fin, grads_ = _backend_terms(pallas_kernels.backend("cpu"), q, k, v, g, h0, key, 64, config)
+  o_r, fin_r, grads_r = _backend_terms(chunked, q, k, v, g, h0, key, 64)
+  assert rel_err(o, o_r) <= 1e-5 and rel_err(fin, fin_r) <= 1e-5
+  for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), grads_, grads_r):
+    assert rel_err(a, b) <= 1e-4, (name, rel_err(a, b))
+  loops = _config(q, v)
+  kw = dict(chunk_size=64)
+  p, s = state.chunk_cumsum(g, config=loops, **kw)
+  A0, A1 = (intra.scores(q, k, g, p, s, config=c, **kw) for c in (loops, config))
+  assert rel_err(A1, A0) <= 1e-6 and not np.array_equal(A1, A0)
+  dA = jax.random.normal(key, A0.shape)
+  dA = jnp.where(jnp.tril(jnp.ones((64, 64), bool)), dA, 0.0)
+  d0, d1 = (grads.diag_grads(q, k, g, dA, config=c, **kw) for c in (loops, config))
+  for a, b in zip(d1, d0):
+    assert rel_err(a, b) <= 1e-6 and not np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"diag_dots": True, "dqdk_diag_dots": True}])
+def test_kernels_lower_to_triton_for_a_gpu_target(overrides):
+  """Every GPU kernel of the forward and backward lowers through Pallas's Triton lowering
+  for an H200 target on this CPU host (an abstract device): what the interpreter tests
+  do not check (e.g. that Triton takes each kernel's control flow and reductions)."""
+  device_cls = getattr(jax.sharding, "AbstractDevice", None)
+  if device_cls is None:
+    pytest.skip("this jax has no jax.sharding.AbstractDevice")
+  from pallas_kernels import triton_backend
+  B, T, H, K, V = 1, 256, 2, 128, 128
+  config = dataclasses.replace(
+      pallas_kernels.default_config("gpu", B, T, H, K, V, jnp.bfloat16), **overrides)
+  kw = dict(scale=K ** -0.5, initial_state=jnp.zeros((B, H, K, V)), chunk_size=64,
+            config=config)
+
+  def fwd_bwd(q, k, v, g, do):
+    (o, _), A = triton_backend.fwd_res(q, k, v, g, **kw)
+    return o, triton_backend.bwd_res(A, q, k, v, g, do, jnp.zeros((B, H, K, V)), **kw)
+
+  sd = jax.ShapeDtypeStruct
+  args = [sd((B, T, H, K), jnp.bfloat16)] * 2 + [sd((B, T, H, V), jnp.bfloat16),
+                                                 sd((B, T, H, K), jnp.float32),
+                                                 sd((B, T, H, V), jnp.bfloat16)]
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device_cls(
+      device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.jit(fwd_bwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  names = ("gla_chunk_decays", "gla_state_pass", "gla_scores", "gla_scores_diag",
+           "gla_output", "gla_chunk_cumsum", "gla_score_grad", "gla_state_passes", "gla_dv",
+           "gla_dqdk_diag", "gla_dqdk")
+  assert all(name in text for name in names)
 
 
 def test_state_storage_dtype():
