@@ -1,8 +1,20 @@
-"""Shared test helpers: random GLA inputs (never zeros), the relative-norm error, and the
-sub-jaxprs of a jaxpr equation (to walk a traced program)."""
+"""Shared test helpers: random GLA inputs (never zeros), the relative-norm error, the
+sub-jaxprs of a jaxpr equation (to walk a traced program), and an abstract one-device mesh
+of a GPU or TPU (to trace or lower for that target on this CPU host)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+
+
+def abstract_mesh(platform, kind, cores):
+  """A one-device AbstractMesh (axis "x") of a ``platform`` device of ``kind`` with
+  ``cores`` cores; skips the test on a jax without ``jax.sharding.AbstractDevice``."""
+  device_cls = getattr(jax.sharding, "AbstractDevice", None)
+  if device_cls is None:
+    pytest.skip("this jax has no jax.sharding.AbstractDevice")
+  device = device_cls(device_kind=kind, num_cores=cores, platform=platform)
+  return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
 
 
 def sub_jaxprs(eqn):

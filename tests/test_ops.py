@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import zeco_jax
-from helpers import cotangents, gla_inputs, loss_and_grads, rel_err
+from helpers import abstract_mesh, cotangents, gla_inputs, loss_and_grads, rel_err
 from zeco_jax import chunk_gla, chunked, ops, recurrent_gla, target
 from zeco_jax.ops import resolve_backend
 
@@ -135,14 +135,6 @@ def test_platform_of_a_mesh():
   assert resolve_backend("auto", platform=target.platform_of(q, mesh=gpu_mesh)) == "pallas"
 
 
-def _abstract_mesh(platform, kind, cores):
-  device_cls = getattr(jax.sharding, "AbstractDevice", None)
-  if device_cls is None:
-    pytest.skip("this jax has no jax.sharding.AbstractDevice")
-  device = device_cls(device_kind=kind, num_cores=cores, platform=platform)
-  return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-
-
 def _traced(mesh, backend, **kw):
   """chunk_gla's forward + backward traced (not run) for the context ``mesh``'s target."""
   sd = jax.ShapeDtypeStruct
@@ -161,10 +153,10 @@ def test_chunk_gla_dispatches_by_the_target_mesh():
   kernels: compiled (not interpreted) Triton launches for the GPU with the state-walk
   tiles chosen for its SM count; the Mosaic TPU kernels for a TPU under 'auto' and
   'pallas', the jnp path under 'jax'."""
-  gpu = _traced(_abstract_mesh("gpu", "NVIDIA H200", 132), "auto")
+  gpu = _traced(abstract_mesh("gpu", "NVIDIA H200", 132), "auto")
   assert "pallas_call" in gpu and "interpret=True" not in gpu
   assert "num_warps=4" in gpu and "gla_state_passes" in gpu
-  tpu = _abstract_mesh("tpu", "TPU v5 lite", 1)
+  tpu = abstract_mesh("tpu", "TPU v5 lite", 1)
   assert "gla_tpu_fwd" in _traced(tpu, "auto")
   assert "gla_tpu_fwd" in _traced(tpu, "pallas")
   assert "pallas_call" not in _traced(tpu, "jax")

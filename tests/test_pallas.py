@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import rel_err
+from helpers import abstract_mesh, rel_err
 from zeco_jax import chunk_gla, recurrent_gla
 
 pallas_kernels = pytest.importorskip("pallas_kernels")
@@ -257,9 +257,7 @@ def test_kernels_lower_to_triton_for_a_gpu_target(overrides):
   """Every GPU kernel of the forward and backward lowers through Pallas's Triton lowering
   for an H200 target on this CPU host (an abstract device): what the interpreter tests
   do not check (e.g. that Triton takes each kernel's control flow and reductions)."""
-  device_cls = getattr(jax.sharding, "AbstractDevice", None)
-  if device_cls is None:
-    pytest.skip("this jax has no jax.sharding.AbstractDevice")
+  mesh = abstract_mesh("gpu", "NVIDIA H200", 132)
   from pallas_kernels import triton_backend
   B, T, H, K, V = 1, 256, 2, 128, 128
   config = dataclasses.replace(
@@ -275,8 +273,6 @@ def test_kernels_lower_to_triton_for_a_gpu_target(overrides):
   args = [sd((B, T, H, K), jnp.bfloat16)] * 2 + [sd((B, T, H, V), jnp.bfloat16),
                                                  sd((B, T, H, K), jnp.float32),
                                                  sd((B, T, H, V), jnp.bfloat16)]
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device_cls(
-      device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
   with jax.sharding.use_abstract_mesh(mesh):
     text = jax.jit(fwd_bwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   names = ("gla_chunk_decays", "gla_state_pass", "gla_scores", "gla_scores_diag",
