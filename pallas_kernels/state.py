@@ -81,7 +81,6 @@ def _cumsum_kernel(*refs, C, KD, fold):
                                 * jnp.exp(bc)).astype(qd_ref.dtype)
       tot.append(jnp.sum(jnp.where(last, p, 0.0), axis=0))
       before = tot[-1] if before is None else before + tot[-1]
-  after = 0.0
   if fold:
     dl_ref[b, hd, n, ks] = jnp.exp(before)                            # b_last = sum_u T_u
     # The later sub-chunks' totals per sub-chunk as a [L, KD] tile (row u: T_{u+1} + ...
