@@ -167,6 +167,22 @@ def sub_chunk_decay(g_ref, b, rows, hd, ks, row):
   return P, jnp.min(jnp.min(P, axis=1), axis=0) >= -DIAG_DOT_SPAN
 
 
+def chunk_fits(p):
+  """Whether a chunk's ``[C, KD]`` tile of the sub-chunk prefix ``p`` is at least
+  ``-DIAG_DOT_SPAN`` everywhere: then its diagonal blocks may factor through ``e^{p}``
+  and ``e^{-p} <= e^{16}`` (the fused diagonal of ``fuse_diag``)."""
+  return jnp.min(jnp.min(p, axis=1), axis=0) >= -DIAG_DOT_SPAN
+
+
+def sub_rows(ref, b, t0, hd, ks, j, blk, L):
+  """``[C, KD]``: on the rows of sub-chunk u, row ``j`` of that sub-chunk (``ref[b, t0 +
+  16 u + j, hd, ks]``), float32; ``blk`` the rows' sub-chunk index."""
+  out = ref[b, t0 + j, hd, ks].astype(F32)[None, :]
+  for u in range(1, L):
+    out = jnp.where(blk == u, ref[b, t0 + u * SUB + j, hd, ks].astype(F32)[None, :], out)
+  return out
+
+
 def unrolled(n, unroll, body, carry):
   """``carry = body(i, carry)`` for i in range(n), ``unroll`` steps per iteration of a
   fori_loop; ``unroll >= n``: a plain Python loop (i a Python int, unrolled at trace

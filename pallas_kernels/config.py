@@ -22,7 +22,7 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 # GPU the defaults were measured on).
 DEFAULT_SM_COUNT = 132
 _BOOL_FIELDS = ("interpret", "states_in_input_dtype", "fuse_state_passes", "diag_dots",
-                "dqdk_diag_dots")
+                "dqdk_diag_dots", "fuse_diag")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +97,7 @@ class KernelConfig:
   dqdk_diag_warps: int = 2
   dqdk_diag_stages: int = 1
   dqdk_diag_dots: bool = False
+  fuse_diag: bool = False
   states_in_input_dtype: bool = True
   fuse_state_passes: bool = True
 

@@ -28,20 +28,44 @@ from pallas_kernels import _common as cm
 S = cm.SUB
 
 
-def _scores_off_kernel(q_ref, k_ref, p_ref, s_ref, a_ref, *, C, K, KD, dt):
+def _scores_off_kernel(*refs, C, K, KD, dt, diag):
   """A for one chunk with zero diagonal blocks: for each sub-chunk s >= 1, rows of s times
-  columns before s, through the row before s (both factors <= 1)."""
+  columns before s, through the row before s (both factors <= 1). With ``diag`` also the
+  diagonal blocks (``fuse_diag``): one dot of ``q e^{p}`` and ``k e^{-p}`` where the
+  chunk's K slice fits ``_common.chunk_fits``, else the exact column loop."""
+  if diag:
+    q_ref, k_ref, p_ref, s_ref, g_ref, a_ref = refs
+  else:
+    q_ref, k_ref, p_ref, s_ref, a_ref = refs
   b, hd, n = (pl.program_id(i) for i in range(3))
   t0 = n * C
   tc = pl.ds(t0, C)
   row = cm.iota((C, KD), 0)
   blk = row // S
+  rin = row - blk * S
   L = C // S
+  same = (cm.iota((C, C), 0) // S == cm.iota((C, C), 1) // S) & (
+      cm.iota((C, C), 0) >= cm.iota((C, C), 1))
+  jcol = cm.iota((C, C), 1) - (cm.iota((C, C), 0) // S) * S     # column - start of row's sub
+
+  def columns(q, ks, acc):
+    def column(i, carry):
+      acc, e = carry                # e[r] = sum_{j < m <= r} g_m on rows r >= j of each sub
+      j = S - 1 - i
+      kj = cm.sub_rows(k_ref, b, t0, hd, ks, j, blk, L)
+      val = jnp.sum(q * kj * cm.masked_exp(rin >= j, e), axis=1)    # [C]: A[r, sub(r) + j]
+      acc = acc + jnp.where(jcol == j, val[:, None], 0.0)
+      e = jnp.where(rin >= j, e + cm.sub_rows(g_ref, b, t0, hd, ks, j, blk, L), 0.0)
+      return acc, e
+
+    return cm.unrolled(S, 4, column, (acc, jnp.zeros((C, KD), cm.F32)))[0]
 
   def k_slice(kk, acc):
     ks = pl.ds(kk * KD, KD)
     tot = cm.sub_totals(p_ref, b, t0, hd, ks, L)
-    q_e = q_ref[b, tc, hd, ks].astype(cm.F32) * jnp.exp(p_ref[b, tc, hd, ks])   # e^{p_r}
+    pre = p_ref[b, tc, hd, ks]
+    q = q_ref[b, tc, hd, ks].astype(cm.F32)
+    q_e = q * jnp.exp(pre)                                             # e^{p_r}
     k = k_ref[b, tc, hd, ks].astype(cm.F32)
     x = s_ref[b, tc, hd, ks]       # s_i + sum_{blk(i) < u < s} T_u: decay from i to 16 s - 1
     for s in range(1, L):
@@ -50,7 +74,10 @@ def _scores_off_kernel(q_ref, k_ref, p_ref, s_ref, a_ref, *, C, K, KD, dt):
       acc = acc + cm.dot(q_fac, k_fac, dt, tb=True)
       if s < L - 1:
         x = x + jnp.where(blk < s, tot[s][None, :], 0.0)
-    return acc
+    if not diag:
+      return acc
+    factored = lambda: acc + jnp.where(same, cm.dot(q_e, k * jnp.exp(-pre), dt, tb=True), 0.0)
+    return jax.lax.cond(cm.chunk_fits(pre), factored, lambda: columns(q, ks, acc))
 
   a_ref[b, hd, n] = jax.lax.fori_loop(0, K // KD, k_slice, jnp.zeros((C, C), cm.F32))
 
@@ -102,17 +129,18 @@ def _diag_kernel(q_ref, k_ref, g_ref, a_in_ref, a_ref, *, C, K, KD, dt, dots):
       0, K // KD, k_slice, jnp.zeros((S, S), cm.F32))
 
 
-def scores_off(q, k, p, s, *, chunk_size, config):
+def scores_off(q, k, p, s, *, chunk_size, config, g=None):
   """A [B, H, N, C, C] float32 below the 16 x 16 diagonal blocks (``gla_scores``); the
-  diagonal blocks and everything above them are zero."""
+  diagonal blocks and everything above them are zero. With ``g`` (the per-dim float32
+  log-decay) the diagonal blocks are computed too (``fuse_diag``)."""
   B, T, H, K = q.shape
   C = chunk_size
   N = T // C
   off = functools.partial(_scores_off_kernel, C=C, K=K, KD=cm.block(K, config.scores_kd),
-                          dt=q.dtype)
+                          dt=q.dtype, diag=g is not None)
   return cm.call(off, jax.ShapeDtypeStruct((B, H, N, C, C), cm.F32), (B, H, N), config=config,
                  num_warps=config.scores_warps, num_stages=config.scores_stages,
-                 name="gla_scores")(q, k, p, s)
+                 name="gla_scores")(q, k, p, s, *([] if g is None else [g]))
 
 
 def scores_diag(q, k, g, A, *, chunk_size, config):
@@ -130,6 +158,8 @@ def scores(q, k, g, p, s, *, chunk_size, config):
   """A [B, H, N, C, C] float32: unscaled, zero above the diagonal. ``g``: the per-dim
   float32 log-decay; ``p``, ``s``: chunk_cumsum's (or chunk_decays')."""
   kw = dict(chunk_size=chunk_size, config=config)
+  if config.fuse_diag:
+    return scores_off(q, k, p, s, g=g, **kw)
   return scores_diag(q, k, g, scores_off(q, k, p, s, **kw), **kw)
 
 
