@@ -184,8 +184,10 @@ def stage_inputs(q, k, v, g, do, scale, config):
 def stage_times(q, k, v, g, do, scale, iters, reps, config, *, names=None, pre=None):
   """Each Pallas kernel alone under ``config``, on the benchmark inputs (where the time
   goes); ``names``: only these stages; ``pre``: stage_inputs computed already. The
-  forward runs chunk_decays, folded_state_pass, scores (scores_off, then scores_diag in
-  place: timed alone, scores_diag also copies A) and output; the backward chunk_cumsum,
+  forward runs chunk_decays, folded_state_pass, scores (with ``diag_dots`` one launch of
+  gla_scores, diagonal included; else scores_off, then scores_diag in place: timed
+  alone, scores_diag also copies A; scores_off is the off-diagonal kernel alone either
+  way) and output; the backward chunk_cumsum,
   score_grad, state_passes (state_pass and state_grad_pass in one launch), dv,
   dqdk_diag and dqdk."""
   from pallas_kernels import grads, intra, state

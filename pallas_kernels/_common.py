@@ -170,7 +170,7 @@ def sub_chunk_decay(g_ref, b, rows, hd, ks, row):
 def chunk_fits(p):
   """Whether a chunk's ``[C, KD]`` tile of the sub-chunk prefix ``p`` is at least
   ``-DIAG_DOT_SPAN`` everywhere: then its diagonal blocks may factor through ``e^{p}``
-  and ``e^{-p} <= e^{16}`` (the fused diagonal of ``fuse_diag``)."""
+  and ``e^{-p} <= e^{16}`` (``gla_scores`` with ``diag_dots``)."""
   return jnp.min(jnp.min(p, axis=1), axis=0) >= -DIAG_DOT_SPAN
 
 

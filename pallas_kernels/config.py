@@ -22,7 +22,7 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 # GPU the defaults were measured on).
 DEFAULT_SM_COUNT = 132
 _BOOL_FIELDS = ("interpret", "states_in_input_dtype", "fuse_state_passes", "diag_dots",
-                "dqdk_diag_dots", "fuse_diag")
+                "dqdk_diag_dots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,11 +52,13 @@ class KernelConfig:
   input dtype (every dot that reads them casts them to it anyway; the walks carry float32),
   else float32. ``fuse_state_passes``: the backward runs the state pass and the
   state-gradient pass side by side in one launch, else one after the other.
-  ``diag_dots`` / ``dqdk_diag_dots``: the 16 x 16 diagonal blocks of the scores / of dq
-  and dk as tensor-core dots factored through each sub-chunk's first row, where the
-  decay over the sub-chunk is at least -16 per K column (exponent error at most about
-  2e-6; the exact column loops elsewhere); off by default until measured on a GPU
-  (``docs/kernels.md``).
+  ``diag_dots``: the 16 x 16 diagonal blocks of the scores inside ``gla_scores``, one
+  tensor-core dot per K slice of a chunk whose sub-chunk prefixes are all >= -16 (the
+  exact column loop on the others), else the separate exact kernel ``gla_scores_diag``
+  (``diag_*`` fields). ``dqdk_diag_dots``: ``gla_dqdk_diag``'s tiles as two dots
+  factored through each sub-chunk's first row where its decay is at least -16 per K
+  column, else always the column loops. Both on by default (measured on an H200, with
+  the exponent error at most about 2e-6 where they apply: ``docs/kernels.md``).
 
   Build one with :func:`default_config` and change fields with ``dataclasses.replace``;
   ``KernelConfig()`` alone has the GPU defaults with 64 x 64 walk tiles.
@@ -77,7 +79,7 @@ class KernelConfig:
   diag_kd: int = 32
   diag_warps: int = 2
   diag_stages: int = 1
-  diag_dots: bool = False
+  diag_dots: bool = True
   da_bv: int = 128
   da_warps: int = 4
   da_stages: int = 2
@@ -96,8 +98,7 @@ class KernelConfig:
   dqdk_diag_bk: int = 64
   dqdk_diag_warps: int = 2
   dqdk_diag_stages: int = 1
-  dqdk_diag_dots: bool = False
-  fuse_diag: bool = False
+  dqdk_diag_dots: bool = True
   states_in_input_dtype: bool = True
   fuse_state_passes: bool = True
 

@@ -120,54 +120,8 @@ def _diag_grad_kernel(q_ref, k_ref, g_ref, da_ref, dqd_ref, dkd_ref, *, C, BK, d
   dkd_ref[b, rows, hd, ks] = dk.astype(dkd_ref.dtype)
 
 
-def _diag_loops(q_ref, k_ref, g_ref, da_ref, b, hd, n, t0, ks, *, C, BK):
-  """The diagonal-block terms of dq and dk for a whole chunk's ``[C, BK]`` tile, exact in
-  log space: ``_diag_grad_kernel``'s column loops on all sub-chunks at once (row ``j`` of
-  each sub-chunk selected onto its rows, ``dA``'s entries loaded per sub-chunk)."""
-  L = C // S
-  row = cm.iota((C, BK), 0)
-  blk = row // S
-  rin = row - blk * S
-  vblk = cm.iota((C,), 0) // S
-  rows = pl.ds(0, C)
-
-  def pick(load):
-    out = load(0)
-    for u in range(1, L):
-      out = jnp.where(vblk == u, load(u), out)
-    return out[:, None]
-
-  def dq_step(i, carry):
-    dq, e = carry
-    j = S - 1 - i                   # column j of each sub: dA[r, 16 blk(r) + j]
-    kj = cm.sub_rows(k_ref, b, t0, hd, ks, j, blk, L)
-    da_col = pick(lambda u: da_ref[b, hd, n, rows, u * S + j])
-    dq = dq + da_col * kj * cm.masked_exp(rin >= j, e)
-    e = jnp.where(rin >= j, e + cm.sub_rows(g_ref, b, t0, hd, ks, j, blk, L), 0.0)
-    return dq, e
-
-  def dk_step(i, carry):
-    dk, f = carry                   # row i of each sub: dA[16 blk(r) + i, r]
-    f = jnp.where(rin < i, f + cm.sub_rows(g_ref, b, t0, hd, ks, i, blk, L), 0.0)
-    qi = cm.sub_rows(q_ref, b, t0, hd, ks, i, blk, L)
-    da_row = pick(lambda u: da_ref[b, hd, n, u * S + i, rows])
-    return dk + da_row * qi * cm.masked_exp(rin <= i, f), f
-
-  zero = jnp.zeros((C, BK), cm.F32)
-  return (cm.unrolled(S, DIAG_UNROLL, dq_step, (zero, zero))[0],
-          cm.unrolled(S, DIAG_UNROLL, dk_step, (zero, zero))[0])
-
-
-def _dqdk_kernel(*refs, C, V, BK, BV, dt, scale, diag):
-  """dq, dk, dg of one chunk's K tile. ``diag``: the diagonal-block terms are computed here
-  (``fuse_diag``: dots through ``e^{p}`` where the tile fits ``_common.chunk_fits``, else
-  :func:`_diag_loops`), else read from ``gla_dqdk_diag``'s outputs."""
-  if diag:
-    (q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, da_ref, g_ref,
-     dq_ref, dk_ref, dg_ref) = refs
-  else:
-    (q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, da_ref, dqd_ref, dkd_ref,
-     dq_ref, dk_ref, dg_ref) = refs
+def _dqdk_kernel(q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, da_ref, dqd_ref,
+                 dkd_ref, dq_ref, dk_ref, dg_ref, *, C, V, BK, BV, dt, scale):
   b, hd, n, ik = (pl.program_id(i) for i in range(4))
   t0 = n * C
   tc, ks = pl.ds(t0, C), pl.ds(ik * BK, BK)
@@ -193,15 +147,13 @@ def _dqdk_kernel(*refs, C, V, BK, BV, dt, scale, diag):
   suf = s_ref[b, tc, hd, ks]
   row = cm.iota((C, BK), 0)
   blk = row // S
-  dq = scale * dq_s * jnp.exp(cm.chunk_prefix(pre, tot, blk))
+  dq = scale * dq_s * jnp.exp(cm.chunk_prefix(pre, tot, blk)) + dqd_ref[b, tc, hd, ks].astype(
+      cm.F32)
   dk_state = dk_s * jnp.exp(cm.chunk_suffix(suf, tot, blk))         # e^{b_last - bc}
   # Chunk-total gate term sum_v h[n+1] dH[n] (module docstring).
   d_last = (jnp.exp(cm.chunk_total(tot)) * d_last)[None, :] + jnp.sum(
       k * dk_state, axis=0, keepdims=True)
-  dk = dk_state
-  if not diag:
-    dq = dq + dqd_ref[b, tc, hd, ks].astype(cm.F32)
-    dk = dk + dkd_ref[b, tc, hd, ks].astype(cm.F32)
+  dk = dk_state + dkd_ref[b, tc, hd, ks].astype(cm.F32)
   dA = da_ref[b, hd, n]                                             # [C, C]
   rc, cc = cm.iota((C, C), 0) // S, cm.iota((C, C), 1) // S
   # Rows of s, columns before s (through the row before s): e^{p_r} e^{x_i}, x_i = s_i +
@@ -222,18 +174,6 @@ def _dqdk_kernel(*refs, C, V, BK, BV, dt, scale, diag):
     dk = dk + jnp.where(blk == s, k_side * part, 0.0)
     if s > 0:
       y = y + jnp.where(blk > s, tot[s][None, :], 0.0)
-  if diag:
-    def factored():
-      dA_d = jnp.where(rc == cc, dA, 0.0)             # the diagonal blocks (dA: lower)
-      e_neg = jnp.exp(-pre)
-      return (dq + q_side * cm.dot(dA_d, k * e_neg, dt),
-              dk + e_neg * cm.dot(dA_d, q * q_side, dt, ta=True))
-
-    def loops():
-      dq_d, dk_d = _diag_loops(q_ref, k_ref, g_ref, da_ref, b, hd, n, t0, ks, C=C, BK=BK)
-      return dq + dq_d, dk + dk_d
-
-    dq, dk = jax.lax.cond(cm.chunk_fits(pre), factored, loops)
   dq_ref[b, tc, hd, ks] = dq.astype(dq_ref.dtype)
   dk_ref[b, tc, hd, ks] = dk.astype(dk_ref.dtype)
   dg_ref[b, tc, hd, ks] = cm.rev_cumsum(q * dq - k * dk) + d_last
@@ -262,14 +202,11 @@ def dqdk(q, k, v, g, p, s, do, h, dH, dA, *, scale, chunk_size, config, diag=Non
   C = chunk_size
   N = T // C
   f32 = jax.ShapeDtypeStruct(q.shape, cm.F32)
-  if config.fuse_diag:
-    extra = (g,)
-  else:
-    extra = diag_grads(q, k, g, dA, chunk_size=C, config=config) if diag is None else diag
+  dq_d, dk_d = (diag_grads(q, k, g, dA, chunk_size=C, config=config) if diag is None
+                else diag)
   BK, BV = cm.block(K, config.dqdk_bk), cm.block(V, config.dqdk_bv)
-  kern = functools.partial(_dqdk_kernel, C=C, V=V, BK=BK, BV=BV, dt=q.dtype, scale=scale,
-                           diag=config.fuse_diag)
+  kern = functools.partial(_dqdk_kernel, C=C, V=V, BK=BK, BV=BV, dt=q.dtype, scale=scale)
   out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype), f32)
   return cm.call(kern, out, (B, H, N, K // BK), config=config,
                  num_warps=config.dqdk_warps, num_stages=config.dqdk_stages,
-                 name="gla_dqdk")(q, k, v, p, s, do, h, dH, dA, *extra)
+                 name="gla_dqdk")(q, k, v, p, s, do, h, dH, dA, dq_d, dk_d)

@@ -1,19 +1,26 @@
 """Chunk-parallel stages: intra-chunk scores A, their cotangent dA, and the output.
 
-Scores ``A[r, i] = sum_k q_rk k_ik exp(sum_{i < j <= r} g_jk)`` for ``i <= r`` (unscaled),
-two kernels; every exponent is a sum of same-sign sub-chunk-local parts (``p``, ``s``
-of :func:`pallas_kernels.state.chunk_cumsum`, the sub-chunk totals ``T_u``, or g itself),
-never a difference of chunk-cumulative sums:
+Scores ``A[r, i] = sum_k q_rk k_ik exp(sum_{i < j <= r} g_jk)`` for ``i <= r`` (unscaled);
+every exponent is a sum of same-sign sub-chunk-local parts (``p``, ``s`` of
+:func:`pallas_kernels.state.chunk_cumsum`, the sub-chunk totals ``T_u``, or g itself),
+never a difference of chunk-cumulative sums, except in the diagonal dots below, where
+the difference is bounded:
 
 * ``gla_scores``, grid ``(B, H, N)``: the blocks below the 16 x 16 diagonal. Rows of
   sub-chunk ``s`` and the columns before it factor through the row before ``s``:
   ``exp(p_r) * exp(s_i + sum_{blk(i) < u < s} T_u)``, both factors <= 1; one
-  ``[C, KD] x [KD, C]`` tensor-core dot per sub-chunk.
-* ``gla_scores_diag``, grid ``(B, H, N, C / 16)``: each diagonal block exact in log space,
-  one column ``j`` at a time, last column first (``A[r, j] = sum_k q_rk k_jk e^{E_j[r]}``
-  on a ``[16, KD]`` tile, row ``j`` loaded from memory, ``E_j[r] = sum_{j < m <= r} g_m``
-  carried from column to column as ``E_{j-1} = E_j + g_j``), written in place. Its tiles
-  are small so that many programs fit on an SM: this loop is latency-bound.
+  ``[C, KD] x [KD, C]`` tensor-core dot per sub-chunk. With ``config.diag_dots`` (the
+  default) the same kernel also computes the diagonal blocks: where every ``p`` of the
+  chunk's K slice is >= -16 (``_common.chunk_fits``), one dot ``(q e^{p}) (k e^{-p})^T``
+  masked to the blocks' lower triangles (``e^{-p} <= e^{16}``; the exponent ``p_r - p_i``
+  off by at most ``2 * 16 * eps``); elsewhere the exact column loop below, on all four
+  sub-chunks at once.
+* ``gla_scores_diag``, grid ``(B, H, N, C / 16)`` (``diag_dots`` off): each diagonal block
+  exact in log space, one column ``j`` at a time, last column first (``A[r, j] = sum_k
+  q_rk k_jk e^{E_j[r]}`` on a ``[16, KD]`` tile, row ``j`` loaded from memory, ``E_j[r] =
+  sum_{j < m <= r} g_m`` carried from column to column as ``E_{j-1} = E_j + g_j``),
+  written in place. Its tiles are small so that many programs fit on an SM: this loop is
+  latency-bound.
 """
 from __future__ import annotations
 
@@ -31,7 +38,7 @@ S = cm.SUB
 def _scores_off_kernel(*refs, C, K, KD, dt, diag):
   """A for one chunk with zero diagonal blocks: for each sub-chunk s >= 1, rows of s times
   columns before s, through the row before s (both factors <= 1). With ``diag`` also the
-  diagonal blocks (``fuse_diag``): one dot of ``q e^{p}`` and ``k e^{-p}`` where the
+  diagonal blocks (``diag_dots``): one dot of ``q e^{p}`` and ``k e^{-p}`` where the
   chunk's K slice fits ``_common.chunk_fits``, else the exact column loop."""
   if diag:
     q_ref, k_ref, p_ref, s_ref, g_ref, a_ref = refs
@@ -82,12 +89,9 @@ def _scores_off_kernel(*refs, C, K, KD, dt, diag):
   a_ref[b, hd, n] = jax.lax.fori_loop(0, K // KD, k_slice, jnp.zeros((C, C), cm.F32))
 
 
-def _diag_kernel(q_ref, k_ref, g_ref, a_in_ref, a_ref, *, C, K, KD, dt, dots):
+def _diag_kernel(q_ref, k_ref, g_ref, a_in_ref, a_ref, *, C, K, KD):
   """The 16 x 16 diagonal block of sub-chunk s, exact in log space, one column j at a
-  time from the last (written in place into A from ``_scores_off_kernel``). With
-  ``dots``, each K slice whose decay over the sub-chunk fits ``_common.DIAG_DOT_SPAN``
-  is one ``[16, KD] x [KD, 16]`` dot of ``q e^{P}`` and ``k e^{-P}`` instead
-  (``_common.sub_chunk_decay``); the others take the column loop."""
+  time from the last (written in place into A from ``_scores_off_kernel``)."""
   del a_in_ref                      # aliased to a_ref: the off-diagonal part is kept
   b, hd, n, s = (pl.program_id(i) for i in range(4))
   r0 = n * C + s * S
@@ -95,7 +99,10 @@ def _diag_kernel(q_ref, k_ref, g_ref, a_in_ref, a_ref, *, C, K, KD, dt, dots):
   row = cm.iota((S, KD), 0)
   col = cm.iota((S, S), 1)
 
-  def columns(q_a, ks, diag):
+  def k_slice(kk, diag):
+    ks = pl.ds(kk * KD, KD)
+    q_a = q_ref[b, rows, hd, ks].astype(cm.F32)
+
     def column(i, carry):
       diag, e = carry                 # e[r] = sum_{j < m <= r} g_m on rows r >= j
       j = S - 1 - i
@@ -111,20 +118,6 @@ def _diag_kernel(q_ref, k_ref, g_ref, a_in_ref, a_ref, *, C, K, KD, dt, dots):
     # (H200: gla_scores 0.62 -> 0.51 ms at B1 T16384 H16 K128; 68 registers, no spills).
     return cm.unrolled(S, S, column, (diag, jnp.zeros((S, KD), cm.F32)))[0]
 
-  def k_slice(kk, diag):
-    ks = pl.ds(kk * KD, KD)
-    q_a = q_ref[b, rows, hd, ks].astype(cm.F32)
-    if not dots:
-      return columns(q_a, ks, diag)
-    P, fits = cm.sub_chunk_decay(g_ref, b, rows, hd, ks, row)
-
-    def factored():
-      k_a = k_ref[b, rows, hd, ks].astype(cm.F32)
-      part = cm.dot(q_a * jnp.exp(P), k_a * jnp.exp(-P), dt, tb=True)      # [S, S]
-      return diag + jnp.where(cm.iota((S, S), 0) >= col, part, 0.0)
-
-    return jax.lax.cond(fits, factored, lambda: columns(q_a, ks, diag))
-
   a_ref[b, hd, n, pl.ds(s * S, S), pl.ds(s * S, S)] = jax.lax.fori_loop(
       0, K // KD, k_slice, jnp.zeros((S, S), cm.F32))
 
@@ -132,7 +125,7 @@ def _diag_kernel(q_ref, k_ref, g_ref, a_in_ref, a_ref, *, C, K, KD, dt, dots):
 def scores_off(q, k, p, s, *, chunk_size, config, g=None):
   """A [B, H, N, C, C] float32 below the 16 x 16 diagonal blocks (``gla_scores``); the
   diagonal blocks and everything above them are zero. With ``g`` (the per-dim float32
-  log-decay) the diagonal blocks are computed too (``fuse_diag``)."""
+  log-decay) the diagonal blocks are computed too (``diag_dots``)."""
   B, T, H, K = q.shape
   C = chunk_size
   N = T // C
@@ -147,8 +140,7 @@ def scores_diag(q, k, g, A, *, chunk_size, config):
   """``A`` with its 16 x 16 diagonal blocks written in place (``gla_scores_diag``)."""
   B, T, H, K = q.shape
   C = chunk_size
-  diag = functools.partial(_diag_kernel, C=C, K=K, KD=cm.block(K, config.diag_kd), dt=q.dtype,
-                           dots=config.diag_dots)
+  diag = functools.partial(_diag_kernel, C=C, K=K, KD=cm.block(K, config.diag_kd))
   return cm.call(diag, jax.ShapeDtypeStruct(A.shape, cm.F32), (B, H, T // C, C // S),
                  config=config, num_warps=config.diag_warps, num_stages=config.diag_stages,
                  name="gla_scores_diag", aliases={3: 0})(q, k, g, A)
@@ -158,7 +150,7 @@ def scores(q, k, g, p, s, *, chunk_size, config):
   """A [B, H, N, C, C] float32: unscaled, zero above the diagonal. ``g``: the per-dim
   float32 log-decay; ``p``, ``s``: chunk_cumsum's (or chunk_decays')."""
   kw = dict(chunk_size=chunk_size, config=config)
-  if config.fuse_diag:
+  if config.diag_dots:
     return scores_off(q, k, p, s, g=g, **kw)
   return scores_diag(q, k, g, scores_off(q, k, p, s, **kw), **kw)
 

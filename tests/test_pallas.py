@@ -90,8 +90,7 @@ def test_pallas_float32_matches_reference(B, T, H, K, V, decay):
 
 @pytest.mark.parametrize("overrides", [{}, {"states_in_input_dtype": False,
                                             "fuse_state_passes": False},
-                                       {"diag_dots": True, "dqdk_diag_dots": True,
-                                        "fuse_diag": True}])
+                                       {"diag_dots": False, "dqdk_diag_dots": False}])
 def test_pallas_bf16_matches_reference(overrides):
   q, k, v, g, h0, key = _inputs(1, 1, 96, 2, 64, 128, decay="mild", dtype=jnp.bfloat16)
   config = _config(q, v, **overrides)
@@ -195,8 +194,7 @@ def test_tpu_variant_lowers_to_mosaic(monkeypatch):
              "da_bv": 64, "out_bv": 64, "dv_bv": 64, "diag_kd": 64, "dqdk_diag_bk": 32}),
     (True, {"fuse_state_passes": False, "state_bv": 64, "out_bk": 32, "dv_bk": 32,
             "dqdk_bv": 32, "scores_kd": 16}),
-    (True, {"diag_dots": True, "dqdk_diag_dots": True}),     # strong decay: the loops run
-    (False, {"diag_dots": True, "dqdk_diag_dots": True, "fuse_diag": True}),
+    (True, {"diag_dots": False, "dqdk_diag_dots": False}),   # the separate exact kernels
 ])
 def test_gpu_launch_options_keep_results(kept, overrides):
   """Launch options the benchmark sweeps (float32 states, other tiles, the state walks in
@@ -223,14 +221,13 @@ def test_gpu_launch_options_keep_results(kept, overrides):
     assert rel_err(a, b) <= 1e-4, (name, rel_err(a, b))
 
 
-@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("decay", ["mild", "mixed"])
-def test_diagonal_blocks_as_dots(decay, fused):
-  """``diag_dots`` / ``dqdk_diag_dots``: the 16 x 16 diagonal blocks factored through the
-  sub-chunk's first row where the decay over the sub-chunk fits DIAG_DOT_SPAN (every
-  sub-chunk with the mild decay; in "mixed" the second chunk's odd sub-chunks decay by
-  about -20 per token and take the exact loops, the others the dots). ``fuse_diag``: the
-  same inside the chunk-wide kernels, per chunk (the second chunk takes the loops).
+def test_diagonal_blocks_as_dots(decay):
+  """``diag_dots`` / ``dqdk_diag_dots`` (the defaults): the 16 x 16 diagonal blocks as
+  dots where the decay fits DIAG_DOT_SPAN, against the exact loops (both off). With the
+  mild decay every block fits; in "mixed" the second chunk's odd sub-chunks decay by
+  about -20 per token, so that chunk's scores take ``gla_scores``' in-kernel column loop
+  and those sub-chunks' dq / dk tiles ``gla_dqdk_diag``'s loops, the rest the dots.
   float32 against the jnp path; the blocks differ from the loops' in rounding only, so
   the dot path did run."""
   from pallas_kernels import grads, intra, state
@@ -239,32 +236,26 @@ def test_diagonal_blocks_as_dots(decay, fused):
   if decay == "mixed":
     odd = ((jnp.arange(128) // 16 % 2 == 1) & (jnp.arange(128) >= 64))[None, :, None, None]
     g = jnp.where(odd, 320.0 * g - 1.0, g)
-  config = _config(q, v, diag_dots=True, dqdk_diag_dots=True, fuse_diag=fused)
+  config = _config(q, v)
+  assert config.diag_dots and config.dqdk_diag_dots
   o, fin, grads_ = _backend_terms(pallas_kernels.backend("cpu"), q, k, v, g, h0, key, 64, config)
   o_r, fin_r, grads_r = _backend_terms(chunked, q, k, v, g, h0, key, 64)
   assert rel_err(o, o_r) <= 1e-5 and rel_err(fin, fin_r) <= 1e-5
   for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), grads_, grads_r):
     assert rel_err(a, b) <= 1e-4, (name, rel_err(a, b))
-  loops = _config(q, v)
+  loops = _config(q, v, diag_dots=False, dqdk_diag_dots=False)
   kw = dict(chunk_size=64)
   p, s = state.chunk_cumsum(g, config=loops, **kw)
   A0, A1 = (intra.scores(q, k, g, p, s, config=c, **kw) for c in (loops, config))
   assert rel_err(A1, A0) <= 1e-6 and not np.array_equal(A1, A0)
   dA = jax.random.normal(key, A0.shape)
   dA = jnp.where(jnp.tril(jnp.ones((64, 64), bool)), dA, 0.0)
-  if fused:      # the dq / dk dots ran: rounding-level differences from the loops
-    _, _, grads_l = _backend_terms(pallas_kernels.backend("cpu"), q, k, v, g, h0, key, 64, loops)
-    for a, b in zip(grads_[:2], grads_l[:2]):
-      assert rel_err(a, b) <= 1e-6 and not np.array_equal(a, b)
-    return
   d0, d1 = (grads.diag_grads(q, k, g, dA, config=c, **kw) for c in (loops, config))
   for a, b in zip(d1, d0):
     assert rel_err(a, b) <= 1e-6 and not np.array_equal(a, b)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"diag_dots": True, "dqdk_diag_dots": True},
-                                       {"diag_dots": True, "dqdk_diag_dots": True,
-                                        "fuse_diag": True}])
+@pytest.mark.parametrize("overrides", [{}, {"diag_dots": False, "dqdk_diag_dots": False}])
 def test_kernels_lower_to_triton_for_a_gpu_target(overrides):
   """Every GPU kernel of the forward and backward lowers through Pallas's Triton lowering
   for an H200 target on this CPU host (an abstract device): what the interpreter tests
@@ -290,8 +281,8 @@ def test_kernels_lower_to_triton_for_a_gpu_target(overrides):
   names = ("gla_chunk_decays", "gla_state_pass", "gla_scores", "gla_output",
            "gla_chunk_cumsum", "gla_score_grad", "gla_state_passes", "gla_dv", "gla_dqdk")
   assert all(name in text for name in names)
-  separate = ("gla_scores_diag", "gla_dqdk_diag")     # fused into gla_scores / gla_dqdk
-  assert all((name in text) != config.fuse_diag for name in separate)
+  assert "gla_dqdk_diag" in text
+  assert ("gla_scores_diag" in text) != config.diag_dots     # else inside gla_scores
 
 
 def test_state_storage_dtype():
@@ -398,14 +389,14 @@ def test_kernel_config_type_is_checked():
 _H200_LAUNCHES = {
     (1, 16384, 16, 128, 128): [
         ("gla_chunk_decays", (1, 16, 256, 1), 4, 1), ("gla_state_pass", (1, 16, 2, 4), 4, 3),
-        ("gla_scores", (1, 16, 256), 4, 1), ("gla_scores_diag", (1, 16, 256, 4), 2, 1),
+        ("gla_scores", (1, 16, 256), 4, 1),
         ("gla_output", (1, 16, 256, 1), 4, 3), ("gla_chunk_cumsum", (1, 16, 256, 2), 4, 1),
         ("gla_score_grad", (1, 16, 256), 4, 2), ("gla_state_passes", (2, 16, 2, 2), 4, 3),
         ("gla_dv", (1, 16, 256, 1), 4, 2), ("gla_dqdk_diag", (1, 16, 256, 4, 2), 2, 1),
         ("gla_dqdk", (1, 16, 256, 4), 4, 3)],
     (8, 4096, 4, 128, 256): [
         ("gla_chunk_decays", (8, 4, 64, 1), 4, 1), ("gla_state_pass", (8, 4, 2, 2), 4, 3),
-        ("gla_scores", (8, 4, 64), 4, 1), ("gla_scores_diag", (8, 4, 64, 4), 2, 1),
+        ("gla_scores", (8, 4, 64), 4, 1),
         ("gla_output", (8, 4, 64, 2), 4, 3), ("gla_chunk_cumsum", (8, 4, 64, 2), 4, 1),
         ("gla_score_grad", (8, 4, 64), 4, 2), ("gla_state_passes", (16, 4, 2, 2), 4, 3),
         ("gla_dv", (8, 4, 64, 2), 4, 2), ("gla_dqdk_diag", (8, 4, 64, 4, 2), 2, 1),
