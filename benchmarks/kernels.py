@@ -177,7 +177,7 @@ def stage_inputs(q, k, v, g, do, scale, config):
                                                          **kw))(q, do, d.p)
   A = jax.jit(lambda q, k, g, p, s: intra.scores(q, k, g, p, s, **kw))(q, k, g, d.p, d.s)
   dA = jax.jit(lambda do, v: intra.score_grad(do, v, scale=scale, **kw))(do, v)
-  diag = jax.jit(lambda *a: grads.diag_grads(*a, **kw))(q, k, g, dA)
+  diag = jax.jit(lambda *a: grads.diag_grads(*a, **kw))(q, k, g, dA, d.p)
   return dict(h0=h0, g=g, d=d, h=h, dH=dH, A=A, dA=dA, diag=diag)
 
 
@@ -215,8 +215,8 @@ def stage_times(q, k, v, g, do, scale, iters, reps, config, *, names=None, pre=N
       "score_grad": (lambda do, v: intra.score_grad(do, v, scale=scale, **kw), (do, v)),
       "dv": (lambda k, p, s, do, A, dH: grads.dv(k, p, s, do, A, dH, scale=scale, **kw),
              (k, ps, ss, do, A, dH)),
-      "dqdk_diag": (lambda q, k, g, dA: grads.diag_grads(q, k, g, dA, **kw),
-                    (q, k, g, dA)),
+      "dqdk_diag": (lambda q, k, g, dA, p: grads.diag_grads(q, k, g, dA, p, **kw),
+                    (q, k, g, dA, ps)),
       "dqdk": (lambda *a: grads.dqdk(*a[:10], scale=scale, diag=a[10], **kw),
                (q, k, v, g, ps, ss, do, h, dH, dA, diag)),
   }

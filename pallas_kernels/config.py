@@ -22,7 +22,8 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 # GPU the defaults were measured on).
 DEFAULT_SM_COUNT = 132
 _BOOL_FIELDS = ("interpret", "states_in_input_dtype", "fuse_state_passes", "diag_dots",
-                "dqdk_diag_dots")
+                "dqdk_diag_dots",
+                "dqdk_merge_diag")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,10 @@ class KernelConfig:
   factored through each sub-chunk's first row where its decay is at least -16 per K
   column, else always the column loops. Both on by default (measured on an H200, with
   the exponent error at most about 2e-6 where they apply: ``docs/kernels.md``).
+  ``dqdk_merge_diag`` (opt-in, not yet measured on a GPU): the diagonal dq / dk terms as
+  one more block of ``gla_dqdk``'s masked dots on the K columns whose sub-chunk totals
+  are all >= -16, ``gla_dqdk_diag`` running its loops only for tiles with another
+  column (no float32 partials written or read otherwise).
 
   Build one with :func:`default_config` and change fields with ``dataclasses.replace``;
   ``KernelConfig()`` alone has the GPU defaults with 64 x 64 walk tiles.
@@ -99,6 +104,7 @@ class KernelConfig:
   dqdk_diag_warps: int = 2
   dqdk_diag_stages: int = 1
   dqdk_diag_dots: bool = True
+  dqdk_merge_diag: bool = False
   states_in_input_dtype: bool = True
   fuse_state_passes: bool = True
 

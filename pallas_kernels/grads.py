@@ -61,14 +61,21 @@ def dv(k, p, s, do, A, dH, *, scale, chunk_size, config):
                  name="gla_dv")(k, p, s, do, A, dH)
 
 
-def _diag_grad_kernel(q_ref, k_ref, g_ref, da_ref, dqd_ref, dkd_ref, *, C, BK, dt, dots):
+def _diag_grad_kernel(*refs, C, BK, dt, dots, merged):
   """Diagonal-block terms of dq and dk for sub-chunk s, exact in log space:
   dq_r += sum_{j <= r} dA[r, j] k_j e^{sum_{j < m <= r} g_m} (j from the last row down,
   the exponent carried as ``e <- e + g_j``), dk_i += sum_{j >= i} dA[j, i] q_j
   e^{sum_{i < m <= j} g_m} (j from the first row up, ``f <- f + g_j``), on [16, BK]
   tiles (small: many programs per SM). With ``dots``, a tile whose decay over the
   sub-chunk fits ``_common.DIAG_DOT_SPAN`` takes two dots instead: dq = e^{P} (dA (k
-  e^{-P})), dk = e^{-P} (dA^T (q e^{P})) (``_common.sub_chunk_decay``)."""
+  e^{-P})), dk = e^{-P} (dA^T (q e^{P})) (``_common.sub_chunk_decay``). With ``merged``
+  (``dqdk_merge_diag``) it runs the loops only for a K tile with a column that
+  :func:`merged_fits` rejects, and otherwise writes nothing: ``gla_dqdk`` computes those
+  terms itself and reads these only for the rejected columns."""
+  if merged:
+    q_ref, k_ref, g_ref, da_ref, p_ref, dqd_ref, dkd_ref = refs
+  else:
+    q_ref, k_ref, g_ref, da_ref, dqd_ref, dkd_ref = refs
   b, hd, n, s, ik = (pl.program_id(i) for i in range(5))
   r0 = n * C + s * S
   rows, ks = pl.ds(r0, S), pl.ds(ik * BK, BK)
@@ -96,6 +103,14 @@ def _diag_grad_kernel(q_ref, k_ref, g_ref, da_ref, dqd_ref, dkd_ref, *, C, BK, d
     return dk + da_row * qi * cm.masked_exp(row <= i, f), f
 
   zero = jnp.zeros((S, BK), cm.F32)
+  if merged:
+    _, all_fit = merged_fits(cm.sub_totals(p_ref, b, n * C, hd, ks, C // S))
+
+    @pl.when(jnp.logical_not(all_fit))
+    def _():
+      dqd_ref[b, rows, hd, ks] = cm.unrolled(S, DIAG_UNROLL, dq_step, (zero, zero))[0]
+      dkd_ref[b, rows, hd, ks] = cm.unrolled(S, DIAG_UNROLL, dk_step, (zero, zero))[0]
+    return
   if not dots:
     dq, _ = cm.unrolled(S, DIAG_UNROLL, dq_step, (zero, zero))
     dqd_ref[b, rows, hd, ks] = dq.astype(dqd_ref.dtype)
@@ -120,8 +135,28 @@ def _diag_grad_kernel(q_ref, k_ref, g_ref, da_ref, dqd_ref, dkd_ref, *, C, BK, d
   dkd_ref[b, rows, hd, ks] = dk.astype(dkd_ref.dtype)
 
 
+def merged_fits(tot):
+  """``([BK] bool, bool)``: the K columns of a chunk whose diagonal dq / dk terms
+  ``gla_dqdk`` forms as dots (``dqdk_merge_diag``), and whether that is all of them: a
+  column fits when every sub-chunk total ``T_u >= -DIAG_DOT_SPAN``.
+  ``p`` is a cumsum of non-positive terms, so ``T_u`` is its minimum over the sub-chunk
+  and then ``e^{-p} <= e^{16}`` and ``e^{-s} <= e^{16}``. ``tot``: the chunk's
+  :func:`_common.sub_totals`; ``gla_dqdk_diag`` and ``gla_dqdk`` compute it from the
+  same values, so they agree on every column."""
+  low = tot[0]
+  for t in tot[1:]:
+    low = jnp.minimum(low, t)
+  return low >= -cm.DIAG_DOT_SPAN, jnp.min(low) >= -cm.DIAG_DOT_SPAN    # (no all() in Triton)
+
+
 def _dqdk_kernel(q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, da_ref, dqd_ref,
-                 dkd_ref, dq_ref, dk_ref, dg_ref, *, C, V, BK, BV, dt, scale):
+                 dkd_ref, dq_ref, dk_ref, dg_ref, *, C, V, BK, BV, dt, scale, merged):
+  """dq, dk, dg of one chunk's K tile. ``merged`` (``dqdk_merge_diag``): the diagonal
+  blocks' terms are one more block in the masked dots below (dq: ``e^{p_r} e^{-p_j}``,
+  through the same ``e^{p_r}`` as the blocks before; dk: ``e^{s_i} e^{-s_r}``) on the
+  columns :func:`merged_fits` accepts, and ``gla_dqdk_diag``'s loops are read only for
+  the others (under a cond: not at all when every column fits); else its partial terms
+  are read for every column."""
   b, hd, n, ik = (pl.program_id(i) for i in range(4))
   t0 = n * C
   tc, ks = pl.ds(t0, C), pl.ds(ik * BK, BK)
@@ -147,50 +182,78 @@ def _dqdk_kernel(q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, da_re
   suf = s_ref[b, tc, hd, ks]
   row = cm.iota((C, BK), 0)
   blk = row // S
-  dq = scale * dq_s * jnp.exp(cm.chunk_prefix(pre, tot, blk)) + dqd_ref[b, tc, hd, ks].astype(
-      cm.F32)
+  dq = scale * dq_s * jnp.exp(cm.chunk_prefix(pre, tot, blk))
   dk_state = dk_s * jnp.exp(cm.chunk_suffix(suf, tot, blk))         # e^{b_last - bc}
   # Chunk-total gate term sum_v h[n+1] dH[n] (module docstring).
   d_last = (jnp.exp(cm.chunk_total(tot)) * d_last)[None, :] + jnp.sum(
       k * dk_state, axis=0, keepdims=True)
-  dk = dk_state + dkd_ref[b, tc, hd, ks].astype(cm.F32)
+  dk = dk_state
+  if not merged:
+    dq = dq + dqd_ref[b, tc, hd, ks].astype(cm.F32)
+    dk = dk + dkd_ref[b, tc, hd, ks].astype(cm.F32)
   dA = da_ref[b, hd, n]                                             # [C, C]
   rc, cc = cm.iota((C, C), 0) // S, cm.iota((C, C), 1) // S
+  if merged:
+    fits, all_fit = merged_fits(tot)
+    fits = fits[None, :]
+  first = 0 if merged else 1        # merged: sub-chunk 0's diagonal block has a dot too
   # Rows of s, columns before s (through the row before s): e^{p_r} e^{x_i}, x_i = s_i +
-  # sum_{blk(i) < u < s} T_u, carried from one s to the next by adding T_s.
+  # sum_{blk(i) < u < s} T_u, carried from one s to the next by adding T_s. Merged: the
+  # columns of s itself through e^{-p_j} (<= e^16 where ``fits``; 0 elsewhere).
   x, q_side = suf, jnp.exp(pre)
-  for s in range(1, L):
+  if merged:
+    k_neg = jnp.where(fits, k * jnp.exp(-pre), 0.0)
+  for s in range(first, L):
     k_fac = k * cm.masked_exp(row < s * S, x)
-    part = cm.dot(jnp.where((rc == s) & (cc < s), dA, 0.0), k_fac, dt)
+    cols = cc < s
+    if merged:
+      k_fac = k_fac + jnp.where(blk == s, k_neg, 0.0)
+      cols = cc <= s
+    part = cm.dot(jnp.where((rc == s) & cols, dA, 0.0), k_fac, dt)
     dq = dq + jnp.where(blk == s, q_side * part, 0.0)
-    if s < L - 1:
+    if 0 < s < L - 1:
       x = x + jnp.where(blk < s, tot[s][None, :], 0.0)
   # Columns of s, rows after s (through the last row of s): e^{s_i} e^{y_r}, y_r = p_r +
-  # sum_{s < u < blk(r)} T_u, carried from one s to the one before by adding T_s.
+  # sum_{s < u < blk(r)} T_u, carried from one s to the one before by adding T_s. Merged:
+  # the rows of s itself through e^{-s_r} (e^{s_i - s_r}: the decay over (i, r]).
   y, k_side = pre, jnp.exp(suf)
-  for s in reversed(range(L - 1)):
+  if merged:
+    q_neg = jnp.where(fits, q * jnp.exp(-suf), 0.0)
+  for s in reversed(range(L if merged else L - 1)):
     q_fac = q * cm.masked_exp(row >= s * S + S, y)
-    part = cm.dot(jnp.where((cc == s) & (rc > s), dA, 0.0), q_fac, dt, ta=True)
+    rws = rc > s
+    if merged:
+      q_fac = q_fac + jnp.where(blk == s, q_neg, 0.0)
+      rws = rc >= s
+    part = cm.dot(jnp.where((cc == s) & rws, dA, 0.0), q_fac, dt, ta=True)
     dk = dk + jnp.where(blk == s, k_side * part, 0.0)
-    if s > 0:
+    if 0 < s < L - 1:
       y = y + jnp.where(blk > s, tot[s][None, :], 0.0)
+  if merged:        # the loops' terms, on the columns the dots left out
+    dq, dk = jax.lax.cond(
+        all_fit, lambda: (dq, dk),
+        lambda: (dq + jnp.where(fits, 0.0, dqd_ref[b, tc, hd, ks]),
+                 dk + jnp.where(fits, 0.0, dkd_ref[b, tc, hd, ks])))
   dq_ref[b, tc, hd, ks] = dq.astype(dq_ref.dtype)
   dk_ref[b, tc, hd, ks] = dk.astype(dk_ref.dtype)
   dg_ref[b, tc, hd, ks] = cm.rev_cumsum(q * dq - k * dk) + d_last
 
 
-def diag_grads(q, k, g, dA, *, chunk_size, config):
+def diag_grads(q, k, g, dA, p, *, chunk_size, config):
   """(dq_d, dk_d) float32: the diagonal-block terms of dq and dk (``gla_dqdk_diag``);
-  ``g`` the per-dim float32 log-decay."""
+  ``g`` the per-dim float32 log-decay, ``p`` chunk_cumsum's. With
+  ``config.dqdk_merge_diag`` only the K tiles with a column :func:`merged_fits` rejects
+  are written (the rest of the arrays is undefined)."""
   B, T, H, K = q.shape
   C = chunk_size
   BK = cm.block(K, config.dqdk_diag_bk)
   part = jax.ShapeDtypeStruct(q.shape, cm.F32)
+  merged = config.dqdk_merge_diag
   return cm.call(functools.partial(_diag_grad_kernel, C=C, BK=BK, dt=q.dtype,
-                                   dots=config.dqdk_diag_dots), (part, part),
+                                   dots=config.dqdk_diag_dots, merged=merged), (part, part),
                  (B, H, T // C, C // S, K // BK), config=config,
                  num_warps=config.dqdk_diag_warps, num_stages=config.dqdk_diag_stages,
-                 name="gla_dqdk_diag")(q, k, g, dA)
+                 name="gla_dqdk_diag")(q, k, g, dA, *([p] if merged else []))
 
 
 def dqdk(q, k, v, g, p, s, do, h, dH, dA, *, scale, chunk_size, config, diag=None):
@@ -202,10 +265,11 @@ def dqdk(q, k, v, g, p, s, do, h, dH, dA, *, scale, chunk_size, config, diag=Non
   C = chunk_size
   N = T // C
   f32 = jax.ShapeDtypeStruct(q.shape, cm.F32)
-  dq_d, dk_d = (diag_grads(q, k, g, dA, chunk_size=C, config=config) if diag is None
+  dq_d, dk_d = (diag_grads(q, k, g, dA, p, chunk_size=C, config=config) if diag is None
                 else diag)
   BK, BV = cm.block(K, config.dqdk_bk), cm.block(V, config.dqdk_bv)
-  kern = functools.partial(_dqdk_kernel, C=C, V=V, BK=BK, BV=BV, dt=q.dtype, scale=scale)
+  kern = functools.partial(_dqdk_kernel, C=C, V=V, BK=BK, BV=BV, dt=q.dtype, scale=scale,
+                           merged=config.dqdk_merge_diag)
   out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype), f32)
   return cm.call(kern, out, (B, H, N, K // BK), config=config,
                  num_warps=config.dqdk_warps, num_stages=config.dqdk_stages,

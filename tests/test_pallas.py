@@ -250,12 +250,43 @@ def test_diagonal_blocks_as_dots(decay):
   assert rel_err(A1, A0) <= 1e-6 and not np.array_equal(A1, A0)
   dA = jax.random.normal(key, A0.shape)
   dA = jnp.where(jnp.tril(jnp.ones((64, 64), bool)), dA, 0.0)
-  d0, d1 = (grads.diag_grads(q, k, g, dA, config=c, **kw) for c in (loops, config))
+  d0, d1 = (grads.diag_grads(q, k, g, dA, p, config=c, **kw) for c in (loops, config))
   for a, b in zip(d1, d0):
     assert rel_err(a, b) <= 1e-6 and not np.array_equal(a, b)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"diag_dots": False, "dqdk_diag_dots": False}])
+@pytest.mark.parametrize("decay,tiles", [("mild", {}), ("columns", {}),
+                                         ("columns", {"dqdk_bk": 64, "dqdk_diag_bk": 16}),
+                                         ("columns", {"dqdk_bk": 16, "dqdk_diag_bk": 64})])
+def test_merged_diagonal_grads(decay, tiles):
+  """``dqdk_merge_diag``: the diagonal dq / dk terms inside ``gla_dqdk``'s dots on the K
+  columns whose sub-chunk totals fit the span, ``gla_dqdk_diag``'s loops on the others.
+  "columns": the second chunk's odd sub-chunks decay by about -20 per token on K columns
+  0-15 only, so tiles mix accepted and rejected columns, with ``gla_dqdk``'s K tile
+  equal to, larger or smaller than ``gla_dqdk_diag``'s (the latter writes only tiles
+  with a rejected column). float32 against the jnp path, and within rounding of (but not
+  equal to) the loops everywhere, so the dots ran."""
+  from zeco_jax import chunked
+  q, k, v, g, h0, key = _inputs(9, 1, 128, 1, 64, 64, decay="mild")
+  if decay == "columns":
+    t, c = jnp.arange(128)[:, None], jnp.arange(64)[None, :]
+    strong = (t // 16 % 2 == 1) & (t >= 64) & (c < 16)
+    g = jnp.where(strong[None, :, None, :], 320.0 * g - 1.0, g)
+  be = pallas_kernels.backend("cpu")
+  config = _config(q, v, dqdk_merge_diag=True, **tiles)
+  _, _, grads_ = _backend_terms(be, q, k, v, g, h0, key, 64, config)
+  _, _, grads_r = _backend_terms(chunked, q, k, v, g, h0, key, 64)
+  for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), grads_, grads_r):
+    assert np.all(np.isfinite(np.asarray(a))), name
+    assert rel_err(a, b) <= 1e-4, (name, rel_err(a, b))
+  loops = _config(q, v, dqdk_diag_dots=False, **tiles)
+  _, _, grads_l = _backend_terms(be, q, k, v, g, h0, key, 64, loops)
+  for a, b in zip(grads_[:2], grads_l[:2]):
+    assert rel_err(a, b) <= 1e-6 and not np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"diag_dots": False, "dqdk_diag_dots": False},
+                                       {"dqdk_merge_diag": True}])
 def test_kernels_lower_to_triton_for_a_gpu_target(overrides):
   """Every GPU kernel of the forward and backward lowers through Pallas's Triton lowering
   for an H200 target on this CPU host (an abstract device): what the interpreter tests
