@@ -172,13 +172,14 @@ def stage_inputs(q, k, v, g, do, scale, config):
   h0 = jnp.zeros((B, H, K, V), jnp.float32)
   g = g if g.ndim == 4 else jnp.broadcast_to(g[..., None], q.shape).astype(jnp.float32)
   d = jax.jit(lambda g, q, k: state.chunk_decays(g, q, k, **kw))(g, q, k)
-  h, _ = jax.jit(lambda k, v, p, s: state.state_pass(k, v, p, s, h0, **kw))(k, v, d.p, d.s)
+  p, s = jax.jit(lambda g: state.chunk_cumsum(g, **kw))(g)
+  h, _ = jax.jit(lambda k, v, p, s: state.state_pass(k, v, p, s, h0, **kw))(k, v, p, s)
   dH, _ = jax.jit(lambda q, do, p: state.state_grad_pass(q, do, p, h0, scale=scale,
-                                                         **kw))(q, do, d.p)
-  A = jax.jit(lambda q, k, g, p, s: intra.scores(q, k, g, p, s, **kw))(q, k, g, d.p, d.s)
+                                                         **kw))(q, do, p)
+  A = jax.jit(lambda q, k, g, p, s: intra.scores(q, k, g, p, s, **kw))(q, k, g, p, s)
   dA = jax.jit(lambda do, v: intra.score_grad(do, v, scale=scale, **kw))(do, v)
-  diag = jax.jit(lambda *a: grads.diag_grads(*a, **kw))(q, k, g, dA, d.p)
-  return dict(h0=h0, g=g, d=d, h=h, dH=dH, A=A, dA=dA, diag=diag)
+  diag = jax.jit(lambda *a: grads.diag_grads(*a, **kw))(q, k, g, dA, p)
+  return dict(h0=h0, g=g, d=d, p=p, s=s, h=h, dH=dH, A=A, dA=dA, diag=diag)
 
 
 def stage_times(q, k, v, g, do, scale, iters, reps, config, *, names=None, pre=None):
@@ -193,18 +194,24 @@ def stage_times(q, k, v, g, do, scale, iters, reps, config, *, names=None, pre=N
   from pallas_kernels import grads, intra, state
   kw = dict(chunk_size=64, config=config)
   p = pre or stage_inputs(q, k, v, g, do, scale, config)
-  h0, g, d, h, dH, A, dA, diag = (
-      p[n] for n in ("h0", "g", "d", "h", "dH", "A", "dA", "diag"))
-  ps, ss = d.p, d.s
+  h0, g, d, h, dH, A, dA, diag, ps, ss = (
+      p[n] for n in ("h0", "g", "d", "h", "dH", "A", "dA", "diag", "p", "s"))
+  if config.fold_scores:      # the forward's scores and output read chunk_decays' operands
+    fwd_scores = (lambda q, k, g, d: intra.scores_folded(d, q, k, g, **kw), (q, k, g, d))
+    fwd_output = (lambda qp, v, h, A, t: intra.output(qp, v, h, A, scale=scale, tots=t, **kw),
+                  (d.qp, v, h, A, d.tots))
+  else:
+    fwd_scores = (lambda q, k, g, p, s: intra.scores(q, k, g, p, s, **kw), (q, k, g, ps, ss))
+    fwd_output = (lambda qd, v, h, A: intra.output(qd, v, h, A, scale=scale, **kw),
+                  (d.qd, v, h, A))
   stages = {
       "chunk_decays": (lambda g, q, k: state.chunk_decays(g, q, k, **kw), (g, q, k)),
       "folded_state_pass": (lambda kd, v, dl: state.folded_state_pass(kd, v, dl, h0, **kw),
                             (d.kd, v, d.dl)),
-      "scores": (lambda q, k, g, p, s: intra.scores(q, k, g, p, s, **kw), (q, k, g, ps, ss)),
+      "scores": fwd_scores,
       "scores_off": (lambda q, k, p, s: intra.scores_off(q, k, p, s, **kw), (q, k, ps, ss)),
       "scores_diag": (lambda q, k, g, A: intra.scores_diag(q, k, g, A, **kw), (q, k, g, A)),
-      "output": (lambda qd, v, h, A: intra.output(qd, v, h, A, scale=scale, **kw),
-                 (d.qd, v, h, A)),
+      "output": fwd_output,
       "chunk_cumsum": (lambda g: state.chunk_cumsum(g, **kw), (g,)),
       "state_pass": (lambda k, v, p, s: state.state_pass(k, v, p, s, h0, **kw), (k, v, ps, ss)),
       "state_grad_pass": (lambda q, do, p: state.state_grad_pass(q, do, p, h0, scale=scale,

@@ -23,7 +23,7 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 DEFAULT_SM_COUNT = 132
 _BOOL_FIELDS = ("interpret", "states_in_input_dtype", "fuse_state_passes", "diag_dots",
                 "dqdk_diag_dots",
-                "dqdk_merge_diag")
+                "dqdk_merge_diag", "fold_scores")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,10 @@ class KernelConfig:
   ``dqdk_merge_diag`` (opt-in, not yet measured on a GPU): the diagonal dq / dk terms as
   one more block of ``gla_dqdk``'s masked dots on the K columns whose sub-chunk totals
   are all >= -16, ``gla_dqdk_diag`` running its loops only for tiles with another
-  column (no float32 partials written or read otherwise).
+  column (no float32 partials written or read otherwise). ``fold_scores`` (opt-in, not
+  yet measured on a GPU): the forward's ``chunk_decays`` writes the scores' operands
+  folded (``q e^{p}``, ``k e^{s}``, ``k e^{-p}`` in the input dtype, and the sub-chunk
+  totals) instead of float32 p and s and qd, which the output forms from ``q e^{p}``.
 
   Build one with :func:`default_config` and change fields with ``dataclasses.replace``;
   ``KernelConfig()`` alone has the GPU defaults with 64 x 64 walk tiles.
@@ -105,6 +108,7 @@ class KernelConfig:
   dqdk_diag_stages: int = 1
   dqdk_diag_dots: bool = True
   dqdk_merge_diag: bool = False
+  fold_scores: bool = False
   states_in_input_dtype: bool = True
   fuse_state_passes: bool = True
 

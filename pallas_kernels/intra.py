@@ -35,12 +35,40 @@ from pallas_kernels import _common as cm
 S = cm.SUB
 
 
-def _scores_off_kernel(*refs, C, K, KD, dt, diag):
+def _block_scale(tot, blk, first, last):
+  """``[C, KD]`` (0 outside blocks ``first..last``): on the rows of block ``u``,
+  ``e^{sum_{u < w <= last} T_w}`` (reversed: block ``last`` gets 1), as exps of ``[KD]``
+  rows: the factor between a row's sub-chunk-local exponent and a later reference."""
+  out, run = 0.0, None
+  for u in range(last, first - 1, -1):
+    out = jnp.where(blk == u, 1.0 if run is None else jnp.exp(run)[None, :], out)
+    if u > first:
+      run = tot[u] if run is None else run + tot[u]
+  return out
+
+
+def _prefix_scale(tot, blk):
+  """``[C, KD]``: ``e^{T_0 + ... + T_{u-1}}`` on the rows of block u (1 on block 0), the
+  totals added in ``_common.chunk_prefix``'s order."""
+  out, run = 1.0, None
+  for u in range(1, len(tot) + 1):
+    run = tot[u - 1] if run is None else run + tot[u - 1]
+    out = jnp.where(blk == u, jnp.exp(run)[None, :], out)
+  return out
+
+
+def _scores_off_kernel(*refs, C, K, KD, dt, diag, folded=False):
   """A for one chunk with zero diagonal blocks: for each sub-chunk s >= 1, rows of s times
   columns before s, through the row before s (both factors <= 1). With ``diag`` also the
   diagonal blocks (``diag_dots``): one dot of ``q e^{p}`` and ``k e^{-p}`` where the
-  chunk's K slice fits ``_common.chunk_fits``, else the exact column loop."""
-  if diag:
+  chunk's K slice fits ``_common.chunk_fits``, else the exact column loop. ``folded``
+  (``fold_scores``): the operands come folded from ``chunk_decays`` (``qp = q e^{p}``,
+  ``ks = k e^{s}``, ``kn = k e^{-p}``, the totals), the columns before s scaled by
+  ``e^{totals between}`` formed from ``[KD]`` rows; q, k, g are read only by the loop."""
+  if folded:
+    qp_ref, ks_ref, kn_ref, tots_ref, q_ref, k_ref, g_ref, a_ref = (
+        refs if diag else refs[:4] + (None, None, None) + refs[4:])
+  elif diag:
     q_ref, k_ref, p_ref, s_ref, g_ref, a_ref = refs
   else:
     q_ref, k_ref, p_ref, s_ref, a_ref = refs
@@ -67,7 +95,28 @@ def _scores_off_kernel(*refs, C, K, KD, dt, diag):
 
     return cm.unrolled(S, 4, column, (acc, jnp.zeros((C, KD), cm.F32)))[0]
 
+  def folded_slice(kk, acc):
+    ks = pl.ds(kk * KD, KD)
+    tot = [tots_ref[b, hd, n, u, ks] for u in range(L)]
+    q_e = qp_ref[b, tc, hd, ks].astype(cm.F32)                         # q e^{p_r}
+    k_s = ks_ref[b, tc, hd, ks].astype(cm.F32)                         # k e^{s_i}
+    for s in range(1, L):
+      q_fac = jnp.where(blk == s, q_e, 0.0)
+      k_fac = k_s * _block_scale(tot, blk, 0, s - 1)     # e^{s_i + sum_{blk(i) < u < s} T_u}
+      acc = acc + cm.dot(q_fac, k_fac, dt, tb=True)
+    if not diag:
+      return acc
+    low = tot[0]
+    for t in tot[1:]:
+      low = jnp.minimum(low, t)     # min of p over the chunk (p: sums of g <= 0)
+    factored = lambda: acc + jnp.where(same, cm.dot(q_e, kn_ref[b, tc, hd, ks], dt, tb=True),
+                                       0.0)
+    return jax.lax.cond(jnp.min(low) >= -cm.DIAG_DOT_SPAN, factored,
+                        lambda: columns(q_ref[b, tc, hd, ks].astype(cm.F32), ks, acc))
+
   def k_slice(kk, acc):
+    if folded:
+      return folded_slice(kk, acc)
     ks = pl.ds(kk * KD, KD)
     tot = cm.sub_totals(p_ref, b, t0, hd, ks, L)
     pre = p_ref[b, tc, hd, ks]
@@ -146,6 +195,24 @@ def scores_diag(q, k, g, A, *, chunk_size, config):
                  name="gla_scores_diag", aliases={3: 0})(q, k, g, A)
 
 
+def scores_folded(d, q, k, g, *, chunk_size, config):
+  """A from :func:`pallas_kernels.state.chunk_decays`' folded operands (``fold_scores``):
+  ``gla_scores`` reads qp, ks, kn and the totals (q, k, g only where the diagonal takes
+  the loop); with ``diag_dots`` off, ``gla_scores_diag`` then writes the diagonal."""
+  B, T, H, K = q.shape
+  C = chunk_size
+  N = T // C
+  kern = functools.partial(_scores_off_kernel, C=C, K=K, KD=cm.block(K, config.scores_kd),
+                           dt=q.dtype, diag=config.diag_dots, folded=True)
+  extra = [q, k, g] if config.diag_dots else []
+  A = cm.call(kern, jax.ShapeDtypeStruct((B, H, N, C, C), cm.F32), (B, H, N), config=config,
+              num_warps=config.scores_warps, num_stages=config.scores_stages,
+              name="gla_scores")(d.qp, d.ks, d.kn, d.tots, *extra)
+  if config.diag_dots:
+    return A
+  return scores_diag(q, k, g, A, chunk_size=chunk_size, config=config)
+
+
 def scores(q, k, g, p, s, *, chunk_size, config):
   """A [B, H, N, C, C] float32: unscaled, zero above the diagonal. ``g``: the per-dim
   float32 log-decay; ``p``, ``s``: chunk_cumsum's (or chunk_decays')."""
@@ -178,25 +245,39 @@ def score_grad(do, v, *, scale, chunk_size, config):
                  name="gla_score_grad")(do, v)
 
 
-def _output_kernel(qd_ref, v_ref, h_ref, a_ref, o_ref, *, C, K, BK, BV, dt, scale):
+def _output_kernel(*refs, C, K, BK, BV, dt, scale, folded=False):
+  """o of one chunk's V tile; ``folded``: the first operand is ``qp = q e^{p}`` and ``qd
+  = qp e^{sum_{u < blk} T_u}`` is formed here from the totals (``fold_scores``)."""
+  if folded:
+    qd_ref, v_ref, h_ref, a_ref, tots_ref, o_ref = refs
+  else:
+    qd_ref, v_ref, h_ref, a_ref, o_ref = refs
   b, hd, n, iv = (pl.program_id(i) for i in range(4))
   tc, vs = pl.ds(n * C, C), pl.ds(iv * BV, BV)
+  L = C // S
+  blk = cm.iota((C, BK), 0) // S
   o = cm.dot(a_ref[b, hd, n], v_ref[b, tc, hd, vs], dt)
   for kk in range(K // BK):
     ks = pl.ds(kk * BK, BK)
-    o = o + cm.dot(qd_ref[b, tc, hd, ks], h_ref[b, hd, n, ks, vs], dt)
+    qd = qd_ref[b, tc, hd, ks]
+    if folded:      # e^{T_0 + ... + T_{blk - 1}} on the rows of block blk
+      tot = [tots_ref[b, hd, n, u, ks] for u in range(L - 1)]
+      qd = qd.astype(cm.F32) * _prefix_scale(tot, blk)
+    o = o + cm.dot(qd, h_ref[b, hd, n, ks, vs], dt)
   o_ref[b, tc, hd, vs] = (scale * o).astype(o_ref.dtype)
 
 
-def output(qd, v, h, A, *, scale, chunk_size, config):
+def output(qd, v, h, A, *, scale, chunk_size, config, tots=None):
   """o = scale * (qd h[n] + A v): [B, T, H, V] in v's dtype (``qd = q e^bc`` from
-  :func:`pallas_kernels.state.chunk_decays`)."""
+  :func:`pallas_kernels.state.chunk_decays`; with ``tots``, the sub-chunk totals, ``qd``
+  is ``qp = q e^{p}`` and the kernel forms ``q e^{bc}`` itself)."""
   B, T, H, K = qd.shape
   V = v.shape[-1]
   C = chunk_size
   N = T // C
   BK, BV = cm.block(K, config.out_bk), cm.block(V, config.out_bv)
-  kern = functools.partial(_output_kernel, C=C, K=K, BK=BK, BV=BV, dt=qd.dtype, scale=scale)
+  kern = functools.partial(_output_kernel, C=C, K=K, BK=BK, BV=BV, dt=qd.dtype, scale=scale,
+                           folded=tots is not None)
   return cm.call(kern, jax.ShapeDtypeStruct(v.shape, v.dtype), (B, H, N, V // BV),
                  config=config, num_warps=config.out_warps, num_stages=config.out_stages,
-                 name="gla_output")(qd, v, h, A)
+                 name="gla_output")(qd, v, h, A, *([] if tots is None else [tots]))

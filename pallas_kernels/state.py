@@ -39,7 +39,7 @@ is the only sequential work in the algorithm.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -49,17 +49,26 @@ from pallas_kernels import _common as cm
 
 
 class Decays(NamedTuple):
-  """What :func:`chunk_decays` writes for the forward's kernels (module docstring)."""
-  p: jax.Array      # [B, T, H, K] float32: inclusive prefix of g within each sub-chunk
-  s: jax.Array      # [B, T, H, K] float32: exclusive suffix of g within each sub-chunk
-  qd: jax.Array     # [B, T, H, K] q's dtype: q e^{bc}
-  kd: jax.Array     # [B, T, H, K] k's dtype: k e^{b_last - bc}
-  dl: jax.Array     # [B, H, N, K] float32: e^{b_last}, the chunk's decay of the state
+  """What :func:`chunk_decays` writes for the forward's kernels (module docstring). With
+  ``config.fold_scores`` p, s and qd are None and qp, ks, kn, tots are written instead."""
+  p: Optional[jax.Array]    # [B, T, H, K] float32: inclusive prefix of g within each sub-chunk
+  s: Optional[jax.Array]    # [B, T, H, K] float32: exclusive suffix of g within each sub-chunk
+  qd: Optional[jax.Array]   # [B, T, H, K] q's dtype: q e^{bc}
+  kd: jax.Array             # [B, T, H, K] k's dtype: k e^{b_last - bc}
+  dl: jax.Array             # [B, H, N, K] float32: e^{b_last}, the chunk's decay of the state
+  qp: Optional[jax.Array] = None    # [B, T, H, K] q's dtype: q e^{p}
+  ks: Optional[jax.Array] = None    # [B, T, H, K] k's dtype: k e^{s}
+  kn: Optional[jax.Array] = None    # [B, T, H, K] k's dtype: k e^{-max(p, -16)}
+  tots: Optional[jax.Array] = None  # [B, H, N, C / 16, K] float32: the sub-chunk totals T_u
 
 
-def _cumsum_kernel(*refs, C, KD, fold):
-  """p and s of one chunk's [C, KD] tile; with ``fold`` also qd, kd and dl."""
-  if fold:
+def _cumsum_kernel(*refs, C, KD, fold, scores=False):
+  """p and s of one chunk's [C, KD] tile; with ``fold`` also qd, kd and dl; with
+  ``scores`` (``fold_scores``) qp, ks, kn, kd, dl and the totals, and no p, s, qd."""
+  p_ref = s_ref = qd_ref = None
+  if scores:
+    g_ref, q_ref, k_ref, qp_ref, ks_ref, kn_ref, kd_ref, dl_ref, tots_ref = refs
+  elif fold:
     g_ref, q_ref, k_ref, p_ref, s_ref, qd_ref, kd_ref, dl_ref = refs
   else:
     g_ref, p_ref, s_ref = refs
@@ -74,12 +83,21 @@ def _cumsum_kernel(*refs, C, KD, fold):
   for u in range(L):
     sub = pl.ds(n * C + u * S, S)
     p = jnp.cumsum(g_ref[b, sub, hd, ks].astype(cm.F32), axis=0)
-    p_ref[b, sub, hd, ks] = p
+    if scores:
+      q_f, k_f = q_ref[b, sub, hd, ks].astype(cm.F32), k_ref[b, sub, hd, ks].astype(cm.F32)
+      qp_ref[b, sub, hd, ks] = (q_f * jnp.exp(p)).astype(qp_ref.dtype)
+      kn_ref[b, sub, hd, ks] = (k_f * jnp.exp(-jnp.maximum(p, -cm.DIAG_DOT_SPAN))).astype(
+          kn_ref.dtype)
+    else:
+      p_ref[b, sub, hd, ks] = p
     if fold:
-      bc = p if before is None else p + before[None, :]
-      qd_ref[b, sub, hd, ks] = (q_ref[b, sub, hd, ks].astype(cm.F32)
-                                * jnp.exp(bc)).astype(qd_ref.dtype)
+      if not scores:
+        bc = p if before is None else p + before[None, :]
+        qd_ref[b, sub, hd, ks] = (q_ref[b, sub, hd, ks].astype(cm.F32)
+                                  * jnp.exp(bc)).astype(qd_ref.dtype)
       tot.append(jnp.sum(jnp.where(last, p, 0.0), axis=0))
+      if scores:
+        tots_ref[b, hd, n, u, ks] = tot[-1]
       before = tot[-1] if before is None else before + tot[-1]
   if fold:
     dl_ref[b, hd, n, ks] = jnp.exp(before)                            # b_last = sum_u T_u
@@ -95,8 +113,13 @@ def _cumsum_kernel(*refs, C, KD, fold):
   # totals, and the 16 steps are unrolled at trace time (the row loads issued ahead).
   def row(i, acc):
     rows = pl.ds(n * C + S - 1 - i, L, stride=S)
-    s_ref[b, rows, hd, ks] = acc
-    if fold:
+    if scores:
+      k_f = k_ref[b, rows, hd, ks].astype(cm.F32)
+      ks_ref[b, rows, hd, ks] = (k_f * jnp.exp(acc)).astype(ks_ref.dtype)
+      kd_ref[b, rows, hd, ks] = (k_f * jnp.exp(acc + after)).astype(kd_ref.dtype)
+    else:
+      s_ref[b, rows, hd, ks] = acc
+    if fold and not scores:
       kd_ref[b, rows, hd, ks] = (k_ref[b, rows, hd, ks].astype(cm.F32)
                                  * jnp.exp(acc + after)).astype(kd_ref.dtype)
     return acc + g_ref[b, rows, hd, ks].astype(cm.F32)
@@ -118,11 +141,23 @@ def chunk_cumsum(g, *, chunk_size, config):
 
 def chunk_decays(g, q, k, *, chunk_size, config):
   """:class:`Decays`: :func:`chunk_cumsum`'s p and s, and the decay folded into q and k
-  (module docstring), in one launch (tile ``config.decays_kd``)."""
+  (module docstring), in one launch (tile ``config.decays_kd``). With
+  ``config.fold_scores`` the scores' operands instead of p and s: ``qp = q e^{p}``, ``ks =
+  k e^{s}``, ``kn = k e^{-max(p, -16)}`` (exact where the diagonal dots use it) in the
+  input dtype, the sub-chunk totals, and no qd (the output forms it from qp)."""
   B, T, H, K = g.shape
   C = chunk_size
   N = T // C
   KD = cm.block(K, config.decays_kd)
+  if config.fold_scores:
+    kern = functools.partial(_cumsum_kernel, C=C, KD=KD, fold=True, scores=True)
+    qs, kss = jax.ShapeDtypeStruct(g.shape, q.dtype), jax.ShapeDtypeStruct(g.shape, k.dtype)
+    out = (qs, kss, kss, kss, jax.ShapeDtypeStruct((B, H, N, K), cm.F32),
+           jax.ShapeDtypeStruct((B, H, N, C // cm.SUB, K), cm.F32))
+    qp, ks, kn, kd, dl, tots = cm.call(kern, out, (B, H, N, K // KD), config=config,
+                                       num_warps=config.cumsum_warps, num_stages=1,
+                                       name="gla_chunk_decays")(g, q, k)
+    return Decays(None, None, None, kd, dl, qp, ks, kn, tots)
   kern = functools.partial(_cumsum_kernel, C=C, KD=KD, fold=True)
   f32 = jax.ShapeDtypeStruct(g.shape, cm.F32)
   out = (f32, f32, jax.ShapeDtypeStruct(g.shape, q.dtype), jax.ShapeDtypeStruct(g.shape, k.dtype),

@@ -6,10 +6,12 @@ configuration ``config`` (:class:`pallas_kernels.KernelConfig`; with ``interpret
 same kernels run in the Pallas interpreter, on any platform):
 
   fwd: sub-chunk cumsums (p, s) and the decay folded into q, k -> state pass -> scores A
-       (off-diagonal, diagonal) -> output
+       (diagonal included with ``config.diag_dots``) -> output (``config.fold_scores``:
+       the scores' operands folded instead of p, s)
   bwd: sub-chunk cumsums -> dA -> state pass (recomputed) | state-gradient pass (one
        launch, or two with ``config.fuse_state_passes`` off) -> A (recomputed) -> dv
-       -> diagonal dq/dk terms -> dq, dk, dg
+       -> diagonal dq/dk terms -> dq, dk, dg (``config.dqdk_merge_diag``: the diagonal
+       terms in the last kernel where the decay fits)
 
 Exponents are formed from the sub-chunk-local cumulative log-decays ``p`` (inclusive
 prefix) and ``s`` (exclusive suffix) of :func:`pallas_kernels.state.chunk_cumsum`, and
@@ -39,8 +41,12 @@ def fwd_res(q, k, v, g, *, scale, initial_state, chunk_size, config):
   g = cm.per_dim_decay(g, q.shape)
   d = state.chunk_decays(g, q, k, **kw)
   h, final = state.folded_state_pass(d.kd, v, d.dl, initial_state, **kw)
-  A = intra.scores(q, k, g, d.p, d.s, **kw)
-  o = intra.output(d.qd, v, h, A, scale=scale, **kw)
+  if config.fold_scores:
+    A = intra.scores_folded(d, q, k, g, **kw)
+    o = intra.output(d.qp, v, h, A, scale=scale, tots=d.tots, **kw)
+  else:
+    A = intra.scores(q, k, g, d.p, d.s, **kw)
+    o = intra.output(d.qd, v, h, A, scale=scale, **kw)
   return (o, final), A
 
 

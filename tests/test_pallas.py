@@ -90,7 +90,8 @@ def test_pallas_float32_matches_reference(B, T, H, K, V, decay):
 
 @pytest.mark.parametrize("overrides", [{}, {"states_in_input_dtype": False,
                                             "fuse_state_passes": False},
-                                       {"diag_dots": False, "dqdk_diag_dots": False}])
+                                       {"diag_dots": False, "dqdk_diag_dots": False},
+                                       {"fold_scores": True, "dqdk_merge_diag": True}])
 def test_pallas_bf16_matches_reference(overrides):
   q, k, v, g, h0, key = _inputs(1, 1, 96, 2, 64, 128, decay="mild", dtype=jnp.bfloat16)
   config = _config(q, v, **overrides)
@@ -195,6 +196,7 @@ def test_tpu_variant_lowers_to_mosaic(monkeypatch):
     (True, {"fuse_state_passes": False, "state_bv": 64, "out_bk": 32, "dv_bk": 32,
             "dqdk_bv": 32, "scores_kd": 16}),
     (True, {"diag_dots": False, "dqdk_diag_dots": False}),   # the separate exact kernels
+    (True, {"fold_scores": True, "dqdk_merge_diag": True}),  # strong decay: the loops
 ])
 def test_gpu_launch_options_keep_results(kept, overrides):
   """Launch options the benchmark sweeps (float32 states, other tiles, the state walks in
@@ -286,7 +288,7 @@ def test_merged_diagonal_grads(decay, tiles):
 
 
 @pytest.mark.parametrize("overrides", [{}, {"diag_dots": False, "dqdk_diag_dots": False},
-                                       {"dqdk_merge_diag": True}])
+                                       {"dqdk_merge_diag": True, "fold_scores": True}])
 def test_kernels_lower_to_triton_for_a_gpu_target(overrides):
   """Every GPU kernel of the forward and backward lowers through Pallas's Triton lowering
   for an H200 target on this CPU host (an abstract device): what the interpreter tests
@@ -358,6 +360,60 @@ def test_chunk_decays_folds_the_decay_into_q_and_k(dtype):
   h1, f1 = state.folded_state_pass(d.kd, v, d.dl, h0, chunk_size=64, config=config)
   h2, f2 = state.state_pass(k, v, p, s, h0, chunk_size=64, config=config)
   assert rel_err(h1, h2) <= 1e-6 and rel_err(f1, f2) <= 1e-6
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_chunk_decays_folds_the_scores_operands(dtype):
+  """``fold_scores``: chunk_decays writes qp = q e^{p}, ks = k e^{s}, kn = k e^{-max(p,
+  -16)} in the input dtype, the sub-chunk totals and the same kd, dl as without it (no
+  p, s, qd), against float64 numpy from chunk_cumsum's p and s; some sub-chunks decay
+  past -16 so that kn's clamp is exercised."""
+  from pallas_kernels import state
+  q, k, v, g, h0, _ = _inputs(8, 1, 128, 2, 64, 32, decay="mild")
+  g = jnp.where((jnp.arange(128) // 16 == 5)[None, :, None, None], 40.0 * g - 1.0, g)
+  q, k, v = (a.astype(dtype) for a in (q, k, v))
+  config = _config(q, v, fold_scores=True)
+  d = state.chunk_decays(g, q, k, chunk_size=64, config=config)
+  d0 = state.chunk_decays(g, q, k, chunk_size=64, config=_config(q, v))
+  assert d.p is None and d.s is None and d.qd is None
+  assert np.array_equal(d.kd, d0.kd) and np.array_equal(d.dl, d0.dl)
+  assert d.qp.dtype == d.ks.dtype == d.kn.dtype == dtype and d.tots.shape == (1, 2, 2, 4, 64)
+  f64 = lambda a: np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
+  p, s = map(f64, (d0.p, d0.s))
+  assert np.min(p) < -16                                   # the clamp is exercised
+  tol = 1e-6 if dtype == jnp.float32 else 8e-3             # bf16: one rounding
+  assert rel_err(f64(d.qp), f64(q) * np.exp(p)) <= tol
+  assert rel_err(f64(d.ks), f64(k) * np.exp(s)) <= tol
+  assert rel_err(f64(d.kn), f64(k) * np.exp(-np.maximum(p, -16.0))) <= tol
+  tots = p.reshape(1, 2, 4, 16, 2, 64)[:, :, :, -1].transpose(0, 3, 1, 2, 4)   # [B, H, N, L, K]
+  assert np.array_equal(f64(d.tots), tots)
+
+
+@pytest.mark.parametrize("decay", ["mild", "mixed"])
+def test_folded_scores_and_output(decay):
+  """``fold_scores``: the forward from the folded operands (scores through e^{totals}
+  rows, the diagonal dots through kn, the loops where a chunk does not fit; the output
+  forming q e^{bc} from q e^{p}) against the jnp path in float32, and within rounding of
+  the unfolded forward; the backward (unchanged) through the kept A."""
+  from zeco_jax import chunked
+  q, k, v, g, h0, key = _inputs(9, 1, 128, 1, 64, 64, decay="mild")
+  if decay == "mixed":
+    odd = ((jnp.arange(128) // 16 % 2 == 1) & (jnp.arange(128) >= 64))[None, :, None, None]
+    g = jnp.where(odd, 320.0 * g - 1.0, g)
+  be = pallas_kernels.backend("cpu")
+  kw = dict(scale=0.125, initial_state=h0, chunk_size=64)
+  for diag_dots in (True, False):
+    config = _config(q, v, fold_scores=True, diag_dots=diag_dots)
+    (o, fin), A = be.fwd_res(q, k, v, g, config=config, **kw)
+    (o0, fin0), A0 = be.fwd_res(q, k, v, g, config=_config(q, v, diag_dots=diag_dots), **kw)
+    o_r, fin_r = chunked.fwd(q, k, v, g, **kw)
+    assert rel_err(o, o_r) <= 1e-5 and rel_err(fin, fin_r) <= 1e-5
+    assert rel_err(A, A0) <= 1e-6 and rel_err(o, o0) <= 1e-6 and not np.array_equal(o, o0)
+  config = _config(q, v, fold_scores=True)
+  _, _, grads_ = _backend_terms(be, q, k, v, g, h0, key, 64, config)
+  _, _, grads_r = _backend_terms(chunked, q, k, v, g, h0, key, 64)
+  for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), grads_, grads_r):
+    assert rel_err(a, b) <= 1e-4, (name, rel_err(a, b))
 
 
 def test_walk_tiles_target_one_program_per_sm():
