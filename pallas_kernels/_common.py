@@ -174,6 +174,19 @@ def chunk_fits(p):
   return jnp.min(jnp.min(p, axis=1), axis=0) >= -DIAG_DOT_SPAN
 
 
+def totals_fit(tot):
+  """``([KD] bool, bool)``: the K columns of a chunk whose sub-chunk totals ``tot`` (a list
+  of ``[KD]`` rows, :func:`sub_totals` or chunk_decays' ``tots``) are all ``>=
+  -DIAG_DOT_SPAN``, and whether every column is. ``p`` is a cumsum of non-positive terms,
+  so ``T_u`` is its minimum over the sub-chunk: where a column fits, ``e^{-p} <= e^{16}``
+  and ``e^{-s} <= e^{16}``. Kernels that must agree on a column compute it from the same
+  values (``dqdk_merge_diag``)."""
+  low = tot[0]
+  for t in tot[1:]:
+    low = jnp.minimum(low, t)
+  return low >= -DIAG_DOT_SPAN, jnp.min(low) >= -DIAG_DOT_SPAN        # (no all() in Triton)
+
+
 def sub_rows(ref, b, t0, hd, ks, j, blk, L):
   """``[C, KD]``: on the rows of sub-chunk u, row ``j`` of that sub-chunk (``ref[b, t0 +
   16 u + j, hd, ks]``), float32; ``blk`` the rows' sub-chunk index."""

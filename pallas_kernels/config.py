@@ -22,8 +22,7 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 # GPU the defaults were measured on).
 DEFAULT_SM_COUNT = 132
 _BOOL_FIELDS = ("interpret", "states_in_input_dtype", "fuse_state_passes", "diag_dots",
-                "dqdk_diag_dots",
-                "dqdk_merge_diag", "fold_scores")
+                "dqdk_diag_dots", "dqdk_merge_diag", "fold_scores")
 
 
 @dataclasses.dataclass(frozen=True)

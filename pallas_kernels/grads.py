@@ -70,7 +70,7 @@ def _diag_grad_kernel(*refs, C, BK, dt, dots, merged):
   sub-chunk fits ``_common.DIAG_DOT_SPAN`` takes two dots instead: dq = e^{P} (dA (k
   e^{-P})), dk = e^{-P} (dA^T (q e^{P})) (``_common.sub_chunk_decay``). With ``merged``
   (``dqdk_merge_diag``) it runs the loops only for a K tile with a column that
-  :func:`merged_fits` rejects, and otherwise writes nothing: ``gla_dqdk`` computes those
+  ``_common.totals_fit`` rejects, and otherwise writes nothing: ``gla_dqdk`` computes those
   terms itself and reads these only for the rejected columns."""
   if merged:
     q_ref, k_ref, g_ref, da_ref, p_ref, dqd_ref, dkd_ref = refs
@@ -104,7 +104,7 @@ def _diag_grad_kernel(*refs, C, BK, dt, dots, merged):
 
   zero = jnp.zeros((S, BK), cm.F32)
   if merged:
-    _, all_fit = merged_fits(cm.sub_totals(p_ref, b, n * C, hd, ks, C // S))
+    _, all_fit = cm.totals_fit(cm.sub_totals(p_ref, b, n * C, hd, ks, C // S))
 
     @pl.when(jnp.logical_not(all_fit))
     def _():
@@ -135,26 +135,12 @@ def _diag_grad_kernel(*refs, C, BK, dt, dots, merged):
   dkd_ref[b, rows, hd, ks] = dk.astype(dkd_ref.dtype)
 
 
-def merged_fits(tot):
-  """``([BK] bool, bool)``: the K columns of a chunk whose diagonal dq / dk terms
-  ``gla_dqdk`` forms as dots (``dqdk_merge_diag``), and whether that is all of them: a
-  column fits when every sub-chunk total ``T_u >= -DIAG_DOT_SPAN``.
-  ``p`` is a cumsum of non-positive terms, so ``T_u`` is its minimum over the sub-chunk
-  and then ``e^{-p} <= e^{16}`` and ``e^{-s} <= e^{16}``. ``tot``: the chunk's
-  :func:`_common.sub_totals`; ``gla_dqdk_diag`` and ``gla_dqdk`` compute it from the
-  same values, so they agree on every column."""
-  low = tot[0]
-  for t in tot[1:]:
-    low = jnp.minimum(low, t)
-  return low >= -cm.DIAG_DOT_SPAN, jnp.min(low) >= -cm.DIAG_DOT_SPAN    # (no all() in Triton)
-
-
 def _dqdk_kernel(q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, da_ref, dqd_ref,
                  dkd_ref, dq_ref, dk_ref, dg_ref, *, C, V, BK, BV, dt, scale, merged):
   """dq, dk, dg of one chunk's K tile. ``merged`` (``dqdk_merge_diag``): the diagonal
   blocks' terms are one more block in the masked dots below (dq: ``e^{p_r} e^{-p_j}``,
   through the same ``e^{p_r}`` as the blocks before; dk: ``e^{s_i} e^{-s_r}``) on the
-  columns :func:`merged_fits` accepts, and ``gla_dqdk_diag``'s loops are read only for
+  columns ``_common.totals_fit`` accepts, and ``gla_dqdk_diag``'s loops are read only for
   the others (under a cond: not at all when every column fits); else its partial terms
   are read for every column."""
   b, hd, n, ik = (pl.program_id(i) for i in range(4))
@@ -194,7 +180,7 @@ def _dqdk_kernel(q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, da_re
   dA = da_ref[b, hd, n]                                             # [C, C]
   rc, cc = cm.iota((C, C), 0) // S, cm.iota((C, C), 1) // S
   if merged:
-    fits, all_fit = merged_fits(tot)
+    fits, all_fit = cm.totals_fit(tot)
     fits = fits[None, :]
   first = 0 if merged else 1        # merged: sub-chunk 0's diagonal block has a dot too
   # Rows of s, columns before s (through the row before s): e^{p_r} e^{x_i}, x_i = s_i +
@@ -242,7 +228,7 @@ def _dqdk_kernel(q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, da_re
 def diag_grads(q, k, g, dA, p, *, chunk_size, config):
   """(dq_d, dk_d) float32: the diagonal-block terms of dq and dk (``gla_dqdk_diag``);
   ``g`` the per-dim float32 log-decay, ``p`` chunk_cumsum's. With
-  ``config.dqdk_merge_diag`` only the K tiles with a column :func:`merged_fits` rejects
+  ``config.dqdk_merge_diag`` only the K tiles with a column ``_common.totals_fit`` rejects
   are written (the rest of the arrays is undefined)."""
   B, T, H, K = q.shape
   C = chunk_size

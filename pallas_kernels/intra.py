@@ -106,12 +106,9 @@ def _scores_off_kernel(*refs, C, K, KD, dt, diag, folded=False):
       acc = acc + cm.dot(q_fac, k_fac, dt, tb=True)
     if not diag:
       return acc
-    low = tot[0]
-    for t in tot[1:]:
-      low = jnp.minimum(low, t)     # min of p over the chunk (p: sums of g <= 0)
     factored = lambda: acc + jnp.where(same, cm.dot(q_e, kn_ref[b, tc, hd, ks], dt, tb=True),
                                        0.0)
-    return jax.lax.cond(jnp.min(low) >= -cm.DIAG_DOT_SPAN, factored,
+    return jax.lax.cond(cm.totals_fit(tot)[1], factored,
                         lambda: columns(q_ref[b, tc, hd, ks].astype(cm.F32), ks, acc))
 
   def k_slice(kk, acc):

@@ -113,15 +113,13 @@ def _cumsum_kernel(*refs, C, KD, fold, scores=False):
   # totals, and the 16 steps are unrolled at trace time (the row loads issued ahead).
   def row(i, acc):
     rows = pl.ds(n * C + S - 1 - i, L, stride=S)
-    if scores:
+    if fold:
       k_f = k_ref[b, rows, hd, ks].astype(cm.F32)
-      ks_ref[b, rows, hd, ks] = (k_f * jnp.exp(acc)).astype(ks_ref.dtype)
       kd_ref[b, rows, hd, ks] = (k_f * jnp.exp(acc + after)).astype(kd_ref.dtype)
+    if scores:
+      ks_ref[b, rows, hd, ks] = (k_f * jnp.exp(acc)).astype(ks_ref.dtype)
     else:
       s_ref[b, rows, hd, ks] = acc
-    if fold and not scores:
-      kd_ref[b, rows, hd, ks] = (k_ref[b, rows, hd, ks].astype(cm.F32)
-                                 * jnp.exp(acc + after)).astype(kd_ref.dtype)
     return acc + g_ref[b, rows, hd, ks].astype(cm.F32)
 
   cm.unrolled(S, S if fold else 1, row, jnp.zeros((L, KD), cm.F32))

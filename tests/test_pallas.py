@@ -21,6 +21,16 @@ pallas_kernels = pytest.importorskip("pallas_kernels")
 KernelConfig = pallas_kernels.KernelConfig
 
 
+def _strong_odd_subchunks(g, columns=None):
+  """g ``[1, 128, H, K]`` (mild) with the second 64-token chunk's odd 16-token sub-chunks
+  decaying by about -20 per token (on K columns below ``columns`` only, if given): past
+  DIAG_DOT_SPAN, so those blocks take the exact loops and the others the dots."""
+  t = jnp.arange(g.shape[1])[:, None]
+  c = jnp.arange(g.shape[-1])[None, :]
+  strong = (t // 16 % 2 == 1) & (t >= 64) & (c < (g.shape[-1] if columns is None else columns))
+  return jnp.where(strong[None, :, None, :], 320.0 * g - 1.0, g)
+
+
 def _config(q, v, **overrides):
   """The CPU (interpreter) default for q's and v's shape, with ``overrides``."""
   B, T, H, K = q.shape
@@ -236,8 +246,7 @@ def test_diagonal_blocks_as_dots(decay):
   from zeco_jax import chunked
   q, k, v, g, h0, key = _inputs(9, 1, 128, 1, 64, 64, decay="mild")
   if decay == "mixed":
-    odd = ((jnp.arange(128) // 16 % 2 == 1) & (jnp.arange(128) >= 64))[None, :, None, None]
-    g = jnp.where(odd, 320.0 * g - 1.0, g)
+    g = _strong_odd_subchunks(g)
   config = _config(q, v)
   assert config.diag_dots and config.dqdk_diag_dots
   o, fin, grads_ = _backend_terms(pallas_kernels.backend("cpu"), q, k, v, g, h0, key, 64, config)
@@ -271,9 +280,7 @@ def test_merged_diagonal_grads(decay, tiles):
   from zeco_jax import chunked
   q, k, v, g, h0, key = _inputs(9, 1, 128, 1, 64, 64, decay="mild")
   if decay == "columns":
-    t, c = jnp.arange(128)[:, None], jnp.arange(64)[None, :]
-    strong = (t // 16 % 2 == 1) & (t >= 64) & (c < 16)
-    g = jnp.where(strong[None, :, None, :], 320.0 * g - 1.0, g)
+    g = _strong_odd_subchunks(g, columns=16)
   be = pallas_kernels.backend("cpu")
   config = _config(q, v, dqdk_merge_diag=True, **tiles)
   _, _, grads_ = _backend_terms(be, q, k, v, g, h0, key, 64, config)
@@ -398,8 +405,7 @@ def test_folded_scores_and_output(decay):
   from zeco_jax import chunked
   q, k, v, g, h0, key = _inputs(9, 1, 128, 1, 64, 64, decay="mild")
   if decay == "mixed":
-    odd = ((jnp.arange(128) // 16 % 2 == 1) & (jnp.arange(128) >= 64))[None, :, None, None]
-    g = jnp.where(odd, 320.0 * g - 1.0, g)
+    g = _strong_odd_subchunks(g)
   be = pallas_kernels.backend("cpu")
   kw = dict(scale=0.125, initial_state=h0, chunk_size=64)
   for diag_dots in (True, False):
