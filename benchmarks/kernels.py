@@ -185,10 +185,11 @@ def stage_inputs(q, k, v, g, do, scale, config):
 def stage_times(q, k, v, g, do, scale, iters, reps, config, *, names=None, pre=None):
   """Each Pallas kernel alone under ``config``, on the benchmark inputs (where the time
   goes); ``names``: only these stages; ``pre``: stage_inputs computed already. The
-  forward runs chunk_decays, folded_state_pass, scores (with ``diag_dots`` one launch of
-  gla_scores, diagonal included; else scores_off, then scores_diag in place: timed
-  alone, scores_diag also copies A; scores_off is the off-diagonal kernel alone either
-  way) and output; the backward chunk_cumsum,
+  forward runs chunk_decays, folded_state_pass, scores (the forward's, from the folded
+  operands; with ``diag_dots`` one launch of gla_scores, diagonal included; else then
+  scores_diag in place: timed alone, scores_diag also copies A; scores_off is the
+  backward's recompute of the off-diagonal blocks from p and s alone) and output; the
+  backward chunk_cumsum,
   score_grad, state_passes (state_pass and state_grad_pass in one launch), dv,
   dqdk_diag and dqdk."""
   from pallas_kernels import grads, intra, state
@@ -196,22 +197,15 @@ def stage_times(q, k, v, g, do, scale, iters, reps, config, *, names=None, pre=N
   p = pre or stage_inputs(q, k, v, g, do, scale, config)
   h0, g, d, h, dH, A, dA, diag, ps, ss = (
       p[n] for n in ("h0", "g", "d", "h", "dH", "A", "dA", "diag", "p", "s"))
-  if config.fold_scores:      # the forward's scores and output read chunk_decays' operands
-    fwd_scores = (lambda q, k, g, d: intra.scores_folded(d, q, k, g, **kw), (q, k, g, d))
-    fwd_output = (lambda qp, v, h, A, t: intra.output(qp, v, h, A, scale=scale, tots=t, **kw),
-                  (d.qp, v, h, A, d.tots))
-  else:
-    fwd_scores = (lambda q, k, g, p, s: intra.scores(q, k, g, p, s, **kw), (q, k, g, ps, ss))
-    fwd_output = (lambda qd, v, h, A: intra.output(qd, v, h, A, scale=scale, **kw),
-                  (d.qd, v, h, A))
   stages = {
       "chunk_decays": (lambda g, q, k: state.chunk_decays(g, q, k, **kw), (g, q, k)),
       "folded_state_pass": (lambda kd, v, dl: state.folded_state_pass(kd, v, dl, h0, **kw),
                             (d.kd, v, d.dl)),
-      "scores": fwd_scores,
+      "scores": (lambda q, k, g, d: intra.scores_folded(d, q, k, g, **kw), (q, k, g, d)),
       "scores_off": (lambda q, k, p, s: intra.scores_off(q, k, p, s, **kw), (q, k, ps, ss)),
       "scores_diag": (lambda q, k, g, A: intra.scores_diag(q, k, g, A, **kw), (q, k, g, A)),
-      "output": fwd_output,
+      "output": (lambda qp, v, h, A, t: intra.output(qp, v, h, A, t, scale=scale, **kw),
+                 (d.qp, v, h, A, d.tots)),
       "chunk_cumsum": (lambda g: state.chunk_cumsum(g, **kw), (g,)),
       "state_pass": (lambda k, v, p, s: state.state_pass(k, v, p, s, h0, **kw), (k, v, ps, ss)),
       "state_grad_pass": (lambda q, do, p: state.state_grad_pass(q, do, p, h0, scale=scale,

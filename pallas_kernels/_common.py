@@ -150,28 +150,14 @@ def chunk_suffix(s, tot, blk):
   return s + off
 
 
-# The 16 x 16 diagonal blocks' dot form (``diag_dots`` / ``dqdk_diag_dots``): a block is
-# factored through its sub-chunk's first row when the decay from that row to the last,
-# per K column, is at least -DIAG_DOT_SPAN (else the exact column loop runs).
+# The 16 x 16 diagonal blocks' dot form (the scores with ``diag_dots``, dq / dk always):
+# a K column's diagonal blocks factor through ``e^{p}`` / ``e^{-p}`` (or ``e^{s}`` /
+# ``e^{-s}``) when its sub-chunk totals are all at least -DIAG_DOT_SPAN (else the exact
+# column loops run): ``e^{p_r - p_j} = e^{p_r} e^{-p_j}`` with ``e^{p_r} <= 1``,
+# ``e^{-p_j} <= e^{16}`` (no overflow), the exponent's rounding error at most ``2 * 16 *
+# eps`` (about 2e-6) instead of the loops' ``eps`` of the exponent: the only place where
+# an exponent is a difference, bounded by the span.
 DIAG_DOT_SPAN = 16.0
-
-
-def sub_chunk_decay(g_ref, b, rows, hd, ks, row):
-  """``(P, fits)`` of one 16-row sub-chunk's ``[16, KD]`` tile: ``P_r = sum_{0 < m <= r}
-  g_m`` (an inclusive cumsum from the sub-chunk's second row: same-sign terms) and
-  whether every ``P >= -DIAG_DOT_SPAN``. Then ``e^{P_r - P_j} = e^{P_r} e^{-P_j}`` with
-  ``e^{P_r} <= 1``, ``e^{-P_j} <= e^{16}`` (no overflow), and the exponent's rounding
-  error at most ``2 * 16 * eps`` (about 2e-6) instead of the column loop's ``eps`` of
-  the exponent: the only place where an exponent is a difference, bounded by the span."""
-  P = jnp.cumsum(jnp.where(row == 0, 0.0, g_ref[b, rows, hd, ks].astype(F32)), axis=0)
-  return P, jnp.min(jnp.min(P, axis=1), axis=0) >= -DIAG_DOT_SPAN
-
-
-def chunk_fits(p):
-  """Whether a chunk's ``[C, KD]`` tile of the sub-chunk prefix ``p`` is at least
-  ``-DIAG_DOT_SPAN`` everywhere: then its diagonal blocks may factor through ``e^{p}``
-  and ``e^{-p} <= e^{16}`` (``gla_scores`` with ``diag_dots``)."""
-  return jnp.min(jnp.min(p, axis=1), axis=0) >= -DIAG_DOT_SPAN
 
 
 def totals_fit(tot):
@@ -180,7 +166,7 @@ def totals_fit(tot):
   -DIAG_DOT_SPAN``, and whether every column is. ``p`` is a cumsum of non-positive terms,
   so ``T_u`` is its minimum over the sub-chunk: where a column fits, ``e^{-p} <= e^{16}``
   and ``e^{-s} <= e^{16}``. Kernels that must agree on a column compute it from the same
-  values (``dqdk_merge_diag``)."""
+  values (``gla_dqdk`` and ``gla_dqdk_diag``)."""
   low = tot[0]
   for t in tot[1:]:
     low = jnp.minimum(low, t)

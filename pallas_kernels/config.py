@@ -21,8 +21,7 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 # Streaming multiprocessors assumed when the target GPU is not known (an H100 / H200, the
 # GPU the defaults were measured on).
 DEFAULT_SM_COUNT = 132
-_BOOL_FIELDS = ("interpret", "states_in_input_dtype", "fuse_state_passes", "diag_dots",
-                "dqdk_diag_dots", "dqdk_merge_diag", "fold_scores")
+_BOOL_FIELDS = ("interpret", "states_in_input_dtype", "fuse_state_passes", "diag_dots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,11 +39,12 @@ class KernelConfig:
   power of two <= the cap that divides the dimension; ``*_warps`` and ``*_stages`` are
   Triton's ``num_warps`` and ``num_stages`` (ignored by the interpreter). Prefixes name the
   kernel: ``cumsum`` the chunk cumsums of g (``decays_kd``: the K tile of the forward's
-  ``chunk_decays``, which also folds the decay into q and k; its warps are
+  ``chunk_decays``, which folds the decay into q and k instead; its warps are
   ``cumsum_warps``), ``state`` the state walks (forward state pass, backward
   state-gradient pass), ``scores`` / ``diag`` the off-diagonal / 16 x 16 diagonal blocks
   of the intra-chunk scores, ``da`` their cotangent, ``out`` the output, ``dv``, ``dqdk``
-  the chunk-wide dq / dk / dg kernel and ``dqdk_diag`` its diagonal-block terms.
+  the chunk-wide dq / dk / dg kernel and ``dqdk_diag`` its diagonal-block terms where the
+  decay is too strong for dots.
 
   ``state_bv``: the V tile of a state walk launched alone; ``state_both_bv``: the V tile
   when the state pass and the state-gradient pass share one launch (twice the programs).
@@ -53,19 +53,12 @@ class KernelConfig:
   else float32. ``fuse_state_passes``: the backward runs the state pass and the
   state-gradient pass side by side in one launch, else one after the other.
   ``diag_dots``: the 16 x 16 diagonal blocks of the scores inside ``gla_scores``, one
-  tensor-core dot per K slice of a chunk whose sub-chunk prefixes are all >= -16 (the
+  tensor-core dot per K slice of a chunk whose sub-chunk totals are all >= -16 (the
   exact column loop on the others), else the separate exact kernel ``gla_scores_diag``
-  (``diag_*`` fields). ``dqdk_diag_dots``: ``gla_dqdk_diag``'s tiles as two dots
-  factored through each sub-chunk's first row where its decay is at least -16 per K
-  column, else always the column loops. Both on by default (measured on an H200, with
-  the exponent error at most about 2e-6 where they apply: ``docs/kernels.md``).
-  ``dqdk_merge_diag`` (opt-in, not yet measured on a GPU): the diagonal dq / dk terms as
-  one more block of ``gla_dqdk``'s masked dots on the K columns whose sub-chunk totals
-  are all >= -16, ``gla_dqdk_diag`` running its loops only for tiles with another
-  column (no float32 partials written or read otherwise). ``fold_scores`` (opt-in, not
-  yet measured on a GPU): the forward's ``chunk_decays`` writes the scores' operands
-  folded (``q e^{p}``, ``k e^{s}``, ``k e^{-p}`` in the input dtype, and the sub-chunk
-  totals) instead of float32 p and s and qd, which the output forms from ``q e^{p}``.
+  (``diag_*`` fields). On by default (measured on an H200, with the exponent error at
+  most about 2e-6 where it applies: ``docs/kernels.md``). The backward's diagonal dq / dk
+  terms always take the same dots where a K column's totals fit (inside ``gla_dqdk``),
+  ``gla_dqdk_diag``'s exact loops on the other columns.
 
   Build one with :func:`default_config` and change fields with ``dataclasses.replace``;
   ``KernelConfig()`` alone has the GPU defaults with 64 x 64 walk tiles.
@@ -105,9 +98,6 @@ class KernelConfig:
   dqdk_diag_bk: int = 64
   dqdk_diag_warps: int = 2
   dqdk_diag_stages: int = 1
-  dqdk_diag_dots: bool = True
-  dqdk_merge_diag: bool = False
-  fold_scores: bool = False
   states_in_input_dtype: bool = True
   fuse_state_passes: bool = True
 

@@ -16,10 +16,14 @@ terms use the same references as the scores: blocks below the diagonal factor th
 row before the sub-chunk (dq: ``e^{p_r}`` times ``e^{s_i + totals between}``) or its last
 row (dk: ``e^{s_i}`` times ``e^{p_r + totals between}``), one masked ``[C, C] x [C, BK]``
 dot per sub-chunk in ``gla_dqdk`` (grid ``(B, H, N, K / BK)``, which also does the state
-terms and dg's reverse cumsum over the chunk); the diagonal 16 x 16 blocks are exact in
-log space, one ``j`` at a time on ``[16, BK]`` tiles in ``gla_dqdk_diag`` (grid ``(B, H,
-N, C / 16, K / BK)``, partial dq and dk in float32), their exponents accumulated from g
-itself column by column (dq from the last column down, dk from the first up).
+terms and dg's reverse cumsum over the chunk). The diagonal 16 x 16 blocks are one more
+block of the same dots, through ``e^{-p}`` (dq) and ``e^{-s}`` (dk), on the K columns
+whose sub-chunk totals are all >= -16 (``_common.totals_fit``: then ``e^{-p}, e^{-s} <=
+e^{16}`` and the exponent's rounding error is at most ``2 * 16 * eps``). On the other
+columns they are exact in log space: ``gla_dqdk_diag`` (grid ``(B, H, N, K / BK)``, a
+program writing only for a tile with such a column) runs one ``j`` at a time on ``[16,
+BK]`` tiles, the exponents accumulated from g itself column by column (dq from the last
+column down, dk from the first up), and ``gla_dqdk`` adds its float32 partials there.
 """
 from __future__ import annotations
 
@@ -61,88 +65,60 @@ def dv(k, p, s, do, A, dH, *, scale, chunk_size, config):
                  name="gla_dv")(k, p, s, do, A, dH)
 
 
-def _diag_grad_kernel(*refs, C, BK, dt, dots, merged):
-  """Diagonal-block terms of dq and dk for sub-chunk s, exact in log space:
-  dq_r += sum_{j <= r} dA[r, j] k_j e^{sum_{j < m <= r} g_m} (j from the last row down,
-  the exponent carried as ``e <- e + g_j``), dk_i += sum_{j >= i} dA[j, i] q_j
-  e^{sum_{i < m <= j} g_m} (j from the first row up, ``f <- f + g_j``), on [16, BK]
-  tiles (small: many programs per SM). With ``dots``, a tile whose decay over the
-  sub-chunk fits ``_common.DIAG_DOT_SPAN`` takes two dots instead: dq = e^{P} (dA (k
-  e^{-P})), dk = e^{-P} (dA^T (q e^{P})) (``_common.sub_chunk_decay``). With ``merged``
-  (``dqdk_merge_diag``) it runs the loops only for a K tile with a column that
-  ``_common.totals_fit`` rejects, and otherwise writes nothing: ``gla_dqdk`` computes those
-  terms itself and reads these only for the rejected columns."""
-  if merged:
-    q_ref, k_ref, g_ref, da_ref, p_ref, dqd_ref, dkd_ref = refs
-  else:
-    q_ref, k_ref, g_ref, da_ref, dqd_ref, dkd_ref = refs
-  b, hd, n, s, ik = (pl.program_id(i) for i in range(5))
-  r0 = n * C + s * S
-  rows, ks = pl.ds(r0, S), pl.ds(ik * BK, BK)
+def _diag_grad_kernel(q_ref, k_ref, g_ref, da_ref, p_ref, dqd_ref, dkd_ref, *, C, BK):
+  """Diagonal-block terms of dq and dk of one chunk's K tile, exact in log space, for a
+  tile with a column that ``_common.totals_fit`` rejects (``gla_dqdk`` computes them as
+  dots on the others, and reads these only for the rejected columns): the program writes
+  nothing otherwise. Per sub-chunk: dq_r += sum_{j <= r} dA[r, j] k_j e^{sum_{j < m <= r}
+  g_m} (j from the last row down, the exponent carried as ``e <- e + g_j``), dk_i +=
+  sum_{j >= i} dA[j, i] q_j e^{sum_{i < m <= j} g_m} (j from the first row up, ``f <- f +
+  g_j``), on [16, BK] tiles."""
+  b, hd, n, ik = (pl.program_id(i) for i in range(4))
+  ks = pl.ds(ik * BK, BK)
   row = cm.iota((S, BK), 0)
+  _, all_fit = cm.totals_fit(cm.sub_totals(p_ref, b, n * C, hd, ks, C // S))
 
   # Two loops (dq, then dk), one after the other: only one accumulator and one carried
   # exponent live at a time; each a fori_loop of 4 steps unrolled at trace time, so the
   # row loads of 4 steps (independent of the carry) are issued ahead of the exp chain.
-  # H200, B1 T16384 H16 K128: 0.97 -> 0.58 ms, 128 -> 80 registers, no spills (fully
-  # unrolled: 188 registers, 0.65 ms; one step per iteration: 0.68 ms).
-  def dq_step(i, carry):
-    dq, e = carry
-    j = S - 1 - i                   # dq: column j; e[r] = sum_{j < m <= r} g_m (r >= j)
-    kj = k_ref[b, r0 + j, hd, ks].astype(cm.F32)[None, :]
-    da_col = da_ref[b, hd, n, pl.ds(s * S, S), s * S + j][:, None]       # dA[r, j]
-    dq = dq + da_col * kj * cm.masked_exp(row >= j, e)
-    e = jnp.where(row >= j, e + g_ref[b, r0 + j, hd, ks][None, :], 0.0)
-    return dq, e
+  # H200, B1 T16384 H16 K128, every tile looped: 0.97 -> 0.58 ms, 128 -> 80 registers,
+  # no spills (fully unrolled: 188 registers, 0.65 ms; one step per iteration: 0.68 ms).
+  def sub_chunk(s):
+    r0 = n * C + s * S
 
-  def dk_step(i, carry):
-    dk, f = carry                   # dk: row i of dA, f[r] = sum_{r < m <= i} g_m (r <= i)
-    f = jnp.where(row < i, f + g_ref[b, r0 + i, hd, ks][None, :], 0.0)
-    qi = q_ref[b, r0 + i, hd, ks].astype(cm.F32)[None, :]
-    da_row = da_ref[b, hd, n, s * S + i, pl.ds(s * S, S)][:, None]       # dA[i, r]
-    return dk + da_row * qi * cm.masked_exp(row <= i, f), f
+    def dq_step(i, carry):
+      dq, e = carry                 # dq: column j; e[r] = sum_{j < m <= r} g_m (r >= j)
+      j = S - 1 - i
+      kj = k_ref[b, r0 + j, hd, ks].astype(cm.F32)[None, :]
+      da_col = da_ref[b, hd, n, pl.ds(s * S, S), s * S + j][:, None]     # dA[r, j]
+      dq = dq + da_col * kj * cm.masked_exp(row >= j, e)
+      e = jnp.where(row >= j, e + g_ref[b, r0 + j, hd, ks][None, :], 0.0)
+      return dq, e
 
-  zero = jnp.zeros((S, BK), cm.F32)
-  if merged:
-    _, all_fit = cm.totals_fit(cm.sub_totals(p_ref, b, n * C, hd, ks, C // S))
+    def dk_step(i, carry):
+      dk, f = carry                 # dk: row i of dA, f[r] = sum_{r < m <= i} g_m (r <= i)
+      f = jnp.where(row < i, f + g_ref[b, r0 + i, hd, ks][None, :], 0.0)
+      qi = q_ref[b, r0 + i, hd, ks].astype(cm.F32)[None, :]
+      da_row = da_ref[b, hd, n, s * S + i, pl.ds(s * S, S)][:, None]     # dA[i, r]
+      return dk + da_row * qi * cm.masked_exp(row <= i, f), f
 
-    @pl.when(jnp.logical_not(all_fit))
-    def _():
-      dqd_ref[b, rows, hd, ks] = cm.unrolled(S, DIAG_UNROLL, dq_step, (zero, zero))[0]
-      dkd_ref[b, rows, hd, ks] = cm.unrolled(S, DIAG_UNROLL, dk_step, (zero, zero))[0]
-    return
-  if not dots:
-    dq, _ = cm.unrolled(S, DIAG_UNROLL, dq_step, (zero, zero))
-    dqd_ref[b, rows, hd, ks] = dq.astype(dqd_ref.dtype)
-    dk, _ = cm.unrolled(S, DIAG_UNROLL, dk_step, (zero, zero))
-    dkd_ref[b, rows, hd, ks] = dk.astype(dkd_ref.dtype)
-    return
-  P, fits = cm.sub_chunk_decay(g_ref, b, rows, hd, ks, row)
+    zero = jnp.zeros((S, BK), cm.F32)
+    rows = pl.ds(r0, S)
+    dqd_ref[b, rows, hd, ks] = cm.unrolled(S, DIAG_UNROLL, dq_step, (zero, zero))[0]
+    dkd_ref[b, rows, hd, ks] = cm.unrolled(S, DIAG_UNROLL, dk_step, (zero, zero))[0]
 
-  def factored():
-    e_pos, e_neg = jnp.exp(P), jnp.exp(-P)
-    dA = da_ref[b, hd, n, pl.ds(s * S, S), pl.ds(s * S, S)]        # lower triangle
-    dq = e_pos * cm.dot(dA, k_ref[b, rows, hd, ks].astype(cm.F32) * e_neg, dt)
-    dk = e_neg * cm.dot(dA, q_ref[b, rows, hd, ks].astype(cm.F32) * e_pos, dt, ta=True)
-    return dq, dk
-
-  def loops():
-    return (cm.unrolled(S, DIAG_UNROLL, dq_step, (zero, zero))[0],
-            cm.unrolled(S, DIAG_UNROLL, dk_step, (zero, zero))[0])
-
-  dq, dk = jax.lax.cond(fits, factored, loops)
-  dqd_ref[b, rows, hd, ks] = dq.astype(dqd_ref.dtype)
-  dkd_ref[b, rows, hd, ks] = dk.astype(dkd_ref.dtype)
+  @pl.when(jnp.logical_not(all_fit))
+  def _():
+    jax.lax.fori_loop(0, C // S, lambda s, c: (sub_chunk(s), c)[1], 0)
 
 
 def _dqdk_kernel(q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, da_ref, dqd_ref,
-                 dkd_ref, dq_ref, dk_ref, dg_ref, *, C, V, BK, BV, dt, scale, merged):
-  """dq, dk, dg of one chunk's K tile. ``merged`` (``dqdk_merge_diag``): the diagonal
-  blocks' terms are one more block in the masked dots below (dq: ``e^{p_r} e^{-p_j}``,
-  through the same ``e^{p_r}`` as the blocks before; dk: ``e^{s_i} e^{-s_r}``) on the
-  columns ``_common.totals_fit`` accepts, and ``gla_dqdk_diag``'s loops are read only for
-  the others (under a cond: not at all when every column fits); else its partial terms
-  are read for every column."""
+                 dkd_ref, dq_ref, dk_ref, dg_ref, *, C, V, BK, BV, dt, scale):
+  """dq, dk, dg of one chunk's K tile. The diagonal blocks' terms are one more block in
+  the masked dots below (dq: ``e^{p_r} e^{-p_j}``, through the same ``e^{p_r}`` as the
+  blocks before; dk: ``e^{s_i} e^{-s_r}``) on the columns ``_common.totals_fit`` accepts;
+  ``gla_dqdk_diag``'s loop terms are read for the others, under a cond (not at all when
+  every column fits)."""
   b, hd, n, ik = (pl.program_id(i) for i in range(4))
   t0 = n * C
   tc, ks = pl.ds(t0, C), pl.ds(ik * BK, BK)
@@ -169,83 +145,64 @@ def _dqdk_kernel(q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, da_re
   row = cm.iota((C, BK), 0)
   blk = row // S
   dq = scale * dq_s * jnp.exp(cm.chunk_prefix(pre, tot, blk))
-  dk_state = dk_s * jnp.exp(cm.chunk_suffix(suf, tot, blk))         # e^{b_last - bc}
+  dk = dk_s * jnp.exp(cm.chunk_suffix(suf, tot, blk))               # e^{b_last - bc}
   # Chunk-total gate term sum_v h[n+1] dH[n] (module docstring).
   d_last = (jnp.exp(cm.chunk_total(tot)) * d_last)[None, :] + jnp.sum(
-      k * dk_state, axis=0, keepdims=True)
-  dk = dk_state
-  if not merged:
-    dq = dq + dqd_ref[b, tc, hd, ks].astype(cm.F32)
-    dk = dk + dkd_ref[b, tc, hd, ks].astype(cm.F32)
+      k * dk, axis=0, keepdims=True)
   dA = da_ref[b, hd, n]                                             # [C, C]
   rc, cc = cm.iota((C, C), 0) // S, cm.iota((C, C), 1) // S
-  if merged:
-    fits, all_fit = cm.totals_fit(tot)
-    fits = fits[None, :]
-  first = 0 if merged else 1        # merged: sub-chunk 0's diagonal block has a dot too
-  # Rows of s, columns before s (through the row before s): e^{p_r} e^{x_i}, x_i = s_i +
-  # sum_{blk(i) < u < s} T_u, carried from one s to the next by adding T_s. Merged: the
-  # columns of s itself through e^{-p_j} (<= e^16 where ``fits``; 0 elsewhere).
+  fits, all_fit = cm.totals_fit(tot)
+  fits = fits[None, :]
+  # Rows of s: the columns before s through the row before s, e^{p_r} e^{x_i}, x_i = s_i
+  # + sum_{blk(i) < u < s} T_u, carried from one s to the next by adding T_s; the columns
+  # of s itself through e^{-p_j} (<= e^16 where ``fits``; 0 elsewhere).
   x, q_side = suf, jnp.exp(pre)
-  if merged:
-    k_neg = jnp.where(fits, k * jnp.exp(-pre), 0.0)
-  for s in range(first, L):
-    k_fac = k * cm.masked_exp(row < s * S, x)
-    cols = cc < s
-    if merged:
-      k_fac = k_fac + jnp.where(blk == s, k_neg, 0.0)
-      cols = cc <= s
-    part = cm.dot(jnp.where((rc == s) & cols, dA, 0.0), k_fac, dt)
+  k_neg = jnp.where(fits, k * jnp.exp(-pre), 0.0)
+  for s in range(L):
+    k_fac = k * cm.masked_exp(row < s * S, x) + jnp.where(blk == s, k_neg, 0.0)
+    part = cm.dot(jnp.where((rc == s) & (cc <= s), dA, 0.0), k_fac, dt)
     dq = dq + jnp.where(blk == s, q_side * part, 0.0)
     if 0 < s < L - 1:
       x = x + jnp.where(blk < s, tot[s][None, :], 0.0)
-  # Columns of s, rows after s (through the last row of s): e^{s_i} e^{y_r}, y_r = p_r +
-  # sum_{s < u < blk(r)} T_u, carried from one s to the one before by adding T_s. Merged:
-  # the rows of s itself through e^{-s_r} (e^{s_i - s_r}: the decay over (i, r]).
+  # Columns of s: the rows after s through the last row of s, e^{s_i} e^{y_r}, y_r = p_r
+  # + sum_{s < u < blk(r)} T_u, carried from one s to the one before by adding T_s; the
+  # rows of s itself through e^{-s_r} (e^{s_i - s_r}: the decay over (i, r]).
   y, k_side = pre, jnp.exp(suf)
-  if merged:
-    q_neg = jnp.where(fits, q * jnp.exp(-suf), 0.0)
-  for s in reversed(range(L if merged else L - 1)):
-    q_fac = q * cm.masked_exp(row >= s * S + S, y)
-    rws = rc > s
-    if merged:
-      q_fac = q_fac + jnp.where(blk == s, q_neg, 0.0)
-      rws = rc >= s
-    part = cm.dot(jnp.where((cc == s) & rws, dA, 0.0), q_fac, dt, ta=True)
+  q_neg = jnp.where(fits, q * jnp.exp(-suf), 0.0)
+  for s in reversed(range(L)):
+    q_fac = q * cm.masked_exp(row >= s * S + S, y) + jnp.where(blk == s, q_neg, 0.0)
+    part = cm.dot(jnp.where((cc == s) & (rc >= s), dA, 0.0), q_fac, dt, ta=True)
     dk = dk + jnp.where(blk == s, k_side * part, 0.0)
     if 0 < s < L - 1:
       y = y + jnp.where(blk > s, tot[s][None, :], 0.0)
-  if merged:        # the loops' terms, on the columns the dots left out
-    dq, dk = jax.lax.cond(
-        all_fit, lambda: (dq, dk),
-        lambda: (dq + jnp.where(fits, 0.0, dqd_ref[b, tc, hd, ks]),
-                 dk + jnp.where(fits, 0.0, dkd_ref[b, tc, hd, ks])))
+  dq, dk = jax.lax.cond(                  # the loops' terms, on the columns the dots left out
+      all_fit, lambda: (dq, dk),
+      lambda: (dq + jnp.where(fits, 0.0, dqd_ref[b, tc, hd, ks]),
+               dk + jnp.where(fits, 0.0, dkd_ref[b, tc, hd, ks])))
   dq_ref[b, tc, hd, ks] = dq.astype(dq_ref.dtype)
   dk_ref[b, tc, hd, ks] = dk.astype(dk_ref.dtype)
   dg_ref[b, tc, hd, ks] = cm.rev_cumsum(q * dq - k * dk) + d_last
 
 
 def diag_grads(q, k, g, dA, p, *, chunk_size, config):
-  """(dq_d, dk_d) float32: the diagonal-block terms of dq and dk (``gla_dqdk_diag``);
-  ``g`` the per-dim float32 log-decay, ``p`` chunk_cumsum's. With
-  ``config.dqdk_merge_diag`` only the K tiles with a column ``_common.totals_fit`` rejects
-  are written (the rest of the arrays is undefined)."""
+  """(dq_d, dk_d) float32 [B, T, H, K]: the diagonal-block terms of dq and dk
+  (``gla_dqdk_diag``) of the K tiles with a column ``_common.totals_fit`` rejects; the
+  rest of the arrays is undefined. ``g``: the per-dim float32 log-decay, ``p``
+  chunk_cumsum's."""
   B, T, H, K = q.shape
   C = chunk_size
-  BK = cm.block(K, config.dqdk_diag_bk)
+  BK = cm.block(K, config.dqdk_diag_bk)      # any tile: gla_dqdk reads rejected columns only
   part = jax.ShapeDtypeStruct(q.shape, cm.F32)
-  merged = config.dqdk_merge_diag
-  return cm.call(functools.partial(_diag_grad_kernel, C=C, BK=BK, dt=q.dtype,
-                                   dots=config.dqdk_diag_dots, merged=merged), (part, part),
-                 (B, H, T // C, C // S, K // BK), config=config,
+  return cm.call(functools.partial(_diag_grad_kernel, C=C, BK=BK), (part, part),
+                 (B, H, T // C, K // BK), config=config,
                  num_warps=config.dqdk_diag_warps, num_stages=config.dqdk_diag_stages,
-                 name="gla_dqdk_diag")(q, k, g, dA, *([p] if merged else []))
+                 name="gla_dqdk_diag")(q, k, g, dA, p)
 
 
 def dqdk(q, k, v, g, p, s, do, h, dH, dA, *, scale, chunk_size, config, diag=None):
   """Returns (dq, dk in q's dtype, dg float32), all [B, T, H, K]; ``g`` the per-dim
   float32 log-decay, ``p``, ``s`` chunk_cumsum's; ``h`` and ``dH`` the N chunk states and
-  their cotangents. ``diag``: the diagonal-block terms (dq_d, dk_d) when already computed."""
+  their cotangents. ``diag``: :func:`diag_grads`' output when already computed."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   C = chunk_size
@@ -254,8 +211,7 @@ def dqdk(q, k, v, g, p, s, do, h, dH, dA, *, scale, chunk_size, config, diag=Non
   dq_d, dk_d = (diag_grads(q, k, g, dA, p, chunk_size=C, config=config) if diag is None
                 else diag)
   BK, BV = cm.block(K, config.dqdk_bk), cm.block(V, config.dqdk_bv)
-  kern = functools.partial(_dqdk_kernel, C=C, V=V, BK=BK, BV=BV, dt=q.dtype, scale=scale,
-                           merged=config.dqdk_merge_diag)
+  kern = functools.partial(_dqdk_kernel, C=C, V=V, BK=BK, BV=BV, dt=q.dtype, scale=scale)
   out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype), f32)
   return cm.call(kern, out, (B, H, N, K // BK), config=config,
                  num_warps=config.dqdk_warps, num_stages=config.dqdk_stages,

@@ -9,12 +9,15 @@ the difference is bounded:
 * ``gla_scores``, grid ``(B, H, N)``: the blocks below the 16 x 16 diagonal. Rows of
   sub-chunk ``s`` and the columns before it factor through the row before ``s``:
   ``exp(p_r) * exp(s_i + sum_{blk(i) < u < s} T_u)``, both factors <= 1; one
-  ``[C, KD] x [KD, C]`` tensor-core dot per sub-chunk. With ``config.diag_dots`` (the
-  default) the same kernel also computes the diagonal blocks: where every ``p`` of the
-  chunk's K slice is >= -16 (``_common.chunk_fits``), one dot ``(q e^{p}) (k e^{-p})^T``
-  masked to the blocks' lower triangles (``e^{-p} <= e^{16}``; the exponent ``p_r - p_i``
-  off by at most ``2 * 16 * eps``); elsewhere the exact column loop below, on all four
-  sub-chunks at once.
+  ``[C, KD] x [KD, C]`` tensor-core dot per sub-chunk. The forward's operands come folded
+  from :func:`pallas_kernels.state.chunk_decays` (``q e^{p}``, ``k e^{s}`` in the input
+  dtype, the totals; :func:`scores_folded`), the backward's recompute (:func:`scores`)
+  forms them from chunk_cumsum's p and s. With ``config.diag_dots`` (the default) the same
+  kernel also computes the diagonal blocks: where every sub-chunk total of the chunk's K
+  slice is >= -16 (``_common.totals_fit``), one dot ``(q e^{p}) (k e^{-p})^T`` masked to
+  the blocks' lower triangles (``e^{-p} <= e^{16}``; the exponent ``p_r - p_i`` off by at
+  most ``2 * 16 * eps``); elsewhere the exact column loop below, on all four sub-chunks
+  at once.
 * ``gla_scores_diag``, grid ``(B, H, N, C / 16)`` (``diag_dots`` off): each diagonal block
   exact in log space, one column ``j`` at a time, last column first (``A[r, j] = sum_k
   q_rk k_jk e^{E_j[r]}`` on a ``[16, KD]`` tile, row ``j`` loaded from memory, ``E_j[r] =
@@ -61,8 +64,8 @@ def _scores_off_kernel(*refs, C, K, KD, dt, diag, folded=False):
   """A for one chunk with zero diagonal blocks: for each sub-chunk s >= 1, rows of s times
   columns before s, through the row before s (both factors <= 1). With ``diag`` also the
   diagonal blocks (``diag_dots``): one dot of ``q e^{p}`` and ``k e^{-p}`` where the
-  chunk's K slice fits ``_common.chunk_fits``, else the exact column loop. ``folded``
-  (``fold_scores``): the operands come folded from ``chunk_decays`` (``qp = q e^{p}``,
+  chunk's K slice fits ``_common.totals_fit``, else the exact column loop. ``folded``
+  (the forward): the operands come folded from ``chunk_decays`` (``qp = q e^{p}``,
   ``ks = k e^{s}``, ``kn = k e^{-p}``, the totals), the columns before s scaled by
   ``e^{totals between}`` formed from ``[KD]`` rows; q, k, g are read only by the loop."""
   if folded:
@@ -130,7 +133,7 @@ def _scores_off_kernel(*refs, C, K, KD, dt, diag, folded=False):
     if not diag:
       return acc
     factored = lambda: acc + jnp.where(same, cm.dot(q_e, k * jnp.exp(-pre), dt, tb=True), 0.0)
-    return jax.lax.cond(cm.chunk_fits(pre), factored, lambda: columns(q, ks, acc))
+    return jax.lax.cond(cm.totals_fit(tot)[1], factored, lambda: columns(q, ks, acc))
 
   a_ref[b, hd, n] = jax.lax.fori_loop(0, K // KD, k_slice, jnp.zeros((C, C), cm.F32))
 
@@ -193,7 +196,7 @@ def scores_diag(q, k, g, A, *, chunk_size, config):
 
 
 def scores_folded(d, q, k, g, *, chunk_size, config):
-  """A from :func:`pallas_kernels.state.chunk_decays`' folded operands (``fold_scores``):
+  """The forward's A, from :func:`pallas_kernels.state.chunk_decays`' folded operands:
   ``gla_scores`` reads qp, ks, kn and the totals (q, k, g only where the diagonal takes
   the loop); with ``diag_dots`` off, ``gla_scores_diag`` then writes the diagonal."""
   B, T, H, K = q.shape
@@ -212,7 +215,8 @@ def scores_folded(d, q, k, g, *, chunk_size, config):
 
 def scores(q, k, g, p, s, *, chunk_size, config):
   """A [B, H, N, C, C] float32: unscaled, zero above the diagonal. ``g``: the per-dim
-  float32 log-decay; ``p``, ``s``: chunk_cumsum's (or chunk_decays')."""
+  float32 log-decay; ``p``, ``s``: chunk_cumsum's (the backward's recompute when no
+  forward residual is kept; the forward's is :func:`scores_folded`)."""
   kw = dict(chunk_size=chunk_size, config=config)
   if config.diag_dots:
     return scores_off(q, k, p, s, g=g, **kw)
@@ -242,13 +246,9 @@ def score_grad(do, v, *, scale, chunk_size, config):
                  name="gla_score_grad")(do, v)
 
 
-def _output_kernel(*refs, C, K, BK, BV, dt, scale, folded=False):
-  """o of one chunk's V tile; ``folded``: the first operand is ``qp = q e^{p}`` and ``qd
-  = qp e^{sum_{u < blk} T_u}`` is formed here from the totals (``fold_scores``)."""
-  if folded:
-    qd_ref, v_ref, h_ref, a_ref, tots_ref, o_ref = refs
-  else:
-    qd_ref, v_ref, h_ref, a_ref, o_ref = refs
+def _output_kernel(qp_ref, v_ref, h_ref, a_ref, tots_ref, o_ref, *, C, K, BK, BV, dt, scale):
+  """o of one chunk's V tile from ``qp = q e^{p}``: ``q e^{bc} = qp e^{T_0 + ... +
+  T_{blk - 1}}`` is formed here from the sub-chunk totals."""
   b, hd, n, iv = (pl.program_id(i) for i in range(4))
   tc, vs = pl.ds(n * C, C), pl.ds(iv * BV, BV)
   L = C // S
@@ -256,25 +256,21 @@ def _output_kernel(*refs, C, K, BK, BV, dt, scale, folded=False):
   o = cm.dot(a_ref[b, hd, n], v_ref[b, tc, hd, vs], dt)
   for kk in range(K // BK):
     ks = pl.ds(kk * BK, BK)
-    qd = qd_ref[b, tc, hd, ks]
-    if folded:      # e^{T_0 + ... + T_{blk - 1}} on the rows of block blk
-      tot = [tots_ref[b, hd, n, u, ks] for u in range(L - 1)]
-      qd = qd.astype(cm.F32) * _prefix_scale(tot, blk)
+    tot = [tots_ref[b, hd, n, u, ks] for u in range(L - 1)]
+    qd = qp_ref[b, tc, hd, ks].astype(cm.F32) * _prefix_scale(tot, blk)
     o = o + cm.dot(qd, h_ref[b, hd, n, ks, vs], dt)
   o_ref[b, tc, hd, vs] = (scale * o).astype(o_ref.dtype)
 
 
-def output(qd, v, h, A, *, scale, chunk_size, config, tots=None):
-  """o = scale * (qd h[n] + A v): [B, T, H, V] in v's dtype (``qd = q e^bc`` from
-  :func:`pallas_kernels.state.chunk_decays`; with ``tots``, the sub-chunk totals, ``qd``
-  is ``qp = q e^{p}`` and the kernel forms ``q e^{bc}`` itself)."""
-  B, T, H, K = qd.shape
+def output(qp, v, h, A, tots, *, scale, chunk_size, config):
+  """o = scale * (q e^{bc} h[n] + A v): [B, T, H, V] in v's dtype, from
+  :func:`pallas_kernels.state.chunk_decays`' ``qp = q e^{p}`` and sub-chunk totals."""
+  B, T, H, K = qp.shape
   V = v.shape[-1]
   C = chunk_size
   N = T // C
   BK, BV = cm.block(K, config.out_bk), cm.block(V, config.out_bv)
-  kern = functools.partial(_output_kernel, C=C, K=K, BK=BK, BV=BV, dt=qd.dtype, scale=scale,
-                           folded=tots is not None)
+  kern = functools.partial(_output_kernel, C=C, K=K, BK=BK, BV=BV, dt=qp.dtype, scale=scale)
   return cm.call(kern, jax.ShapeDtypeStruct(v.shape, v.dtype), (B, H, N, V // BV),
                  config=config, num_warps=config.out_warps, num_stages=config.out_stages,
-                 name="gla_output")(qd, v, h, A, *([] if tots is None else [tots]))
+                 name="gla_output")(qp, v, h, A, tots)

@@ -17,15 +17,17 @@ one -1e4 token in a chunk, issue 16): ``bc_r = sum_{u < blk(r)} T_u + p_r``,
 row down, all sub-chunks of the chunk at once (strided ``[C / 16, KD]`` row tiles: Triton
 has no reverse cumsum, and ``total - cumsum`` would cancel).
 
-``chunk_decays`` (the forward's) is the same program that also folds the decay into q
-and k once, in their dtype: ``qd = q e^{bc}`` (for the output), ``kd = k e^{b_last - bc}``
-(for the state walk), and writes ``dl = e^{b_last}`` per chunk ``[B, H, N, K]``. Every
-dot that reads them casts its operands to the input dtype anyway, so the forward walk's
-sequential chunk steps do a dot and a scale and nothing else (no exp, no select) on the
-values the walk formed itself before. The backward keeps ``chunk_cumsum`` and forms the
-decayed keys inside its walks: measured on one H200 (``docs/kernels.md``), the fold
-made the forward 6-7% faster and the backward slower (its extra writes cost more than
-its walks saved).
+``chunk_decays`` (the forward's) is the same program writing, instead of p and s, the
+operands of the forward's kernels with the decay folded in, in q's and k's dtype: ``q
+e^{p}``, ``k e^{s}`` and ``k e^{-max(p, -16)}`` (the scores, the output), ``kd = k
+e^{b_last - bc}`` (the state walk), and in float32 the sub-chunk totals and ``dl =
+e^{b_last}`` per chunk ``[B, H, N, K]``. Every dot that reads them casts its operands to
+the input dtype anyway, so the forward walk's sequential chunk steps do a dot and a scale
+and nothing else (no exp, no select), and the scores and the output read half the bytes
+of float32 p and s. The backward keeps ``chunk_cumsum`` and forms the decayed keys inside
+its walks: measured on one H200 (``docs/kernels.md``), folding made the forward faster
+(6-7% for the walk's keys, 11% more for the scores' operands) and the backward slower
+(its extra writes cost more than its walks saved).
 
 State passes, grid ``(B, H, K / BK, V / BV)``: each program owns one ``[BK, BV]`` tile of
 one head's state and walks the chunks in order (or in reverse); this ``K x V`` recurrence
@@ -39,7 +41,7 @@ is the only sequential work in the algorithm.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,27 +51,20 @@ from pallas_kernels import _common as cm
 
 
 class Decays(NamedTuple):
-  """What :func:`chunk_decays` writes for the forward's kernels (module docstring). With
-  ``config.fold_scores`` p, s and qd are None and qp, ks, kn, tots are written instead."""
-  p: Optional[jax.Array]    # [B, T, H, K] float32: inclusive prefix of g within each sub-chunk
-  s: Optional[jax.Array]    # [B, T, H, K] float32: exclusive suffix of g within each sub-chunk
-  qd: Optional[jax.Array]   # [B, T, H, K] q's dtype: q e^{bc}
-  kd: jax.Array             # [B, T, H, K] k's dtype: k e^{b_last - bc}
-  dl: jax.Array             # [B, H, N, K] float32: e^{b_last}, the chunk's decay of the state
-  qp: Optional[jax.Array] = None    # [B, T, H, K] q's dtype: q e^{p}
-  ks: Optional[jax.Array] = None    # [B, T, H, K] k's dtype: k e^{s}
-  kn: Optional[jax.Array] = None    # [B, T, H, K] k's dtype: k e^{-max(p, -16)}
-  tots: Optional[jax.Array] = None  # [B, H, N, C / 16, K] float32: the sub-chunk totals T_u
+  """What :func:`chunk_decays` writes for the forward's kernels (module docstring)."""
+  qp: jax.Array     # [B, T, H, K] q's dtype: q e^{p}
+  ks: jax.Array     # [B, T, H, K] k's dtype: k e^{s}
+  kn: jax.Array     # [B, T, H, K] k's dtype: k e^{-max(p, -16)}
+  kd: jax.Array     # [B, T, H, K] k's dtype: k e^{b_last - bc}
+  dl: jax.Array     # [B, H, N, K] float32: e^{b_last}, the chunk's decay of the state
+  tots: jax.Array   # [B, H, N, C / 16, K] float32: the sub-chunk totals T_u
 
 
-def _cumsum_kernel(*refs, C, KD, fold, scores=False):
-  """p and s of one chunk's [C, KD] tile; with ``fold`` also qd, kd and dl; with
-  ``scores`` (``fold_scores``) qp, ks, kn, kd, dl and the totals, and no p, s, qd."""
-  p_ref = s_ref = qd_ref = None
-  if scores:
+def _cumsum_kernel(*refs, C, KD, fold):
+  """p and s of one chunk's [C, KD] tile (``chunk_cumsum``); with ``fold``
+  (``chunk_decays``) instead qp, ks, kn, kd, dl and the totals."""
+  if fold:
     g_ref, q_ref, k_ref, qp_ref, ks_ref, kn_ref, kd_ref, dl_ref, tots_ref = refs
-  elif fold:
-    g_ref, q_ref, k_ref, p_ref, s_ref, qd_ref, kd_ref, dl_ref = refs
   else:
     g_ref, p_ref, s_ref = refs
   b, hd, n, ik = (pl.program_id(i) for i in range(4))
@@ -77,28 +72,22 @@ def _cumsum_kernel(*refs, C, KD, fold, scores=False):
   S, L = cm.SUB, C // cm.SUB
   last = cm.iota((S, KD), 0) == S - 1
   # p: a forward cumsum of each [16, KD] sub-chunk tile. Folding: its last row is the
-  # sub-chunk's total T_u (a masked sum: exact), and bc = T_0 + ... + T_{u-1} + p, added
-  # in the order _common.chunk_prefix adds them.
+  # sub-chunk's total T_u (a masked sum: exact), and b_last = T_0 + ... + T_{L-1}, added
+  # in the order _common.chunk_total adds them.
   tot, before = [], None
   for u in range(L):
     sub = pl.ds(n * C + u * S, S)
     p = jnp.cumsum(g_ref[b, sub, hd, ks].astype(cm.F32), axis=0)
-    if scores:
-      q_f, k_f = q_ref[b, sub, hd, ks].astype(cm.F32), k_ref[b, sub, hd, ks].astype(cm.F32)
-      qp_ref[b, sub, hd, ks] = (q_f * jnp.exp(p)).astype(qp_ref.dtype)
-      kn_ref[b, sub, hd, ks] = (k_f * jnp.exp(-jnp.maximum(p, -cm.DIAG_DOT_SPAN))).astype(
-          kn_ref.dtype)
-    else:
+    if not fold:
       p_ref[b, sub, hd, ks] = p
-    if fold:
-      if not scores:
-        bc = p if before is None else p + before[None, :]
-        qd_ref[b, sub, hd, ks] = (q_ref[b, sub, hd, ks].astype(cm.F32)
-                                  * jnp.exp(bc)).astype(qd_ref.dtype)
-      tot.append(jnp.sum(jnp.where(last, p, 0.0), axis=0))
-      if scores:
-        tots_ref[b, hd, n, u, ks] = tot[-1]
-      before = tot[-1] if before is None else before + tot[-1]
+      continue
+    q_f, k_f = q_ref[b, sub, hd, ks].astype(cm.F32), k_ref[b, sub, hd, ks].astype(cm.F32)
+    qp_ref[b, sub, hd, ks] = (q_f * jnp.exp(p)).astype(qp_ref.dtype)
+    kn_ref[b, sub, hd, ks] = (k_f * jnp.exp(-jnp.maximum(p, -cm.DIAG_DOT_SPAN))).astype(
+        kn_ref.dtype)
+    tot.append(jnp.sum(jnp.where(last, p, 0.0), axis=0))
+    tots_ref[b, hd, n, u, ks] = tot[-1]
+    before = tot[-1] if before is None else before + tot[-1]
   if fold:
     dl_ref[b, hd, n, ks] = jnp.exp(before)                            # b_last = sum_u T_u
     # The later sub-chunks' totals per sub-chunk as a [L, KD] tile (row u: T_{u+1} + ...
@@ -116,7 +105,6 @@ def _cumsum_kernel(*refs, C, KD, fold, scores=False):
     if fold:
       k_f = k_ref[b, rows, hd, ks].astype(cm.F32)
       kd_ref[b, rows, hd, ks] = (k_f * jnp.exp(acc + after)).astype(kd_ref.dtype)
-    if scores:
       ks_ref[b, rows, hd, ks] = (k_f * jnp.exp(acc)).astype(ks_ref.dtype)
     else:
       s_ref[b, rows, hd, ks] = acc
@@ -138,28 +126,19 @@ def chunk_cumsum(g, *, chunk_size, config):
 
 
 def chunk_decays(g, q, k, *, chunk_size, config):
-  """:class:`Decays`: :func:`chunk_cumsum`'s p and s, and the decay folded into q and k
-  (module docstring), in one launch (tile ``config.decays_kd``). With
-  ``config.fold_scores`` the scores' operands instead of p and s: ``qp = q e^{p}``, ``ks =
-  k e^{s}``, ``kn = k e^{-max(p, -16)}`` (exact where the diagonal dots use it) in the
-  input dtype, the sub-chunk totals, and no qd (the output forms it from qp)."""
+  """:class:`Decays`: the forward's operands with the decay folded in (module docstring),
+  in one launch (tile ``config.decays_kd``): ``qp = q e^{p}``, ``ks = k e^{s}``, ``kn = k
+  e^{-max(p, -16)}`` (exact where the diagonal dots use it), ``kd = k e^{b_last - bc}``
+  in the input dtype, ``dl = e^{b_last}`` and the sub-chunk totals in float32; p and s
+  themselves are not written."""
   B, T, H, K = g.shape
   C = chunk_size
   N = T // C
   KD = cm.block(K, config.decays_kd)
-  if config.fold_scores:
-    kern = functools.partial(_cumsum_kernel, C=C, KD=KD, fold=True, scores=True)
-    qs, kss = jax.ShapeDtypeStruct(g.shape, q.dtype), jax.ShapeDtypeStruct(g.shape, k.dtype)
-    out = (qs, kss, kss, kss, jax.ShapeDtypeStruct((B, H, N, K), cm.F32),
-           jax.ShapeDtypeStruct((B, H, N, C // cm.SUB, K), cm.F32))
-    qp, ks, kn, kd, dl, tots = cm.call(kern, out, (B, H, N, K // KD), config=config,
-                                       num_warps=config.cumsum_warps, num_stages=1,
-                                       name="gla_chunk_decays")(g, q, k)
-    return Decays(None, None, None, kd, dl, qp, ks, kn, tots)
   kern = functools.partial(_cumsum_kernel, C=C, KD=KD, fold=True)
-  f32 = jax.ShapeDtypeStruct(g.shape, cm.F32)
-  out = (f32, f32, jax.ShapeDtypeStruct(g.shape, q.dtype), jax.ShapeDtypeStruct(g.shape, k.dtype),
-         jax.ShapeDtypeStruct((B, H, N, K), cm.F32))
+  qs, kss = jax.ShapeDtypeStruct(g.shape, q.dtype), jax.ShapeDtypeStruct(g.shape, k.dtype)
+  out = (qs, kss, kss, kss, jax.ShapeDtypeStruct((B, H, N, K), cm.F32),
+         jax.ShapeDtypeStruct((B, H, N, C // cm.SUB, K), cm.F32))
   return Decays(*cm.call(kern, out, (B, H, N, K // KD), config=config,
                          num_warps=config.cumsum_warps, num_stages=1,
                          name="gla_chunk_decays")(g, q, k))

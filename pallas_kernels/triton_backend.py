@@ -5,13 +5,13 @@ g per-dim ``[B, T, H, K]``, per-head scalar ``[B, T, H]`` or None), plus the lau
 configuration ``config`` (:class:`pallas_kernels.KernelConfig`; with ``interpret`` the
 same kernels run in the Pallas interpreter, on any platform):
 
-  fwd: sub-chunk cumsums (p, s) and the decay folded into q, k -> state pass -> scores A
-       (diagonal included with ``config.diag_dots``) -> output (``config.fold_scores``:
-       the scores' operands folded instead of p, s)
-  bwd: sub-chunk cumsums -> dA -> state pass (recomputed) | state-gradient pass (one
-       launch, or two with ``config.fuse_state_passes`` off) -> A (recomputed) -> dv
-       -> diagonal dq/dk terms -> dq, dk, dg (``config.dqdk_merge_diag``: the diagonal
-       terms in the last kernel where the decay fits)
+  fwd: the decay folded into q and k (the walk's and the scores' operands, sub-chunk
+       totals) -> state pass -> scores A (diagonal included with ``config.diag_dots``)
+       -> output
+  bwd: sub-chunk cumsums (p, s) -> dA -> state pass (recomputed) | state-gradient pass
+       (one launch, or two with ``config.fuse_state_passes`` off) -> A (recomputed
+       without a residual) -> dv -> diagonal dq/dk terms where the decay is too strong
+       for dots -> dq, dk, dg
 
 Exponents are formed from the sub-chunk-local cumulative log-decays ``p`` (inclusive
 prefix) and ``s`` (exclusive suffix) of :func:`pallas_kernels.state.chunk_cumsum`, and
@@ -41,12 +41,8 @@ def fwd_res(q, k, v, g, *, scale, initial_state, chunk_size, config):
   g = cm.per_dim_decay(g, q.shape)
   d = state.chunk_decays(g, q, k, **kw)
   h, final = state.folded_state_pass(d.kd, v, d.dl, initial_state, **kw)
-  if config.fold_scores:
-    A = intra.scores_folded(d, q, k, g, **kw)
-    o = intra.output(d.qp, v, h, A, scale=scale, tots=d.tots, **kw)
-  else:
-    A = intra.scores(q, k, g, d.p, d.s, **kw)
-    o = intra.output(d.qd, v, h, A, scale=scale, **kw)
+  A = intra.scores_folded(d, q, k, g, **kw)
+  o = intra.output(d.qp, v, h, A, d.tots, scale=scale, **kw)
   return (o, final), A
 
 
