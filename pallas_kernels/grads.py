@@ -20,10 +20,11 @@ terms and dg's reverse cumsum over the chunk). The diagonal 16 x 16 blocks are o
 block of the same dots, through ``e^{-p}`` (dq) and ``e^{-s}`` (dk), on the K columns
 whose sub-chunk totals are all >= -16 (``_common.totals_fit``: then ``e^{-p}, e^{-s} <=
 e^{16}`` and the exponent's rounding error is at most ``2 * 16 * eps``). On the other
-columns they are exact in log space: ``gla_dqdk_diag`` (grid ``(B, H, N, K / BK)``, a
-program writing only for a tile with such a column) runs one ``j`` at a time on ``[16,
-BK]`` tiles, the exponents accumulated from g itself column by column (dq from the last
-column down, dk from the first up), and ``gla_dqdk`` adds its float32 partials there.
+columns they are exact in log space: ``gla_dqdk_diag`` (grid ``(B, H, N, C / 16, K /
+BK)``, a program writing only for a tile with such a column) runs one ``j`` at a time on
+``[16, BK]`` tiles, the exponents accumulated from g itself column by column (dq from
+the last column down, dk from the first up), and ``gla_dqdk`` adds its float32 partials
+there.
 """
 from __future__ import annotations
 
@@ -66,50 +67,46 @@ def dv(k, p, s, do, A, dH, *, scale, chunk_size, config):
 
 
 def _diag_grad_kernel(q_ref, k_ref, g_ref, da_ref, p_ref, dqd_ref, dkd_ref, *, C, BK):
-  """Diagonal-block terms of dq and dk of one chunk's K tile, exact in log space, for a
-  tile with a column that ``_common.totals_fit`` rejects (``gla_dqdk`` computes them as
-  dots on the others, and reads these only for the rejected columns): the program writes
-  nothing otherwise. Per sub-chunk: dq_r += sum_{j <= r} dA[r, j] k_j e^{sum_{j < m <= r}
-  g_m} (j from the last row down, the exponent carried as ``e <- e + g_j``), dk_i +=
+  """Diagonal-block terms of dq and dk of sub-chunk s's K tile, exact in log space, for a
+  tile of a chunk with a column that ``_common.totals_fit`` rejects (``gla_dqdk``
+  computes them as dots on the others, and reads these only for the rejected columns):
+  the program writes nothing otherwise. dq_r += sum_{j <= r} dA[r, j] k_j e^{sum_{j < m
+  <= r} g_m} (j from the last row down, the exponent carried as ``e <- e + g_j``), dk_i +=
   sum_{j >= i} dA[j, i] q_j e^{sum_{i < m <= j} g_m} (j from the first row up, ``f <- f +
-  g_j``), on [16, BK] tiles."""
-  b, hd, n, ik = (pl.program_id(i) for i in range(4))
-  ks = pl.ds(ik * BK, BK)
+  g_j``), on [16, BK] tiles (small: many programs per SM)."""
+  b, hd, n, s, ik = (pl.program_id(i) for i in range(5))
+  r0 = n * C + s * S
+  rows, ks = pl.ds(r0, S), pl.ds(ik * BK, BK)
   row = cm.iota((S, BK), 0)
-  _, all_fit = cm.totals_fit(cm.sub_totals(p_ref, b, n * C, hd, ks, C // S))
 
   # Two loops (dq, then dk), one after the other: only one accumulator and one carried
   # exponent live at a time; each a fori_loop of 4 steps unrolled at trace time, so the
   # row loads of 4 steps (independent of the carry) are issued ahead of the exp chain.
   # H200, B1 T16384 H16 K128, every tile looped: 0.97 -> 0.58 ms, 128 -> 80 registers,
   # no spills (fully unrolled: 188 registers, 0.65 ms; one step per iteration: 0.68 ms).
-  def sub_chunk(s):
-    r0 = n * C + s * S
+  def dq_step(i, carry):
+    dq, e = carry                   # dq: column j; e[r] = sum_{j < m <= r} g_m (r >= j)
+    j = S - 1 - i
+    kj = k_ref[b, r0 + j, hd, ks].astype(cm.F32)[None, :]
+    da_col = da_ref[b, hd, n, pl.ds(s * S, S), s * S + j][:, None]       # dA[r, j]
+    dq = dq + da_col * kj * cm.masked_exp(row >= j, e)
+    e = jnp.where(row >= j, e + g_ref[b, r0 + j, hd, ks][None, :], 0.0)
+    return dq, e
 
-    def dq_step(i, carry):
-      dq, e = carry                 # dq: column j; e[r] = sum_{j < m <= r} g_m (r >= j)
-      j = S - 1 - i
-      kj = k_ref[b, r0 + j, hd, ks].astype(cm.F32)[None, :]
-      da_col = da_ref[b, hd, n, pl.ds(s * S, S), s * S + j][:, None]     # dA[r, j]
-      dq = dq + da_col * kj * cm.masked_exp(row >= j, e)
-      e = jnp.where(row >= j, e + g_ref[b, r0 + j, hd, ks][None, :], 0.0)
-      return dq, e
+  def dk_step(i, carry):
+    dk, f = carry                   # dk: row i of dA, f[r] = sum_{r < m <= i} g_m (r <= i)
+    f = jnp.where(row < i, f + g_ref[b, r0 + i, hd, ks][None, :], 0.0)
+    qi = q_ref[b, r0 + i, hd, ks].astype(cm.F32)[None, :]
+    da_row = da_ref[b, hd, n, s * S + i, pl.ds(s * S, S)][:, None]       # dA[i, r]
+    return dk + da_row * qi * cm.masked_exp(row <= i, f), f
 
-    def dk_step(i, carry):
-      dk, f = carry                 # dk: row i of dA, f[r] = sum_{r < m <= i} g_m (r <= i)
-      f = jnp.where(row < i, f + g_ref[b, r0 + i, hd, ks][None, :], 0.0)
-      qi = q_ref[b, r0 + i, hd, ks].astype(cm.F32)[None, :]
-      da_row = da_ref[b, hd, n, s * S + i, pl.ds(s * S, S)][:, None]     # dA[i, r]
-      return dk + da_row * qi * cm.masked_exp(row <= i, f), f
-
-    zero = jnp.zeros((S, BK), cm.F32)
-    rows = pl.ds(r0, S)
-    dqd_ref[b, rows, hd, ks] = cm.unrolled(S, DIAG_UNROLL, dq_step, (zero, zero))[0]
-    dkd_ref[b, rows, hd, ks] = cm.unrolled(S, DIAG_UNROLL, dk_step, (zero, zero))[0]
+  zero = jnp.zeros((S, BK), cm.F32)
+  _, all_fit = cm.totals_fit(cm.sub_totals(p_ref, b, n * C, hd, ks, C // S))
 
   @pl.when(jnp.logical_not(all_fit))
   def _():
-    jax.lax.fori_loop(0, C // S, lambda s, c: (sub_chunk(s), c)[1], 0)
+    dqd_ref[b, rows, hd, ks] = cm.unrolled(S, DIAG_UNROLL, dq_step, (zero, zero))[0]
+    dkd_ref[b, rows, hd, ks] = cm.unrolled(S, DIAG_UNROLL, dk_step, (zero, zero))[0]
 
 
 def _dqdk_kernel(q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, da_ref, dqd_ref,
@@ -194,7 +191,7 @@ def diag_grads(q, k, g, dA, p, *, chunk_size, config):
   BK = cm.block(K, config.dqdk_diag_bk)      # any tile: gla_dqdk reads rejected columns only
   part = jax.ShapeDtypeStruct(q.shape, cm.F32)
   return cm.call(functools.partial(_diag_grad_kernel, C=C, BK=BK), (part, part),
-                 (B, H, T // C, K // BK), config=config,
+                 (B, H, T // C, C // S, K // BK), config=config,
                  num_warps=config.dqdk_diag_warps, num_stages=config.dqdk_diag_stages,
                  name="gla_dqdk_diag")(q, k, g, dA, p)
 
