@@ -178,7 +178,9 @@ def stage_inputs(q, k, v, g, do, scale, config):
                                                          **kw))(q, do, p)
   A = jax.jit(lambda q, k, g, p, s: intra.scores(q, k, g, p, s, **kw))(q, k, g, p, s)
   dA = jax.jit(lambda do, v: intra.score_grad(do, v, scale=scale, **kw))(do, v)
-  diag = jax.jit(lambda *a: grads.diag_grads(*a, **kw))(q, k, g, dA, p)
+  diag = jax.jit(lambda q, k, g, dA, p, do, v: grads.diag_grads(
+      q, k, g, None if config.dqdk_da else dA, p, do=do, v=v, scale=scale, **kw))(
+          q, k, g, dA, p, do, v)
   return dict(h0=h0, g=g, d=d, p=p, s=s, h=h, dH=dH, A=A, dA=dA, diag=diag)
 
 
@@ -189,14 +191,14 @@ def stage_times(q, k, v, g, do, scale, iters, reps, config, *, names=None, pre=N
   operands; with ``diag_dots`` one launch of gla_scores, diagonal included; else then
   scores_diag in place: timed alone, scores_diag also copies A; scores_off is the
   backward's recompute of the off-diagonal blocks from p and s alone) and output; the
-  backward chunk_cumsum,
-  score_grad, state_passes (state_pass and state_grad_pass in one launch), dv,
-  dqdk_diag and dqdk."""
+  backward chunk_cumsum, score_grad (not launched with ``dqdk_da``; timed anyway),
+  state_passes (state_pass and state_grad_pass in one launch), dv, dqdk_diag and dqdk."""
   from pallas_kernels import grads, intra, state
   kw = dict(chunk_size=64, config=config)
   p = pre or stage_inputs(q, k, v, g, do, scale, config)
   h0, g, d, h, dH, A, dA, diag, ps, ss = (
       p[n] for n in ("h0", "g", "d", "h", "dH", "A", "dA", "diag", "p", "s"))
+  da_in = None if config.dqdk_da else dA     # dqdk_da: the kernels form dA themselves
   stages = {
       "chunk_decays": (lambda g, q, k: state.chunk_decays(g, q, k, **kw), (g, q, k)),
       "folded_state_pass": (lambda kd, v, dl: state.folded_state_pass(kd, v, dl, h0, **kw),
@@ -216,10 +218,10 @@ def stage_times(q, k, v, g, do, scale, iters, reps, config, *, names=None, pre=N
       "score_grad": (lambda do, v: intra.score_grad(do, v, scale=scale, **kw), (do, v)),
       "dv": (lambda k, p, s, do, A, dH: grads.dv(k, p, s, do, A, dH, scale=scale, **kw),
              (k, ps, ss, do, A, dH)),
-      "dqdk_diag": (lambda q, k, g, dA, p: grads.diag_grads(q, k, g, dA, p, **kw),
-                    (q, k, g, dA, ps)),
+      "dqdk_diag": (lambda q, k, g, dA, p, do, v: grads.diag_grads(
+          q, k, g, dA, p, do=do, v=v, scale=scale, **kw), (q, k, g, da_in, ps, do, v)),
       "dqdk": (lambda *a: grads.dqdk(*a[:10], scale=scale, diag=a[10], **kw),
-               (q, k, v, g, ps, ss, do, h, dH, dA, diag)),
+               (q, k, v, g, ps, ss, do, h, dH, da_in, diag)),
   }
   out = {}
   for name, (fn, args) in stages.items():

@@ -21,7 +21,8 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 # Streaming multiprocessors assumed when the target GPU is not known (an H100 / H200, the
 # GPU the defaults were measured on).
 DEFAULT_SM_COUNT = 132
-_BOOL_FIELDS = ("interpret", "states_in_input_dtype", "fuse_state_passes", "diag_dots")
+_BOOL_FIELDS = ("interpret", "states_in_input_dtype", "fuse_state_passes", "diag_dots",
+                "dqdk_da")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +59,10 @@ class KernelConfig:
   (``diag_*`` fields). On by default (measured on an H200, with the exponent error at
   most about 2e-6 where it applies: ``docs/kernels.md``). The backward's diagonal dq / dk
   terms always take the same dots where a K column's totals fit (inside ``gla_dqdk``),
-  ``gla_dqdk_diag``'s exact loops on the other columns.
+  ``gla_dqdk_diag``'s exact loops on the other columns. ``dqdk_da`` (opt-in, not yet
+  measured on a GPU): no ``gla_score_grad`` launch; ``gla_dqdk`` accumulates dA = tril(scale
+  do v^T) from the do and v tiles its state terms read anyway, and ``gla_dqdk_diag`` forms
+  its blocks' dA where its loops run, so dA is never written or read.
 
   Build one with :func:`default_config` and change fields with ``dataclasses.replace``;
   ``KernelConfig()`` alone has the GPU defaults with 64 x 64 walk tiles.
@@ -98,6 +102,7 @@ class KernelConfig:
   dqdk_diag_bk: int = 64
   dqdk_diag_warps: int = 2
   dqdk_diag_stages: int = 1
+  dqdk_da: bool = False
   states_in_input_dtype: bool = True
   fuse_state_passes: bool = True
 

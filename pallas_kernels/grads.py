@@ -66,14 +66,17 @@ def dv(k, p, s, do, A, dH, *, scale, chunk_size, config):
                  name="gla_dv")(k, p, s, do, A, dH)
 
 
-def _diag_grad_kernel(q_ref, k_ref, g_ref, da_ref, p_ref, dqd_ref, dkd_ref, *, C, BK):
+def _diag_grad_kernel(q_ref, k_ref, g_ref, da_ref, p_ref, dqd_ref, dkd_ref, *, C, BK, dt,
+                      scale=None):
   """Diagonal-block terms of dq and dk of sub-chunk s's K tile, exact in log space, for a
   tile of a chunk with a column that ``_common.totals_fit`` rejects (``gla_dqdk``
   computes them as dots on the others, and reads these only for the rejected columns):
   the program writes nothing otherwise. dq_r += sum_{j <= r} dA[r, j] k_j e^{sum_{j < m
   <= r} g_m} (j from the last row down, the exponent carried as ``e <- e + g_j``), dk_i +=
   sum_{j >= i} dA[j, i] q_j e^{sum_{i < m <= j} g_m} (j from the first row up, ``f <- f +
-  g_j``), on [16, BK] tiles (small: many programs per SM)."""
+  g_j``), on [16, BK] tiles (small: many programs per SM). With ``scale`` (``dqdk_da``)
+  ``da_ref`` is ``(do_ref, v_ref)`` and the block's ``dA = scale do v^T`` is formed
+  here, only where the loops run."""
   b, hd, n, s, ik = (pl.program_id(i) for i in range(5))
   r0 = n * C + s * S
   rows, ks = pl.ds(r0, S), pl.ds(ik * BK, BK)
@@ -84,38 +87,53 @@ def _diag_grad_kernel(q_ref, k_ref, g_ref, da_ref, p_ref, dqd_ref, dkd_ref, *, C
   # row loads of 4 steps (independent of the carry) are issued ahead of the exp chain.
   # H200, B1 T16384 H16 K128, every tile looped: 0.97 -> 0.58 ms, 128 -> 80 registers,
   # no spills (fully unrolled: 188 registers, 0.65 ms; one step per iteration: 0.68 ms).
-  def dq_step(i, carry):
-    dq, e = carry                   # dq: column j; e[r] = sum_{j < m <= r} g_m (r >= j)
-    j = S - 1 - i
-    kj = k_ref[b, r0 + j, hd, ks].astype(cm.F32)[None, :]
-    da_col = da_ref[b, hd, n, pl.ds(s * S, S), s * S + j][:, None]       # dA[r, j]
-    dq = dq + da_col * kj * cm.masked_exp(row >= j, e)
-    e = jnp.where(row >= j, e + g_ref[b, r0 + j, hd, ks][None, :], 0.0)
-    return dq, e
+  def steps(da_col, da_row):
+    def dq_step(i, carry):
+      dq, e = carry                 # dq: column j; e[r] = sum_{j < m <= r} g_m (r >= j)
+      j = S - 1 - i
+      kj = k_ref[b, r0 + j, hd, ks].astype(cm.F32)[None, :]
+      dq = dq + da_col(j) * kj * cm.masked_exp(row >= j, e)            # dA[r, j]
+      e = jnp.where(row >= j, e + g_ref[b, r0 + j, hd, ks][None, :], 0.0)
+      return dq, e
 
-  def dk_step(i, carry):
-    dk, f = carry                   # dk: row i of dA, f[r] = sum_{r < m <= i} g_m (r <= i)
-    f = jnp.where(row < i, f + g_ref[b, r0 + i, hd, ks][None, :], 0.0)
-    qi = q_ref[b, r0 + i, hd, ks].astype(cm.F32)[None, :]
-    da_row = da_ref[b, hd, n, s * S + i, pl.ds(s * S, S)][:, None]       # dA[i, r]
-    return dk + da_row * qi * cm.masked_exp(row <= i, f), f
+    def dk_step(i, carry):
+      dk, f = carry                 # dk: row i of dA, f[r] = sum_{r < m <= i} g_m (r <= i)
+      f = jnp.where(row < i, f + g_ref[b, r0 + i, hd, ks][None, :], 0.0)
+      qi = q_ref[b, r0 + i, hd, ks].astype(cm.F32)[None, :]
+      return dk + da_row(i) * qi * cm.masked_exp(row <= i, f), f       # dA[i, r]
 
-  zero = jnp.zeros((S, BK), cm.F32)
+    zero = jnp.zeros((S, BK), cm.F32)
+    dqd_ref[b, rows, hd, ks] = cm.unrolled(S, DIAG_UNROLL, dq_step, (zero, zero))[0]
+    dkd_ref[b, rows, hd, ks] = cm.unrolled(S, DIAG_UNROLL, dk_step, (zero, zero))[0]
+
   _, all_fit = cm.totals_fit(cm.sub_totals(p_ref, b, n * C, hd, ks, C // S))
 
   @pl.when(jnp.logical_not(all_fit))
   def _():
-    dqd_ref[b, rows, hd, ks] = cm.unrolled(S, DIAG_UNROLL, dq_step, (zero, zero))[0]
-    dkd_ref[b, rows, hd, ks] = cm.unrolled(S, DIAG_UNROLL, dk_step, (zero, zero))[0]
+    if scale is None:
+      steps(lambda j: da_ref[b, hd, n, pl.ds(s * S, S), s * S + j][:, None],
+            lambda i: da_ref[b, hd, n, s * S + i, pl.ds(s * S, S)][:, None])
+      return
+    do_ref, v_ref = da_ref                     # the block's dA (upper triangle unused)
+    blk_da = scale * cm.dot(do_ref[b, rows, hd, :], v_ref[b, rows, hd, :], dt, tb=True)
+    ri, ci = cm.iota((S, S), 0), cm.iota((S, S), 1)
+    steps(lambda j: jnp.sum(jnp.where(ci == j, blk_da, 0.0), axis=1)[:, None],
+          lambda i: jnp.sum(jnp.where(ri == i, blk_da, 0.0), axis=0)[:, None])
 
 
-def _dqdk_kernel(q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, da_ref, dqd_ref,
-                 dkd_ref, dq_ref, dk_ref, dg_ref, *, C, V, BK, BV, dt, scale):
+def _dqdk_kernel(*refs, C, V, BK, BV, dt, scale, form_da):
   """dq, dk, dg of one chunk's K tile. The diagonal blocks' terms are one more block in
   the masked dots below (dq: ``e^{p_r} e^{-p_j}``, through the same ``e^{p_r}`` as the
   blocks before; dk: ``e^{s_i} e^{-s_r}``) on the columns ``_common.totals_fit`` accepts;
   ``gla_dqdk_diag``'s loop terms are read for the others, under a cond (not at all when
-  every column fits)."""
+  every column fits). ``form_da`` (``dqdk_da``): dA = tril(scale do v^T) is accumulated
+  here from the do and v tiles the state terms read anyway, not read from memory."""
+  if form_da:
+    (q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, dqd_ref, dkd_ref, dq_ref,
+     dk_ref, dg_ref) = refs
+  else:
+    (q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, da_ref, dqd_ref, dkd_ref,
+     dq_ref, dk_ref, dg_ref) = refs
   b, hd, n, ik = (pl.program_id(i) for i in range(4))
   t0 = n * C
   tc, ks = pl.ds(t0, C), pl.ds(ik * BK, BK)
@@ -123,18 +141,22 @@ def _dqdk_kernel(q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, da_re
   tot = cm.sub_totals(p_ref, b, t0, hd, ks, L)                     # L rows [BK]
 
   def v_slice(iv, acc):
-    dq_s, dk_s, d_last = acc
+    dq_s, dk_s, d_last, da = acc
     vs = pl.ds(iv * BV, BV)
     h = h_ref[b, hd, n, ks, vs]
     dH = dh_ref[b, hd, n, ks, vs]
-    dq_s = dq_s + cm.dot(do_ref[b, tc, hd, vs], h, dt, tb=True)
-    dk_s = dk_s + cm.dot(v_ref[b, tc, hd, vs], dH, dt, tb=True)
+    do_t, v_t = do_ref[b, tc, hd, vs], v_ref[b, tc, hd, vs]
+    dq_s = dq_s + cm.dot(do_t, h, dt, tb=True)
+    dk_s = dk_s + cm.dot(v_t, dH, dt, tb=True)
     d_last = d_last + jnp.sum(h.astype(cm.F32) * dH.astype(cm.F32), axis=1)   # h[n] dH[n]
-    return dq_s, dk_s, d_last
+    if form_da:
+      da = da + cm.dot(do_t, v_t, dt, tb=True)
+    return dq_s, dk_s, d_last, da
 
   zero = jnp.zeros((C, BK), cm.F32)
-  dq_s, dk_s, d_last = jax.lax.fori_loop(0, V // BV, v_slice,
-                                         (zero, zero, jnp.zeros((BK,), cm.F32)))
+  dq_s, dk_s, d_last, da = jax.lax.fori_loop(
+      0, V // BV, v_slice, (zero, zero, jnp.zeros((BK,), cm.F32),
+                            jnp.zeros((C, C), cm.F32) if form_da else 0.0))
   q = q_ref[b, tc, hd, ks].astype(cm.F32)
   k = k_ref[b, tc, hd, ks].astype(cm.F32)
   pre = p_ref[b, tc, hd, ks]                              # [C, BK]: p, s of the chunk
@@ -146,7 +168,10 @@ def _dqdk_kernel(q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, da_re
   # Chunk-total gate term sum_v h[n+1] dH[n] (module docstring).
   d_last = (jnp.exp(cm.chunk_total(tot)) * d_last)[None, :] + jnp.sum(
       k * dk, axis=0, keepdims=True)
-  dA = da_ref[b, hd, n]                                             # [C, C]
+  if form_da:
+    dA = jnp.where(cm.iota((C, C), 0) >= cm.iota((C, C), 1), scale * da, 0.0)
+  else:
+    dA = da_ref[b, hd, n]                                           # [C, C]
   rc, cc = cm.iota((C, C), 0) // S, cm.iota((C, C), 1) // S
   fits, all_fit = cm.totals_fit(tot)
   fits = fits[None, :]
@@ -181,35 +206,50 @@ def _dqdk_kernel(q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, da_re
   dg_ref[b, tc, hd, ks] = cm.rev_cumsum(q * dq - k * dk) + d_last
 
 
-def diag_grads(q, k, g, dA, p, *, chunk_size, config):
+def diag_grads(q, k, g, dA, p, *, chunk_size, config, do=None, v=None, scale=None):
   """(dq_d, dk_d) float32 [B, T, H, K]: the diagonal-block terms of dq and dk
   (``gla_dqdk_diag``) of the K tiles with a column ``_common.totals_fit`` rejects; the
   rest of the arrays is undefined. ``g``: the per-dim float32 log-decay, ``p``
-  chunk_cumsum's."""
+  chunk_cumsum's. With ``config.dqdk_da``, ``dA`` is None and the kernel forms the
+  blocks' dA from ``do``, ``v`` and ``scale``."""
   B, T, H, K = q.shape
   C = chunk_size
   BK = cm.block(K, config.dqdk_diag_bk)      # any tile: gla_dqdk reads rejected columns only
   part = jax.ShapeDtypeStruct(q.shape, cm.F32)
-  return cm.call(functools.partial(_diag_grad_kernel, C=C, BK=BK), (part, part),
-                 (B, H, T // C, C // S, K // BK), config=config,
+  if config.dqdk_da:
+    kern = lambda q_r, k_r, g_r, do_r, v_r, p_r, dqd, dkd: _diag_grad_kernel(
+        q_r, k_r, g_r, (do_r, v_r), p_r, dqd, dkd, C=C, BK=BK, dt=q.dtype, scale=scale)
+    operands = (q, k, g, do, v, p)
+  else:
+    kern = functools.partial(_diag_grad_kernel, C=C, BK=BK, dt=q.dtype)
+    operands = (q, k, g, dA, p)
+  return cm.call(kern, (part, part), (B, H, T // C, C // S, K // BK), config=config,
                  num_warps=config.dqdk_diag_warps, num_stages=config.dqdk_diag_stages,
-                 name="gla_dqdk_diag")(q, k, g, dA, p)
+                 name="gla_dqdk_diag")(*operands)
 
 
 def dqdk(q, k, v, g, p, s, do, h, dH, dA, *, scale, chunk_size, config, diag=None):
   """Returns (dq, dk in q's dtype, dg float32), all [B, T, H, K]; ``g`` the per-dim
   float32 log-decay, ``p``, ``s`` chunk_cumsum's; ``h`` and ``dH`` the N chunk states and
-  their cotangents. ``diag``: :func:`diag_grads`' output when already computed."""
+  their cotangents; ``dA`` :func:`pallas_kernels.intra.score_grad`'s, or None with
+  ``config.dqdk_da`` (formed in the kernels). ``diag``: :func:`diag_grads`' output when
+  already computed."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   C = chunk_size
   N = T // C
+  form_da = config.dqdk_da
+  if form_da != (dA is None):
+    raise ValueError(f"grads.dqdk: dA must be None exactly when config.dqdk_da is set "
+                     f"(dqdk_da={form_da}, dA {'None' if dA is None else 'given'}).")
   f32 = jax.ShapeDtypeStruct(q.shape, cm.F32)
-  dq_d, dk_d = (diag_grads(q, k, g, dA, p, chunk_size=C, config=config) if diag is None
-                else diag)
+  dq_d, dk_d = (diag_grads(q, k, g, dA, p, chunk_size=C, config=config, do=do, v=v,
+                           scale=scale) if diag is None else diag)
   BK, BV = cm.block(K, config.dqdk_bk), cm.block(V, config.dqdk_bv)
-  kern = functools.partial(_dqdk_kernel, C=C, V=V, BK=BK, BV=BV, dt=q.dtype, scale=scale)
+  kern = functools.partial(_dqdk_kernel, C=C, V=V, BK=BK, BV=BV, dt=q.dtype, scale=scale,
+                           form_da=form_da)
   out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype), f32)
   return cm.call(kern, out, (B, H, N, K // BK), config=config,
                  num_warps=config.dqdk_warps, num_stages=config.dqdk_stages,
-                 name="gla_dqdk")(q, k, v, p, s, do, h, dH, dA, dq_d, dk_d)
+                 name="gla_dqdk")(q, k, v, p, s, do, h, dH, *([] if form_da else [dA]),
+                                  dq_d, dk_d)

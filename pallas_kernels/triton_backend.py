@@ -8,10 +8,11 @@ same kernels run in the Pallas interpreter, on any platform):
   fwd: the decay folded into q and k (the walk's and the scores' operands, sub-chunk
        totals) -> state pass -> scores A (diagonal included with ``config.diag_dots``)
        -> output
-  bwd: sub-chunk cumsums (p, s) -> dA -> state pass (recomputed) | state-gradient pass
-       (one launch, or two with ``config.fuse_state_passes`` off) -> A (recomputed
-       without a residual) -> dv -> diagonal dq/dk terms where the decay is too strong
-       for dots -> dq, dk, dg
+  bwd: sub-chunk cumsums (p, s) -> dA (formed in the last two kernels instead with
+       ``config.dqdk_da``) -> state pass (recomputed) | state-gradient pass (one launch,
+       or two with ``config.fuse_state_passes`` off) -> A (recomputed without a
+       residual) -> dv -> diagonal dq/dk terms where the decay is too strong for dots ->
+       dq, dk, dg
 
 Exponents are formed from the sub-chunk-local cumulative log-decays ``p`` (inclusive
 prefix) and ``s`` (exclusive suffix) of :func:`pallas_kernels.state.chunk_cumsum`, and
@@ -60,7 +61,7 @@ def bwd_res(A, q, k, v, g, do, dht, *, scale, initial_state, chunk_size, config)
   dht = dht.astype(cm.F32)
   gd = cm.per_dim_decay(g, q.shape)
   p, s = state.chunk_cumsum(gd, **kw)
-  dA = intra.score_grad(do, v, scale=scale, **kw)
+  dA = None if config.dqdk_da else intra.score_grad(do, v, scale=scale, **kw)
   if config.fuse_state_passes:
     h, dH, dh0 = state.both_passes(q, k, v, do, p, s, initial_state, dht, scale=scale, **kw)
   else:

@@ -100,7 +100,7 @@ def test_pallas_float32_matches_reference(B, T, H, K, V, decay):
 
 @pytest.mark.parametrize("overrides", [{}, {"states_in_input_dtype": False,
                                             "fuse_state_passes": False},
-                                       {"diag_dots": False}])
+                                       {"diag_dots": False}, {"dqdk_da": True}])
 def test_pallas_bf16_matches_reference(overrides):
   q, k, v, g, h0, key = _inputs(1, 1, 96, 2, 64, 128, decay="mild", dtype=jnp.bfloat16)
   config = _config(q, v, **overrides)
@@ -206,6 +206,7 @@ def test_tpu_variant_lowers_to_mosaic(monkeypatch):
             "dqdk_bv": 32, "scores_kd": 16}),
     (True, {"diag_dots": False}),   # the separate exact scores kernel
     (True, {}),                     # the defaults; strong decay: every diagonal as loops
+    (True, {"dqdk_da": True}),      # dA formed in gla_dqdk and, for the loops, gla_dqdk_diag
 ])
 def test_gpu_launch_options_keep_results(kept, overrides):
   """Launch options the benchmark sweeps (float32 states, other tiles, the state walks in
@@ -234,7 +235,8 @@ def test_gpu_launch_options_keep_results(kept, overrides):
 
 @pytest.mark.parametrize("decay,tiles", [("mild", {}), ("mixed", {}), ("columns", {}),
                                          ("columns", {"dqdk_bk": 64, "dqdk_diag_bk": 16}),
-                                         ("columns", {"dqdk_bk": 16, "dqdk_diag_bk": 64})])
+                                         ("columns", {"dqdk_bk": 16, "dqdk_diag_bk": 64}),
+                                         ("columns", {"dqdk_da": True})])
 def test_diagonal_blocks_as_dots(decay, tiles):
   """The 16 x 16 diagonal blocks as dots where a K column's sub-chunk totals fit
   DIAG_DOT_SPAN, the exact loops elsewhere: the scores (``diag_dots``, the default)
@@ -246,7 +248,8 @@ def test_diagonal_blocks_as_dots(decay, tiles):
   than ``gla_dqdk_diag``'s. float32 against the jnp path; the scores within rounding of
   (not equal to) the loops (``diag_dots`` off), so the dots ran; dq / dk the same when
   ``gla_dqdk`` is handed NaN partials, except on the rejected columns (NaN there): the
-  partials are read where the loops ran and nowhere else."""
+  partials are read where the loops ran and nowhere else (with ``dqdk_da``, dA formed in
+  the kernels: the whole op only)."""
   from pallas_kernels import grads, intra, state
   from zeco_jax import chunked
   q, k, v, g, h0, key = _inputs(9, 1, 128, 1, 64, 64, decay="mild")
@@ -260,6 +263,7 @@ def test_diagonal_blocks_as_dots(decay, tiles):
   for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), grads_, grads_r):
     assert np.all(np.isfinite(np.asarray(a))), name
     assert rel_err(a, b) <= 1e-4, (name, rel_err(a, b))
+  config = dataclasses.replace(config, dqdk_da=False)     # the kernels below take dA
   kw = dict(chunk_size=64, config=config)
   p, s = state.chunk_cumsum(g, **kw)
   A0, A1 = (intra.scores(q, k, g, p, s, chunk_size=64, config=c)
@@ -284,7 +288,7 @@ def test_diagonal_blocks_as_dots(decay, tiles):
     assert np.array_equal(np.asarray(a)[~rejected], np.asarray(b)[~rejected])
 
 
-@pytest.mark.parametrize("overrides", [{}, {"diag_dots": False}])
+@pytest.mark.parametrize("overrides", [{}, {"diag_dots": False}, {"dqdk_da": True}])
 def test_kernels_lower_to_triton_for_a_gpu_target(overrides):
   """Every GPU kernel of the forward and backward lowers through Pallas's Triton lowering
   for an H200 target on this CPU host (an abstract device): what the interpreter tests
@@ -308,8 +312,9 @@ def test_kernels_lower_to_triton_for_a_gpu_target(overrides):
   with jax.sharding.use_abstract_mesh(mesh):
     text = jax.jit(fwd_bwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   names = ("gla_chunk_decays", "gla_state_pass", "gla_scores", "gla_output",
-           "gla_chunk_cumsum", "gla_score_grad", "gla_state_passes", "gla_dv", "gla_dqdk")
+           "gla_chunk_cumsum", "gla_state_passes", "gla_dv", "gla_dqdk")
   assert all(name in text for name in names)
+  assert ("gla_score_grad" in text) != config.dqdk_da       # else formed in gla_dqdk
   assert "gla_dqdk_diag" in text
   assert ("gla_scores_diag" in text) != config.diag_dots     # else inside gla_scores
 
