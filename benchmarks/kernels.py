@@ -176,7 +176,7 @@ def stage_inputs(q, k, v, g, do, scale, config):
   h, _ = jax.jit(lambda k, v, p, s: state.state_pass(k, v, p, s, h0, **kw))(k, v, p, s)
   dH, _ = jax.jit(lambda q, do, p: state.state_grad_pass(q, do, p, h0, scale=scale,
                                                          **kw))(q, do, p)
-  A = jax.jit(lambda q, k, g, p, s: intra.scores(q, k, g, p, s, **kw))(q, k, g, p, s)
+  A = jax.jit(lambda d, q, k, g: intra.scores(d, q, k, g, **kw))(d, q, k, g)
   dA = jax.jit(lambda do, v: intra.score_grad(do, v, scale=scale, **kw))(do, v)
   diag = jax.jit(lambda q, k, g, dA, p, do, v: grads.diag_grads(
       q, k, g, None if config.dqdk_da else dA, p, do=do, v=v, scale=scale, **kw))(
@@ -187,10 +187,10 @@ def stage_inputs(q, k, v, g, do, scale, config):
 def stage_times(q, k, v, g, do, scale, iters, reps, config, *, names=None, pre=None):
   """Each Pallas kernel alone under ``config``, on the benchmark inputs (where the time
   goes); ``names``: only these stages; ``pre``: stage_inputs computed already. The
-  forward runs chunk_decays, folded_state_pass, scores (the forward's, from the folded
-  operands; with ``diag_dots`` one launch of gla_scores, diagonal included; else then
-  scores_diag in place: timed alone, scores_diag also copies A; scores_off is the
-  backward's recompute of the off-diagonal blocks from p and s alone) and output; the
+  forward runs chunk_decays, folded_state_pass, scores (with ``diag_dots`` one launch of
+  gla_scores, diagonal included; else scores_off, then scores_diag in place: timed
+  alone, scores_diag also copies A; scores_off is the off-diagonal kernel alone either
+  way) and output; the
   backward chunk_cumsum, score_grad (not launched with ``dqdk_da``; timed anyway),
   state_passes (state_pass and state_grad_pass in one launch), dv, dqdk_diag and dqdk."""
   from pallas_kernels import grads, intra, state
@@ -203,8 +203,8 @@ def stage_times(q, k, v, g, do, scale, iters, reps, config, *, names=None, pre=N
       "chunk_decays": (lambda g, q, k: state.chunk_decays(g, q, k, **kw), (g, q, k)),
       "folded_state_pass": (lambda kd, v, dl: state.folded_state_pass(kd, v, dl, h0, **kw),
                             (d.kd, v, d.dl)),
-      "scores": (lambda q, k, g, d: intra.scores_folded(d, q, k, g, **kw), (q, k, g, d)),
-      "scores_off": (lambda q, k, p, s: intra.scores_off(q, k, p, s, **kw), (q, k, ps, ss)),
+      "scores": (lambda q, k, g, d: intra.scores(d, q, k, g, **kw), (q, k, g, d)),
+      "scores_off": (lambda d: intra.scores_off(d, **kw), (d,)),
       "scores_diag": (lambda q, k, g, A: intra.scores_diag(q, k, g, A, **kw), (q, k, g, A)),
       "output": (lambda qp, v, h, A, t: intra.output(qp, v, h, A, t, scale=scale, **kw),
                  (d.qp, v, h, A, d.tots)),

@@ -9,15 +9,15 @@ the difference is bounded:
 * ``gla_scores``, grid ``(B, H, N)``: the blocks below the 16 x 16 diagonal. Rows of
   sub-chunk ``s`` and the columns before it factor through the row before ``s``:
   ``exp(p_r) * exp(s_i + sum_{blk(i) < u < s} T_u)``, both factors <= 1; one
-  ``[C, KD] x [KD, C]`` tensor-core dot per sub-chunk. The forward's operands come folded
-  from :func:`pallas_kernels.state.chunk_decays` (``q e^{p}``, ``k e^{s}`` in the input
-  dtype, the totals; :func:`scores_folded`), the backward's recompute (:func:`scores`)
-  forms them from chunk_cumsum's p and s. With ``config.diag_dots`` (the default) the same
-  kernel also computes the diagonal blocks: where every sub-chunk total of the chunk's K
-  slice is >= -16 (``_common.totals_fit``), one dot ``(q e^{p}) (k e^{-p})^T`` masked to
-  the blocks' lower triangles (``e^{-p} <= e^{16}``; the exponent ``p_r - p_i`` off by at
-  most ``2 * 16 * eps``); elsewhere the exact column loop below, on all four sub-chunks
-  at once.
+  ``[C, KD] x [KD, C]`` tensor-core dot per sub-chunk, its operands folded by
+  :func:`pallas_kernels.state.chunk_decays` (``q e^{p}``, ``k e^{s}`` in the input dtype,
+  the totals, from which the kernel forms ``e^{totals between}`` as ``[KD]`` rows; the
+  backward, when no A is kept, runs the same two kernels). With ``config.diag_dots`` (the
+  default) the same kernel also computes the diagonal blocks: where every sub-chunk
+  total of the chunk's K slice is >= -16 (``_common.totals_fit``), one dot ``(q e^{p})
+  (k e^{-p})^T`` masked to the blocks' lower triangles (``e^{-p} <= e^{16}``; the
+  exponent ``p_r - p_i`` off by at most ``2 * 16 * eps``); elsewhere the exact column
+  loop below, on all four sub-chunks at once.
 * ``gla_scores_diag``, grid ``(B, H, N, C / 16)`` (``diag_dots`` off): each diagonal block
   exact in log space, one column ``j`` at a time, last column first (``A[r, j] = sum_k
   q_rk k_jk e^{E_j[r]}`` on a ``[16, KD]`` tile, row ``j`` loaded from memory, ``E_j[r] =
@@ -60,21 +60,16 @@ def _prefix_scale(tot, blk):
   return out
 
 
-def _scores_off_kernel(*refs, C, K, KD, dt, diag, folded=False):
-  """A for one chunk with zero diagonal blocks: for each sub-chunk s >= 1, rows of s times
-  columns before s, through the row before s (both factors <= 1). With ``diag`` also the
-  diagonal blocks (``diag_dots``): one dot of ``q e^{p}`` and ``k e^{-p}`` where the
-  chunk's K slice fits ``_common.totals_fit``, else the exact column loop. ``folded``
-  (the forward): the operands come folded from ``chunk_decays`` (``qp = q e^{p}``,
-  ``ks = k e^{s}``, ``kn = k e^{-p}``, the totals), the columns before s scaled by
-  ``e^{totals between}`` formed from ``[KD]`` rows; q, k, g are read only by the loop."""
-  if folded:
-    qp_ref, ks_ref, kn_ref, tots_ref, q_ref, k_ref, g_ref, a_ref = (
-        refs if diag else refs[:4] + (None, None, None) + refs[4:])
-  elif diag:
-    q_ref, k_ref, p_ref, s_ref, g_ref, a_ref = refs
-  else:
-    q_ref, k_ref, p_ref, s_ref, a_ref = refs
+def _scores_off_kernel(*refs, C, K, KD, dt, diag):
+  """A for one chunk from :func:`pallas_kernels.state.chunk_decays`' operands (``qp = q
+  e^{p}``, ``ks = k e^{s}``, ``kn = k e^{-p}``, the totals), with zero diagonal blocks:
+  for each sub-chunk s >= 1, rows of s times columns before s, through the row before s
+  (both factors <= 1: ``qp`` on the rows, ``ks`` scaled by ``e^{totals between}`` formed
+  from ``[KD]`` rows on the columns). With ``diag`` also the diagonal blocks
+  (``diag_dots``): one dot of ``qp`` and ``kn`` where the chunk's K slice fits
+  ``_common.totals_fit``, else the exact column loop, which alone reads q, k and g."""
+  qp_ref, ks_ref, kn_ref, tots_ref, q_ref, k_ref, g_ref, a_ref = (
+      refs if diag else refs[:4] + (None, None, None) + refs[4:])
   b, hd, n = (pl.program_id(i) for i in range(3))
   t0 = n * C
   tc = pl.ds(t0, C)
@@ -98,7 +93,7 @@ def _scores_off_kernel(*refs, C, K, KD, dt, diag, folded=False):
 
     return cm.unrolled(S, 4, column, (acc, jnp.zeros((C, KD), cm.F32)))[0]
 
-  def folded_slice(kk, acc):
+  def k_slice(kk, acc):
     ks = pl.ds(kk * KD, KD)
     tot = [tots_ref[b, hd, n, u, ks] for u in range(L)]
     q_e = qp_ref[b, tc, hd, ks].astype(cm.F32)                         # q e^{p_r}
@@ -113,27 +108,6 @@ def _scores_off_kernel(*refs, C, K, KD, dt, diag, folded=False):
                                        0.0)
     return jax.lax.cond(cm.totals_fit(tot)[1], factored,
                         lambda: columns(q_ref[b, tc, hd, ks].astype(cm.F32), ks, acc))
-
-  def k_slice(kk, acc):
-    if folded:
-      return folded_slice(kk, acc)
-    ks = pl.ds(kk * KD, KD)
-    tot = cm.sub_totals(p_ref, b, t0, hd, ks, L)
-    pre = p_ref[b, tc, hd, ks]
-    q = q_ref[b, tc, hd, ks].astype(cm.F32)
-    q_e = q * jnp.exp(pre)                                             # e^{p_r}
-    k = k_ref[b, tc, hd, ks].astype(cm.F32)
-    x = s_ref[b, tc, hd, ks]       # s_i + sum_{blk(i) < u < s} T_u: decay from i to 16 s - 1
-    for s in range(1, L):
-      q_fac = jnp.where(blk == s, q_e, 0.0)                         # rows of s only
-      k_fac = k * cm.masked_exp(row < s * S, x)                     # columns before s
-      acc = acc + cm.dot(q_fac, k_fac, dt, tb=True)
-      if s < L - 1:
-        x = x + jnp.where(blk < s, tot[s][None, :], 0.0)
-    if not diag:
-      return acc
-    factored = lambda: acc + jnp.where(same, cm.dot(q_e, k * jnp.exp(-pre), dt, tb=True), 0.0)
-    return jax.lax.cond(cm.totals_fit(tot)[1], factored, lambda: columns(q, ks, acc))
 
   a_ref[b, hd, n] = jax.lax.fori_loop(0, K // KD, k_slice, jnp.zeros((C, C), cm.F32))
 
@@ -171,18 +145,17 @@ def _diag_kernel(q_ref, k_ref, g_ref, a_in_ref, a_ref, *, C, K, KD):
       0, K // KD, k_slice, jnp.zeros((S, S), cm.F32))
 
 
-def scores_off(q, k, p, s, *, chunk_size, config, g=None):
-  """A [B, H, N, C, C] float32 below the 16 x 16 diagonal blocks (``gla_scores``); the
-  diagonal blocks and everything above them are zero. With ``g`` (the per-dim float32
-  log-decay) the diagonal blocks are computed too (``diag_dots``)."""
-  B, T, H, K = q.shape
+def scores_off(d, *, chunk_size, config):
+  """A [B, H, N, C, C] float32 below the 16 x 16 diagonal blocks (``gla_scores`` without
+  them) from :func:`pallas_kernels.state.chunk_decays`' operands ``d``; the diagonal
+  blocks and everything above them are zero."""
+  B, T, H, K = d.qp.shape
   C = chunk_size
-  N = T // C
-  off = functools.partial(_scores_off_kernel, C=C, K=K, KD=cm.block(K, config.scores_kd),
-                          dt=q.dtype, diag=g is not None)
-  return cm.call(off, jax.ShapeDtypeStruct((B, H, N, C, C), cm.F32), (B, H, N), config=config,
-                 num_warps=config.scores_warps, num_stages=config.scores_stages,
-                 name="gla_scores")(q, k, p, s, *([] if g is None else [g]))
+  kern = functools.partial(_scores_off_kernel, C=C, K=K, KD=cm.block(K, config.scores_kd),
+                           dt=d.qp.dtype, diag=False)
+  return cm.call(kern, jax.ShapeDtypeStruct((B, H, T // C, C, C), cm.F32), (B, H, T // C),
+                 config=config, num_warps=config.scores_warps,
+                 num_stages=config.scores_stages, name="gla_scores")(d.qp, d.ks, d.kn, d.tots)
 
 
 def scores_diag(q, k, g, A, *, chunk_size, config):
@@ -195,32 +168,23 @@ def scores_diag(q, k, g, A, *, chunk_size, config):
                  name="gla_scores_diag", aliases={3: 0})(q, k, g, A)
 
 
-def scores_folded(d, q, k, g, *, chunk_size, config):
-  """The forward's A, from :func:`pallas_kernels.state.chunk_decays`' folded operands:
-  ``gla_scores`` reads qp, ks, kn and the totals (q, k, g only where the diagonal takes
-  the loop); with ``diag_dots`` off, ``gla_scores_diag`` then writes the diagonal."""
+def scores(d, q, k, g, *, chunk_size, config):
+  """A [B, H, N, C, C] float32, unscaled, zero above the diagonal, from
+  :func:`pallas_kernels.state.chunk_decays`' operands ``d``: ``gla_scores`` reads qp, ks,
+  kn and the totals (q, k and ``g``, the per-dim float32 log-decay, only where the
+  diagonal takes the loop); with ``diag_dots`` off, ``gla_scores_diag`` then writes the
+  diagonal."""
+  if not config.diag_dots:
+    return scores_diag(q, k, g, scores_off(d, chunk_size=chunk_size, config=config),
+                       chunk_size=chunk_size, config=config)
   B, T, H, K = q.shape
   C = chunk_size
-  N = T // C
   kern = functools.partial(_scores_off_kernel, C=C, K=K, KD=cm.block(K, config.scores_kd),
-                           dt=q.dtype, diag=config.diag_dots, folded=True)
-  extra = [q, k, g] if config.diag_dots else []
-  A = cm.call(kern, jax.ShapeDtypeStruct((B, H, N, C, C), cm.F32), (B, H, N), config=config,
-              num_warps=config.scores_warps, num_stages=config.scores_stages,
-              name="gla_scores")(d.qp, d.ks, d.kn, d.tots, *extra)
-  if config.diag_dots:
-    return A
-  return scores_diag(q, k, g, A, chunk_size=chunk_size, config=config)
-
-
-def scores(q, k, g, p, s, *, chunk_size, config):
-  """A [B, H, N, C, C] float32: unscaled, zero above the diagonal. ``g``: the per-dim
-  float32 log-decay; ``p``, ``s``: chunk_cumsum's (the backward's recompute when no
-  forward residual is kept; the forward's is :func:`scores_folded`)."""
-  kw = dict(chunk_size=chunk_size, config=config)
-  if config.diag_dots:
-    return scores_off(q, k, p, s, g=g, **kw)
-  return scores_diag(q, k, g, scores_off(q, k, p, s, **kw), **kw)
+                           dt=q.dtype, diag=True)
+  return cm.call(kern, jax.ShapeDtypeStruct((B, H, T // C, C, C), cm.F32), (B, H, T // C),
+                 config=config, num_warps=config.scores_warps,
+                 num_stages=config.scores_stages, name="gla_scores")(
+                     d.qp, d.ks, d.kn, d.tots, q, k, g)
 
 
 def _da_kernel(do_ref, v_ref, da_ref, *, C, V, BV, dt, scale):

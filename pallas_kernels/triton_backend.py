@@ -10,8 +10,8 @@ same kernels run in the Pallas interpreter, on any platform):
        -> output
   bwd: sub-chunk cumsums (p, s) -> dA (formed in the last two kernels instead with
        ``config.dqdk_da``) -> state pass (recomputed) | state-gradient pass (one launch,
-       or two with ``config.fuse_state_passes`` off) -> A (recomputed without a
-       residual) -> dv -> diagonal dq/dk terms where the decay is too strong for dots ->
+       or two with ``config.fuse_state_passes`` off) -> A (without a residual:
+       recomputed by the forward's chunk_decays and scores) -> dv -> diagonal dq/dk terms where the decay is too strong for dots ->
        dq, dk, dg
 
 Exponents are formed from the sub-chunk-local cumulative log-decays ``p`` (inclusive
@@ -42,7 +42,7 @@ def fwd_res(q, k, v, g, *, scale, initial_state, chunk_size, config):
   g = cm.per_dim_decay(g, q.shape)
   d = state.chunk_decays(g, q, k, **kw)
   h, final = state.folded_state_pass(d.kd, v, d.dl, initial_state, **kw)
-  A = intra.scores_folded(d, q, k, g, **kw)
+  A = intra.scores(d, q, k, g, **kw)
   o = intra.output(d.qp, v, h, A, d.tots, scale=scale, **kw)
   return (o, final), A
 
@@ -67,8 +67,8 @@ def bwd_res(A, q, k, v, g, do, dht, *, scale, initial_state, chunk_size, config)
   else:
     h, _ = state.state_pass(k, v, p, s, initial_state, **kw)
     dH, dh0 = state.state_grad_pass(q, do, p, dht, scale=scale, **kw)
-  if A is None:
-    A = intra.scores(q, k, gd, p, s, **kw)
+  if A is None:       # the forward's two kernels, not its walk or output
+    A = intra.scores(state.chunk_decays(gd, q, k, **kw), q, k, gd, **kw)
   dv = grads.dv(k, p, s, do, A, dH, scale=scale, **kw)
   dq, dk, dg = grads.dqdk(q, k, v, gd, p, s, do, h, dH, dA, scale=scale, **kw)
   return dq, dk, dv, cm.decay_grad(dg, g), dh0
