@@ -14,8 +14,9 @@ keyword, ``config``: a :class:`KernelConfig`, the frozen launch configuration
 
 Modules: ``config`` (:class:`KernelConfig`, :func:`default_config`), ``state`` (chunk
 cumsums and the decayed q, k; sequential state pass and state-gradient pass, also in one launch), ``intra``
-(intra-chunk scores: off-diagonal blocks by tensor-core dots, 16 x 16 diagonal blocks
-exact in log space; dA; output), ``grads`` (dv; diagonal dq/dk terms; dq, dk, dg),
+(intra-chunk scores by tensor-core dots, the 16 x 16 diagonal blocks too where the decay
+allows, else exact in log space; dA; output), ``grads`` (dv; dq, dk, dg, with the
+diagonal terms exact in log space where the decay is too strong for dots),
 ``triton_backend`` (composition), ``tpu_backend`` (the Mosaic TPU variant), ``_common``
 (helpers, the launch).
 """
