@@ -190,9 +190,9 @@ def stage_times(q, k, v, g, do, scale, iters, reps, config, *, names=None, pre=N
   forward runs chunk_decays, folded_state_pass, scores (with ``diag_dots`` one launch of
   gla_scores, diagonal included; else scores_off, then scores_diag in place: timed
   alone, scores_diag also copies A; scores_off is the off-diagonal kernel alone either
-  way) and output; the
-  backward chunk_cumsum, score_grad (not launched with ``dqdk_da``; timed anyway),
-  state_passes (state_pass and state_grad_pass in one launch), dv, dqdk_diag and dqdk."""
+  way) and output; the backward chunk_cumsum, score_grad (not launched with ``dqdk_da``;
+  timed anyway), state_passes (state_pass and state_grad_pass in one launch), dv,
+  dqdk_diag and dqdk."""
   from pallas_kernels import grads, intra, state
   kw = dict(chunk_size=64, config=config)
   p = pre or stage_inputs(q, k, v, g, do, scale, config)

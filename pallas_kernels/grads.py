@@ -66,17 +66,20 @@ def dv(k, p, s, do, A, dH, *, scale, chunk_size, config):
                  name="gla_dv")(k, p, s, do, A, dH)
 
 
-def _diag_grad_kernel(q_ref, k_ref, g_ref, da_ref, p_ref, dqd_ref, dkd_ref, *, C, BK, dt,
-                      scale=None):
+def _diag_grad_kernel(*refs, C, BK, dt, scale, form_da):
   """Diagonal-block terms of dq and dk of sub-chunk s's K tile, exact in log space, for a
   tile of a chunk with a column that ``_common.totals_fit`` rejects (``gla_dqdk``
   computes them as dots on the others, and reads these only for the rejected columns):
   the program writes nothing otherwise. dq_r += sum_{j <= r} dA[r, j] k_j e^{sum_{j < m
   <= r} g_m} (j from the last row down, the exponent carried as ``e <- e + g_j``), dk_i +=
   sum_{j >= i} dA[j, i] q_j e^{sum_{i < m <= j} g_m} (j from the first row up, ``f <- f +
-  g_j``), on [16, BK] tiles (small: many programs per SM). With ``scale`` (``dqdk_da``)
-  ``da_ref`` is ``(do_ref, v_ref)`` and the block's ``dA = scale do v^T`` is formed
-  here, only where the loops run."""
+  g_j``), on [16, BK] tiles (small: many programs per SM). ``form_da`` (``dqdk_da``): the
+  block's ``dA = scale do v^T`` is formed here from do and v, only where the loops run,
+  instead of read from dA."""
+  if form_da:
+    q_ref, k_ref, g_ref, do_ref, v_ref, p_ref, dqd_ref, dkd_ref = refs
+  else:
+    q_ref, k_ref, g_ref, da_ref, p_ref, dqd_ref, dkd_ref = refs
   b, hd, n, s, ik = (pl.program_id(i) for i in range(5))
   r0 = n * C + s * S
   rows, ks = pl.ds(r0, S), pl.ds(ik * BK, BK)
@@ -110,13 +113,12 @@ def _diag_grad_kernel(q_ref, k_ref, g_ref, da_ref, p_ref, dqd_ref, dkd_ref, *, C
 
   @pl.when(jnp.logical_not(all_fit))
   def _():
-    if scale is None:
+    if not form_da:
       steps(lambda j: da_ref[b, hd, n, pl.ds(s * S, S), s * S + j][:, None],
             lambda i: da_ref[b, hd, n, s * S + i, pl.ds(s * S, S)][:, None])
       return
-    do_ref, v_ref = da_ref                     # the block's dA (upper triangle unused)
     blk_da = scale * cm.dot(do_ref[b, rows, hd, :], v_ref[b, rows, hd, :], dt, tb=True)
-    ri, ci = cm.iota((S, S), 0), cm.iota((S, S), 1)
+    ri, ci = cm.iota((S, S), 0), cm.iota((S, S), 1)    # (the upper triangle is unused)
     steps(lambda j: jnp.sum(jnp.where(ci == j, blk_da, 0.0), axis=1)[:, None],
           lambda i: jnp.sum(jnp.where(ri == i, blk_da, 0.0), axis=0)[:, None])
 
@@ -216,16 +218,12 @@ def diag_grads(q, k, g, dA, p, *, chunk_size, config, do=None, v=None, scale=Non
   C = chunk_size
   BK = cm.block(K, config.dqdk_diag_bk)      # any tile: gla_dqdk reads rejected columns only
   part = jax.ShapeDtypeStruct(q.shape, cm.F32)
-  if config.dqdk_da:
-    kern = lambda q_r, k_r, g_r, do_r, v_r, p_r, dqd, dkd: _diag_grad_kernel(
-        q_r, k_r, g_r, (do_r, v_r), p_r, dqd, dkd, C=C, BK=BK, dt=q.dtype, scale=scale)
-    operands = (q, k, g, do, v, p)
-  else:
-    kern = functools.partial(_diag_grad_kernel, C=C, BK=BK, dt=q.dtype)
-    operands = (q, k, g, dA, p)
+  form_da = config.dqdk_da
+  kern = functools.partial(_diag_grad_kernel, C=C, BK=BK, dt=q.dtype, scale=scale,
+                           form_da=form_da)
   return cm.call(kern, (part, part), (B, H, T // C, C // S, K // BK), config=config,
                  num_warps=config.dqdk_diag_warps, num_stages=config.dqdk_diag_stages,
-                 name="gla_dqdk_diag")(*operands)
+                 name="gla_dqdk_diag")(q, k, g, *((do, v) if form_da else (dA,)), p)
 
 
 def dqdk(q, k, v, g, p, s, do, h, dH, dA, *, scale, chunk_size, config, diag=None):

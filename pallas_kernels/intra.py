@@ -145,17 +145,25 @@ def _diag_kernel(q_ref, k_ref, g_ref, a_in_ref, a_ref, *, C, K, KD):
       0, K // KD, k_slice, jnp.zeros((S, S), cm.F32))
 
 
+def _scores_call(d, loop_operands, *, chunk_size, config):
+  """``gla_scores`` on :func:`pallas_kernels.state.chunk_decays`' operands ``d``; with
+  ``loop_operands`` (q, k, g) the diagonal blocks too (``_scores_off_kernel``'s
+  ``diag``), else they are left zero."""
+  B, T, H, K = d.qp.shape
+  C = chunk_size
+  kern = functools.partial(_scores_off_kernel, C=C, K=K, KD=cm.block(K, config.scores_kd),
+                           dt=d.qp.dtype, diag=bool(loop_operands))
+  return cm.call(kern, jax.ShapeDtypeStruct((B, H, T // C, C, C), cm.F32), (B, H, T // C),
+                 config=config, num_warps=config.scores_warps,
+                 num_stages=config.scores_stages, name="gla_scores")(
+                     d.qp, d.ks, d.kn, d.tots, *loop_operands)
+
+
 def scores_off(d, *, chunk_size, config):
   """A [B, H, N, C, C] float32 below the 16 x 16 diagonal blocks (``gla_scores`` without
   them) from :func:`pallas_kernels.state.chunk_decays`' operands ``d``; the diagonal
   blocks and everything above them are zero."""
-  B, T, H, K = d.qp.shape
-  C = chunk_size
-  kern = functools.partial(_scores_off_kernel, C=C, K=K, KD=cm.block(K, config.scores_kd),
-                           dt=d.qp.dtype, diag=False)
-  return cm.call(kern, jax.ShapeDtypeStruct((B, H, T // C, C, C), cm.F32), (B, H, T // C),
-                 config=config, num_warps=config.scores_warps,
-                 num_stages=config.scores_stages, name="gla_scores")(d.qp, d.ks, d.kn, d.tots)
+  return _scores_call(d, (), chunk_size=chunk_size, config=config)
 
 
 def scores_diag(q, k, g, A, *, chunk_size, config):
@@ -174,17 +182,10 @@ def scores(d, q, k, g, *, chunk_size, config):
   kn and the totals (q, k and ``g``, the per-dim float32 log-decay, only where the
   diagonal takes the loop); with ``diag_dots`` off, ``gla_scores_diag`` then writes the
   diagonal."""
+  kw = dict(chunk_size=chunk_size, config=config)
   if not config.diag_dots:
-    return scores_diag(q, k, g, scores_off(d, chunk_size=chunk_size, config=config),
-                       chunk_size=chunk_size, config=config)
-  B, T, H, K = q.shape
-  C = chunk_size
-  kern = functools.partial(_scores_off_kernel, C=C, K=K, KD=cm.block(K, config.scores_kd),
-                           dt=q.dtype, diag=True)
-  return cm.call(kern, jax.ShapeDtypeStruct((B, H, T // C, C, C), cm.F32), (B, H, T // C),
-                 config=config, num_warps=config.scores_warps,
-                 num_stages=config.scores_stages, name="gla_scores")(
-                     d.qp, d.ks, d.kn, d.tots, q, k, g)
+    return scores_diag(q, k, g, scores_off(d, **kw), **kw)
+  return _scores_call(d, (q, k, g), **kw)
 
 
 def _da_kernel(do_ref, v_ref, da_ref, *, C, V, BV, dt, scale):

@@ -11,8 +11,8 @@ same kernels run in the Pallas interpreter, on any platform):
   bwd: sub-chunk cumsums (p, s) -> dA (formed in the last two kernels instead with
        ``config.dqdk_da``) -> state pass (recomputed) | state-gradient pass (one launch,
        or two with ``config.fuse_state_passes`` off) -> A (without a residual:
-       recomputed by the forward's chunk_decays and scores) -> dv -> diagonal dq/dk terms where the decay is too strong for dots ->
-       dq, dk, dg
+       recomputed by the forward's chunk_decays and scores) -> dv -> diagonal dq/dk
+       terms where the decay is too strong for dots -> dq, dk, dg
 
 Exponents are formed from the sub-chunk-local cumulative log-decays ``p`` (inclusive
 prefix) and ``s`` (exclusive suffix) of :func:`pallas_kernels.state.chunk_cumsum`, and
