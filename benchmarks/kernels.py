@@ -150,7 +150,7 @@ def jax_peak(exe):
 STAGE_OF_KEY = {"cumsum": ("chunk_cumsum", "chunk_decays"), "decays": ("chunk_decays",),
                 "state": ("folded_state_pass", "state_pass", "state_grad_pass", "state_passes"),
                 "scores": ("scores", "scores_off"),
-                "diag": ("scores", "scores_diag"), "da": ("score_grad",),
+                "diag": ("scores", "scores_diag"),
                 "out": ("output",), "dv": ("dv",), "dqdk_diag": ("dqdk_diag",),
                 "dqdk": ("dqdk",)}
 
@@ -177,11 +177,9 @@ def stage_inputs(q, k, v, g, do, scale, config):
   dH, _ = jax.jit(lambda q, do, p: state.state_grad_pass(q, do, p, h0, scale=scale,
                                                          **kw))(q, do, p)
   A = jax.jit(lambda d, q, k, g: intra.scores(d, q, k, g, **kw))(d, q, k, g)
-  dA = jax.jit(lambda do, v: intra.score_grad(do, v, scale=scale, **kw))(do, v)
-  diag = jax.jit(lambda q, k, g, dA, p, do, v: grads.diag_grads(
-      q, k, g, None if config.dqdk_da else dA, p, do=do, v=v, scale=scale, **kw))(
-          q, k, g, dA, p, do, v)
-  return dict(h0=h0, g=g, d=d, p=p, s=s, h=h, dH=dH, A=A, dA=dA, diag=diag)
+  diag = jax.jit(lambda q, k, g, do, v, p: grads.diag_grads(q, k, g, do, v, p, scale=scale,
+                                                            **kw))(q, k, g, do, v, p)
+  return dict(h0=h0, g=g, d=d, p=p, s=s, h=h, dH=dH, A=A, diag=diag)
 
 
 def stage_times(q, k, v, g, do, scale, iters, reps, config, *, names=None, pre=None):
@@ -190,15 +188,13 @@ def stage_times(q, k, v, g, do, scale, iters, reps, config, *, names=None, pre=N
   forward runs chunk_decays, folded_state_pass, scores (with ``diag_dots`` one launch of
   gla_scores, diagonal included; else scores_off, then scores_diag in place: timed
   alone, scores_diag also copies A; scores_off is the off-diagonal kernel alone either
-  way) and output; the backward chunk_cumsum, score_grad (not launched with ``dqdk_da``;
-  timed anyway), state_passes (state_pass and state_grad_pass in one launch), dv,
-  dqdk_diag and dqdk."""
+  way) and output; the backward chunk_cumsum, state_passes (state_pass and
+  state_grad_pass in one launch), dv, dqdk_diag and dqdk."""
   from pallas_kernels import grads, intra, state
   kw = dict(chunk_size=64, config=config)
   p = pre or stage_inputs(q, k, v, g, do, scale, config)
-  h0, g, d, h, dH, A, dA, diag, ps, ss = (
-      p[n] for n in ("h0", "g", "d", "h", "dH", "A", "dA", "diag", "p", "s"))
-  da_in = None if config.dqdk_da else dA     # dqdk_da: the kernels form dA themselves
+  h0, g, d, h, dH, A, diag, ps, ss = (
+      p[n] for n in ("h0", "g", "d", "h", "dH", "A", "diag", "p", "s"))
   stages = {
       "chunk_decays": (lambda g, q, k: state.chunk_decays(g, q, k, **kw), (g, q, k)),
       "folded_state_pass": (lambda kd, v, dl: state.folded_state_pass(kd, v, dl, h0, **kw),
@@ -215,13 +211,12 @@ def stage_times(q, k, v, g, do, scale, iters, reps, config, *, names=None, pre=N
       "state_passes": (lambda q, k, v, do, p, s: state.both_passes(q, k, v, do, p, s, h0, h0,
                                                                    scale=scale, **kw),
                        (q, k, v, do, ps, ss)),
-      "score_grad": (lambda do, v: intra.score_grad(do, v, scale=scale, **kw), (do, v)),
       "dv": (lambda k, p, s, do, A, dH: grads.dv(k, p, s, do, A, dH, scale=scale, **kw),
              (k, ps, ss, do, A, dH)),
-      "dqdk_diag": (lambda q, k, g, dA, p, do, v: grads.diag_grads(
-          q, k, g, dA, p, do=do, v=v, scale=scale, **kw), (q, k, g, da_in, ps, do, v)),
-      "dqdk": (lambda *a: grads.dqdk(*a[:10], scale=scale, diag=a[10], **kw),
-               (q, k, v, g, ps, ss, do, h, dH, da_in, diag)),
+      "dqdk_diag": (lambda q, k, g, do, v, p: grads.diag_grads(q, k, g, do, v, p, scale=scale,
+                                                               **kw), (q, k, g, do, v, ps)),
+      "dqdk": (lambda *a: grads.dqdk(*a[:9], scale=scale, diag=a[9], **kw),
+               (q, k, v, g, ps, ss, do, h, dH, diag)),
   }
   out = {}
   for name, (fn, args) in stages.items():

@@ -13,10 +13,11 @@ keyword, ``config``: a :class:`KernelConfig`, the frozen launch configuration
   in the interpreter; it has not run on a TPU chip here.
 
 Modules: ``config`` (:class:`KernelConfig`, :func:`default_config`), ``state`` (chunk
-cumsums and the decayed q, k; sequential state pass and state-gradient pass, also in one launch), ``intra``
-(intra-chunk scores by tensor-core dots, the 16 x 16 diagonal blocks too where the decay
-allows, else exact in log space; dA; output), ``grads`` (dv; dq, dk, dg, with the
-diagonal terms exact in log space where the decay is too strong for dots),
+cumsums and the decayed q, k; sequential state pass and state-gradient pass, also in one
+launch), ``intra`` (intra-chunk scores by tensor-core dots, the 16 x 16 diagonal blocks
+too where the decay allows, else exact in log space; output), ``grads`` (dv; dq, dk, dg,
+with dA formed inside and the diagonal terms exact in log space where the decay is too
+strong for dots),
 ``triton_backend`` (composition), ``tpu_backend`` (the Mosaic TPU variant), ``_common``
 (helpers, the launch).
 """

@@ -21,8 +21,7 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 # Streaming multiprocessors assumed when the target GPU is not known (an H100 / H200, the
 # GPU the defaults were measured on).
 DEFAULT_SM_COUNT = 132
-_BOOL_FIELDS = ("interpret", "states_in_input_dtype", "fuse_state_passes", "diag_dots",
-                "dqdk_da")
+_BOOL_FIELDS = ("interpret", "states_in_input_dtype", "fuse_state_passes", "diag_dots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +42,9 @@ class KernelConfig:
   ``chunk_decays``, which folds the decay into q and k instead; its warps are
   ``cumsum_warps``), ``state`` the state walks (forward state pass, backward
   state-gradient pass), ``scores`` / ``diag`` the off-diagonal / 16 x 16 diagonal blocks
-  of the intra-chunk scores, ``da`` their cotangent, ``out`` the output, ``dv``, ``dqdk``
-  the chunk-wide dq / dk / dg kernel and ``dqdk_diag`` its diagonal-block terms where the
-  decay is too strong for dots.
+  of the intra-chunk scores, ``out`` the output, ``dv``, ``dqdk`` the chunk-wide dq / dk /
+  dg kernel (which also forms the scores' cotangent dA) and ``dqdk_diag`` its
+  diagonal-block terms where the decay is too strong for dots.
 
   ``state_bv``: the V tile of a state walk launched alone; ``state_both_bv``: the V tile
   when the state pass and the state-gradient pass share one launch (twice the programs).
@@ -59,10 +58,7 @@ class KernelConfig:
   (``diag_*`` fields). On by default (measured on an H200, with the exponent error at
   most about 2e-6 where it applies: ``docs/kernels.md``). The backward's diagonal dq / dk
   terms always take the same dots where a K column's totals fit (inside ``gla_dqdk``),
-  ``gla_dqdk_diag``'s exact loops on the other columns. ``dqdk_da`` (opt-in, not yet
-  measured on a GPU): no ``gla_score_grad`` launch; ``gla_dqdk`` accumulates dA = tril(scale
-  do v^T) from the do and v tiles its state terms read anyway, and ``gla_dqdk_diag`` forms
-  its blocks' dA where its loops run, so dA is never written or read.
+  ``gla_dqdk_diag``'s exact loops on the other columns.
 
   Build one with :func:`default_config` and change fields with ``dataclasses.replace``;
   ``KernelConfig()`` alone has the GPU defaults with 64 x 64 walk tiles.
@@ -84,9 +80,6 @@ class KernelConfig:
   diag_warps: int = 2
   diag_stages: int = 1
   diag_dots: bool = True
-  da_bv: int = 128
-  da_warps: int = 4
-  da_stages: int = 2
   out_bk: int = 64
   out_bv: int = 128
   out_warps: int = 4
@@ -102,7 +95,6 @@ class KernelConfig:
   dqdk_diag_bk: int = 64
   dqdk_diag_warps: int = 2
   dqdk_diag_stages: int = 1
-  dqdk_da: bool = False
   states_in_input_dtype: bool = True
   fuse_state_passes: bool = True
 

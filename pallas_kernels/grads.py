@@ -1,6 +1,8 @@
 """Chunk-parallel backward stages: dv, and dq / dk / dg (chunked.py's formulas).
 
   dv = scale A^T do + (k e^{b_last - bc}) dH[n]
+  dA = tril(scale do v^T)           (the scores' cotangent: formed inside the kernels below
+                                     from the do and v tiles they read, never in memory)
   dq = scale (do h[n]^T) e^{bc} + row_side(dA, k)
   dk = col_side(dA, q) + (v dH[n]^T) e^{b_last - bc}
   dg = reverse cumsum over the chunk of (q dq - k dk), plus on every row the chunk-total
@@ -66,20 +68,16 @@ def dv(k, p, s, do, A, dH, *, scale, chunk_size, config):
                  name="gla_dv")(k, p, s, do, A, dH)
 
 
-def _diag_grad_kernel(*refs, C, BK, dt, scale, form_da):
+def _diag_grad_kernel(q_ref, k_ref, g_ref, do_ref, v_ref, p_ref, dqd_ref, dkd_ref, *, C, BK,
+                      dt, scale):
   """Diagonal-block terms of dq and dk of sub-chunk s's K tile, exact in log space, for a
   tile of a chunk with a column that ``_common.totals_fit`` rejects (``gla_dqdk``
   computes them as dots on the others, and reads these only for the rejected columns):
   the program writes nothing otherwise. dq_r += sum_{j <= r} dA[r, j] k_j e^{sum_{j < m
   <= r} g_m} (j from the last row down, the exponent carried as ``e <- e + g_j``), dk_i +=
   sum_{j >= i} dA[j, i] q_j e^{sum_{i < m <= j} g_m} (j from the first row up, ``f <- f +
-  g_j``), on [16, BK] tiles (small: many programs per SM). ``form_da`` (``dqdk_da``): the
-  block's ``dA = scale do v^T`` is formed here from do and v, only where the loops run,
-  instead of read from dA."""
-  if form_da:
-    q_ref, k_ref, g_ref, do_ref, v_ref, p_ref, dqd_ref, dkd_ref = refs
-  else:
-    q_ref, k_ref, g_ref, da_ref, p_ref, dqd_ref, dkd_ref = refs
+  g_j``), on [16, BK] tiles (small: many programs per SM). The block's ``dA = scale do
+  v^T`` is formed here from do and v, only where the loops run (dA is never in memory)."""
   b, hd, n, s, ik = (pl.program_id(i) for i in range(5))
   r0 = n * C + s * S
   rows, ks = pl.ds(r0, S), pl.ds(ik * BK, BK)
@@ -90,7 +88,12 @@ def _diag_grad_kernel(*refs, C, BK, dt, scale, form_da):
   # row loads of 4 steps (independent of the carry) are issued ahead of the exp chain.
   # H200, B1 T16384 H16 K128, every tile looped: 0.97 -> 0.58 ms, 128 -> 80 registers,
   # no spills (fully unrolled: 188 registers, 0.65 ms; one step per iteration: 0.68 ms).
-  def steps(da_col, da_row):
+  def loops():
+    da = scale * cm.dot(do_ref[b, rows, hd, :], v_ref[b, rows, hd, :], dt, tb=True)
+    ri, ci = cm.iota((S, S), 0), cm.iota((S, S), 1)    # (the upper triangle is unused)
+    da_col = lambda j: jnp.sum(jnp.where(ci == j, da, 0.0), axis=1)[:, None]   # dA[:, j]
+    da_row = lambda i: jnp.sum(jnp.where(ri == i, da, 0.0), axis=0)[:, None]   # dA[i, :]
+
     def dq_step(i, carry):
       dq, e = carry                 # dq: column j; e[r] = sum_{j < m <= r} g_m (r >= j)
       j = S - 1 - i
@@ -110,32 +113,17 @@ def _diag_grad_kernel(*refs, C, BK, dt, scale, form_da):
     dkd_ref[b, rows, hd, ks] = cm.unrolled(S, DIAG_UNROLL, dk_step, (zero, zero))[0]
 
   _, all_fit = cm.totals_fit(cm.sub_totals(p_ref, b, n * C, hd, ks, C // S))
-
-  @pl.when(jnp.logical_not(all_fit))
-  def _():
-    if not form_da:
-      steps(lambda j: da_ref[b, hd, n, pl.ds(s * S, S), s * S + j][:, None],
-            lambda i: da_ref[b, hd, n, s * S + i, pl.ds(s * S, S)][:, None])
-      return
-    blk_da = scale * cm.dot(do_ref[b, rows, hd, :], v_ref[b, rows, hd, :], dt, tb=True)
-    ri, ci = cm.iota((S, S), 0), cm.iota((S, S), 1)    # (the upper triangle is unused)
-    steps(lambda j: jnp.sum(jnp.where(ci == j, blk_da, 0.0), axis=1)[:, None],
-          lambda i: jnp.sum(jnp.where(ri == i, blk_da, 0.0), axis=0)[:, None])
+  pl.when(jnp.logical_not(all_fit))(loops)
 
 
-def _dqdk_kernel(*refs, C, V, BK, BV, dt, scale, form_da):
+def _dqdk_kernel(q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, dqd_ref, dkd_ref,
+                 dq_ref, dk_ref, dg_ref, *, C, V, BK, BV, dt, scale):
   """dq, dk, dg of one chunk's K tile. The diagonal blocks' terms are one more block in
   the masked dots below (dq: ``e^{p_r} e^{-p_j}``, through the same ``e^{p_r}`` as the
   blocks before; dk: ``e^{s_i} e^{-s_r}``) on the columns ``_common.totals_fit`` accepts;
   ``gla_dqdk_diag``'s loop terms are read for the others, under a cond (not at all when
-  every column fits). ``form_da`` (``dqdk_da``): dA = tril(scale do v^T) is accumulated
-  here from the do and v tiles the state terms read anyway, not read from memory."""
-  if form_da:
-    (q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, dqd_ref, dkd_ref, dq_ref,
-     dk_ref, dg_ref) = refs
-  else:
-    (q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, da_ref, dqd_ref, dkd_ref,
-     dq_ref, dk_ref, dg_ref) = refs
+  every column fits). dA = tril(scale do v^T) is accumulated here from the do and v tiles
+  the state terms read anyway (one more dot per V slice), never read from memory."""
   b, hd, n, ik = (pl.program_id(i) for i in range(4))
   t0 = n * C
   tc, ks = pl.ds(t0, C), pl.ds(ik * BK, BK)
@@ -151,14 +139,13 @@ def _dqdk_kernel(*refs, C, V, BK, BV, dt, scale, form_da):
     dq_s = dq_s + cm.dot(do_t, h, dt, tb=True)
     dk_s = dk_s + cm.dot(v_t, dH, dt, tb=True)
     d_last = d_last + jnp.sum(h.astype(cm.F32) * dH.astype(cm.F32), axis=1)   # h[n] dH[n]
-    if form_da:
-      da = da + cm.dot(do_t, v_t, dt, tb=True)
+    da = da + cm.dot(do_t, v_t, dt, tb=True)
     return dq_s, dk_s, d_last, da
 
   zero = jnp.zeros((C, BK), cm.F32)
   dq_s, dk_s, d_last, da = jax.lax.fori_loop(
       0, V // BV, v_slice, (zero, zero, jnp.zeros((BK,), cm.F32),
-                            jnp.zeros((C, C), cm.F32) if form_da else 0.0))
+                            jnp.zeros((C, C), cm.F32)))
   q = q_ref[b, tc, hd, ks].astype(cm.F32)
   k = k_ref[b, tc, hd, ks].astype(cm.F32)
   pre = p_ref[b, tc, hd, ks]                              # [C, BK]: p, s of the chunk
@@ -170,10 +157,7 @@ def _dqdk_kernel(*refs, C, V, BK, BV, dt, scale, form_da):
   # Chunk-total gate term sum_v h[n+1] dH[n] (module docstring).
   d_last = (jnp.exp(cm.chunk_total(tot)) * d_last)[None, :] + jnp.sum(
       k * dk, axis=0, keepdims=True)
-  if form_da:
-    dA = jnp.where(cm.iota((C, C), 0) >= cm.iota((C, C), 1), scale * da, 0.0)
-  else:
-    dA = da_ref[b, hd, n]                                           # [C, C]
+  dA = jnp.where(cm.iota((C, C), 0) >= cm.iota((C, C), 1), scale * da, 0.0)     # [C, C]
   rc, cc = cm.iota((C, C), 0) // S, cm.iota((C, C), 1) // S
   fits, all_fit = cm.totals_fit(tot)
   fits = fits[None, :]
@@ -208,46 +192,36 @@ def _dqdk_kernel(*refs, C, V, BK, BV, dt, scale, form_da):
   dg_ref[b, tc, hd, ks] = cm.rev_cumsum(q * dq - k * dk) + d_last
 
 
-def diag_grads(q, k, g, dA, p, *, chunk_size, config, do=None, v=None, scale=None):
+def diag_grads(q, k, g, do, v, p, *, scale, chunk_size, config):
   """(dq_d, dk_d) float32 [B, T, H, K]: the diagonal-block terms of dq and dk
   (``gla_dqdk_diag``) of the K tiles with a column ``_common.totals_fit`` rejects; the
   rest of the arrays is undefined. ``g``: the per-dim float32 log-decay, ``p``
-  chunk_cumsum's. With ``config.dqdk_da``, ``dA`` is None and the kernel forms the
-  blocks' dA from ``do``, ``v`` and ``scale``."""
+  chunk_cumsum's; the blocks' dA is formed from ``do``, ``v`` and ``scale``."""
   B, T, H, K = q.shape
   C = chunk_size
   BK = cm.block(K, config.dqdk_diag_bk)      # any tile: gla_dqdk reads rejected columns only
   part = jax.ShapeDtypeStruct(q.shape, cm.F32)
-  form_da = config.dqdk_da
-  kern = functools.partial(_diag_grad_kernel, C=C, BK=BK, dt=q.dtype, scale=scale,
-                           form_da=form_da)
+  kern = functools.partial(_diag_grad_kernel, C=C, BK=BK, dt=q.dtype, scale=scale)
   return cm.call(kern, (part, part), (B, H, T // C, C // S, K // BK), config=config,
                  num_warps=config.dqdk_diag_warps, num_stages=config.dqdk_diag_stages,
-                 name="gla_dqdk_diag")(q, k, g, *((do, v) if form_da else (dA,)), p)
+                 name="gla_dqdk_diag")(q, k, g, do, v, p)
 
 
-def dqdk(q, k, v, g, p, s, do, h, dH, dA, *, scale, chunk_size, config, diag=None):
+def dqdk(q, k, v, g, p, s, do, h, dH, *, scale, chunk_size, config, diag=None):
   """Returns (dq, dk in q's dtype, dg float32), all [B, T, H, K]; ``g`` the per-dim
   float32 log-decay, ``p``, ``s`` chunk_cumsum's; ``h`` and ``dH`` the N chunk states and
-  their cotangents; ``dA`` :func:`pallas_kernels.intra.score_grad`'s, or None with
-  ``config.dqdk_da`` (formed in the kernels). ``diag``: :func:`diag_grads`' output when
-  already computed."""
+  their cotangents. dA = tril(scale do v^T) is formed inside the kernels. ``diag``:
+  :func:`diag_grads`' output when already computed."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   C = chunk_size
   N = T // C
-  form_da = config.dqdk_da
-  if form_da != (dA is None):
-    raise ValueError(f"grads.dqdk: dA must be None exactly when config.dqdk_da is set "
-                     f"(dqdk_da={form_da}, dA {'None' if dA is None else 'given'}).")
   f32 = jax.ShapeDtypeStruct(q.shape, cm.F32)
-  dq_d, dk_d = (diag_grads(q, k, g, dA, p, chunk_size=C, config=config, do=do, v=v,
-                           scale=scale) if diag is None else diag)
+  dq_d, dk_d = (diag_grads(q, k, g, do, v, p, scale=scale, chunk_size=C, config=config)
+                if diag is None else diag)
   BK, BV = cm.block(K, config.dqdk_bk), cm.block(V, config.dqdk_bv)
-  kern = functools.partial(_dqdk_kernel, C=C, V=V, BK=BK, BV=BV, dt=q.dtype, scale=scale,
-                           form_da=form_da)
+  kern = functools.partial(_dqdk_kernel, C=C, V=V, BK=BK, BV=BV, dt=q.dtype, scale=scale)
   out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype), f32)
   return cm.call(kern, out, (B, H, N, K // BK), config=config,
                  num_warps=config.dqdk_warps, num_stages=config.dqdk_stages,
-                 name="gla_dqdk")(q, k, v, p, s, do, h, dH, *([] if form_da else [dA]),
-                                  dq_d, dk_d)
+                 name="gla_dqdk")(q, k, v, p, s, do, h, dH, dq_d, dk_d)

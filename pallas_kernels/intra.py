@@ -1,4 +1,4 @@
-"""Chunk-parallel stages: intra-chunk scores A, their cotangent dA, and the output.
+"""Chunk-parallel stages: intra-chunk scores A and the output.
 
 Scores ``A[r, i] = sum_k q_rk k_ik exp(sum_{i < j <= r} g_jk)`` for ``i <= r`` (unscaled);
 every exponent is a sum of same-sign sub-chunk-local parts (``p``, ``s`` of
@@ -186,29 +186,6 @@ def scores(d, q, k, g, *, chunk_size, config):
   if not config.diag_dots:
     return scores_diag(q, k, g, scores_off(d, **kw), **kw)
   return _scores_call(d, (q, k, g), **kw)
-
-
-def _da_kernel(do_ref, v_ref, da_ref, *, C, V, BV, dt, scale):
-  b, hd, n = (pl.program_id(i) for i in range(3))
-  tc = pl.ds(n * C, C)
-
-  def v_slice(iv, da):
-    vs = pl.ds(iv * BV, BV)
-    return da + cm.dot(do_ref[b, tc, hd, vs], v_ref[b, tc, hd, vs], dt, tb=True)
-
-  da = jax.lax.fori_loop(0, V // BV, v_slice, jnp.zeros((C, C), cm.F32))
-  da_ref[b, hd, n] = jnp.where(cm.iota((C, C), 0) >= cm.iota((C, C), 1), scale * da, 0.0)
-
-
-def score_grad(do, v, *, scale, chunk_size, config):
-  """dA = tril(scale * do v^T) [B, H, N, C, C] float32."""
-  B, T, H, V = v.shape
-  C = chunk_size
-  BV = cm.block(V, config.da_bv)
-  kern = functools.partial(_da_kernel, C=C, V=V, BV=BV, dt=v.dtype, scale=scale)
-  return cm.call(kern, jax.ShapeDtypeStruct((B, H, T // C, C, C), cm.F32), (B, H, T // C),
-                 config=config, num_warps=config.da_warps, num_stages=config.da_stages,
-                 name="gla_score_grad")(do, v)
 
 
 def _output_kernel(qp_ref, v_ref, h_ref, a_ref, tots_ref, o_ref, *, C, K, BK, BV, dt, scale):

@@ -8,11 +8,11 @@ same kernels run in the Pallas interpreter, on any platform):
   fwd: the decay folded into q and k (the walk's and the scores' operands, sub-chunk
        totals) -> state pass -> scores A (diagonal included with ``config.diag_dots``)
        -> output
-  bwd: sub-chunk cumsums (p, s) -> dA (formed in the last two kernels instead with
-       ``config.dqdk_da``) -> state pass (recomputed) | state-gradient pass (one launch,
-       or two with ``config.fuse_state_passes`` off) -> A (without a residual:
+  bwd: sub-chunk cumsums (p, s) -> state pass (recomputed) | state-gradient pass (one
+       launch, or two with ``config.fuse_state_passes`` off) -> A (without a residual:
        recomputed by the forward's chunk_decays and scores) -> dv -> diagonal dq/dk
-       terms where the decay is too strong for dots -> dq, dk, dg
+       terms where the decay is too strong for dots -> dq, dk, dg (the last two form
+       dA = tril(scale do v^T) from do and v themselves)
 
 Exponents are formed from the sub-chunk-local cumulative log-decays ``p`` (inclusive
 prefix) and ``s`` (exclusive suffix) of :func:`pallas_kernels.state.chunk_cumsum`, and
@@ -61,7 +61,6 @@ def bwd_res(A, q, k, v, g, do, dht, *, scale, initial_state, chunk_size, config)
   dht = dht.astype(cm.F32)
   gd = cm.per_dim_decay(g, q.shape)
   p, s = state.chunk_cumsum(gd, **kw)
-  dA = None if config.dqdk_da else intra.score_grad(do, v, scale=scale, **kw)
   if config.fuse_state_passes:
     h, dH, dh0 = state.both_passes(q, k, v, do, p, s, initial_state, dht, scale=scale, **kw)
   else:
@@ -70,7 +69,7 @@ def bwd_res(A, q, k, v, g, do, dht, *, scale, initial_state, chunk_size, config)
   if A is None:       # the forward's two kernels, not its walk or output
     A = intra.scores(state.chunk_decays(gd, q, k, **kw), q, k, gd, **kw)
   dv = grads.dv(k, p, s, do, A, dH, scale=scale, **kw)
-  dq, dk, dg = grads.dqdk(q, k, v, gd, p, s, do, h, dH, dA, scale=scale, **kw)
+  dq, dk, dg = grads.dqdk(q, k, v, gd, p, s, do, h, dH, scale=scale, **kw)
   return dq, dk, dv, cm.decay_grad(dg, g), dh0
 
 

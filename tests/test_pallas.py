@@ -100,7 +100,7 @@ def test_pallas_float32_matches_reference(B, T, H, K, V, decay):
 
 @pytest.mark.parametrize("overrides", [{}, {"states_in_input_dtype": False,
                                             "fuse_state_passes": False},
-                                       {"diag_dots": False}, {"dqdk_da": True}])
+                                       {"diag_dots": False}])
 def test_pallas_bf16_matches_reference(overrides):
   q, k, v, g, h0, key = _inputs(1, 1, 96, 2, 64, 128, decay="mild", dtype=jnp.bfloat16)
   config = _config(q, v, **overrides)
@@ -201,12 +201,11 @@ def test_tpu_variant_lowers_to_mosaic(monkeypatch):
 @pytest.mark.parametrize("kept,overrides", [
     (False, {"states_in_input_dtype": False, "state_bk": 32, "state_bv": 32,
              "state_both_bv": 32, "scores_kd": 32, "dqdk_bk": 16, "cumsum_kd": 32,
-             "da_bv": 64, "out_bv": 64, "dv_bv": 64, "diag_kd": 64, "dqdk_diag_bk": 32}),
+             "out_bv": 64, "dv_bv": 64, "diag_kd": 64, "dqdk_diag_bk": 32}),
     (True, {"fuse_state_passes": False, "state_bv": 64, "out_bk": 32, "dv_bk": 32,
             "dqdk_bv": 32, "scores_kd": 16}),
     (True, {"diag_dots": False}),   # the separate exact scores kernel
     (True, {}),                     # the defaults; strong decay: every diagonal as loops
-    (True, {"dqdk_da": True}),      # dA formed in gla_dqdk and, for the loops, gla_dqdk_diag
 ])
 def test_gpu_launch_options_keep_results(kept, overrides):
   """Launch options the benchmark sweeps (float32 states, other tiles, the state walks in
@@ -235,8 +234,7 @@ def test_gpu_launch_options_keep_results(kept, overrides):
 
 @pytest.mark.parametrize("decay,tiles", [("mild", {}), ("mixed", {}), ("columns", {}),
                                          ("columns", {"dqdk_bk": 64, "dqdk_diag_bk": 16}),
-                                         ("columns", {"dqdk_bk": 16, "dqdk_diag_bk": 64}),
-                                         ("columns", {"dqdk_da": True})])
+                                         ("columns", {"dqdk_bk": 16, "dqdk_diag_bk": 64})])
 def test_diagonal_blocks_as_dots(decay, tiles):
   """The 16 x 16 diagonal blocks as dots where a K column's sub-chunk totals fit
   DIAG_DOT_SPAN, the exact loops elsewhere: the scores (``diag_dots``, the default)
@@ -248,8 +246,7 @@ def test_diagonal_blocks_as_dots(decay, tiles):
   than ``gla_dqdk_diag``'s. float32 against the jnp path; the scores within rounding of
   (not equal to) the loops (``diag_dots`` off), so the dots ran; dq / dk the same when
   ``gla_dqdk`` is handed NaN partials, except on the rejected columns (NaN there): the
-  partials are read where the loops ran and nowhere else (with ``dqdk_da``, dA formed in
-  the kernels: the whole op only)."""
+  partials are read where the loops ran and nowhere else."""
   from pallas_kernels import grads, intra, state
   from zeco_jax import chunked
   q, k, v, g, h0, key = _inputs(9, 1, 128, 1, 64, 64, decay="mild")
@@ -263,18 +260,16 @@ def test_diagonal_blocks_as_dots(decay, tiles):
   for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), grads_, grads_r):
     assert np.all(np.isfinite(np.asarray(a))), name
     assert rel_err(a, b) <= 1e-4, (name, rel_err(a, b))
-  config = dataclasses.replace(config, dqdk_da=False)     # the kernels below take dA
   kw = dict(chunk_size=64, config=config)
   p, s = state.chunk_cumsum(g, **kw)
   d = state.chunk_decays(g, q, k, **kw)
   A0, A1 = (intra.scores(d, q, k, g, chunk_size=64, config=c)
             for c in (_config(q, v, diag_dots=False), config))
   assert rel_err(A1, A0) <= 1e-6 and not np.array_equal(A1, A0)
-  dA = jax.random.normal(key, A0.shape)
-  dA = jnp.where(jnp.tril(jnp.ones((64, 64), bool)), dA, 0.0)
   h, _ = state.state_pass(k, v, p, s, h0, **kw)
   dH, _ = state.state_grad_pass(q, v, p, h0, scale=0.125, **kw)
-  args = (q, k, v, g, p, s, v, h, dH, dA)
+  do = jax.random.normal(key, v.shape)
+  args = (q, k, v, g, p, s, do, h, dH)
   dq, dk, _ = grads.dqdk(*args, scale=0.125, **kw)
   nan = jnp.full(q.shape, jnp.nan)
   dq_n, dk_n, _ = grads.dqdk(*args, scale=0.125, diag=(nan, nan), **kw)
@@ -289,7 +284,7 @@ def test_diagonal_blocks_as_dots(decay, tiles):
     assert np.array_equal(np.asarray(a)[~rejected], np.asarray(b)[~rejected])
 
 
-@pytest.mark.parametrize("overrides", [{}, {"diag_dots": False}, {"dqdk_da": True}])
+@pytest.mark.parametrize("overrides", [{}, {"diag_dots": False}])
 def test_kernels_lower_to_triton_for_a_gpu_target(overrides):
   """Every GPU kernel of the forward and backward lowers through Pallas's Triton lowering
   for an H200 target on this CPU host (an abstract device): what the interpreter tests
@@ -315,7 +310,6 @@ def test_kernels_lower_to_triton_for_a_gpu_target(overrides):
   names = ("gla_chunk_decays", "gla_state_pass", "gla_scores", "gla_output",
            "gla_chunk_cumsum", "gla_state_passes", "gla_dv", "gla_dqdk")
   assert all(name in text for name in names)
-  assert ("gla_score_grad" in text) != config.dqdk_da       # else formed in gla_dqdk
   assert "gla_dqdk_diag" in text
   assert ("gla_scores_diag" in text) != config.diag_dots     # else inside gla_scores
 
@@ -462,14 +456,14 @@ _H200_LAUNCHES = {
         ("gla_chunk_decays", (1, 16, 256, 1), 4, 1), ("gla_state_pass", (1, 16, 2, 4), 4, 3),
         ("gla_scores", (1, 16, 256), 4, 1),
         ("gla_output", (1, 16, 256, 1), 4, 3), ("gla_chunk_cumsum", (1, 16, 256, 2), 4, 1),
-        ("gla_score_grad", (1, 16, 256), 4, 2), ("gla_state_passes", (2, 16, 2, 2), 4, 3),
+        ("gla_state_passes", (2, 16, 2, 2), 4, 3),
         ("gla_dv", (1, 16, 256, 1), 4, 2), ("gla_dqdk_diag", (1, 16, 256, 4, 2), 2, 1),
         ("gla_dqdk", (1, 16, 256, 4), 4, 3)],
     (8, 4096, 4, 128, 256): [
         ("gla_chunk_decays", (8, 4, 64, 1), 4, 1), ("gla_state_pass", (8, 4, 2, 2), 4, 3),
         ("gla_scores", (8, 4, 64), 4, 1),
         ("gla_output", (8, 4, 64, 2), 4, 3), ("gla_chunk_cumsum", (8, 4, 64, 2), 4, 1),
-        ("gla_score_grad", (8, 4, 64), 4, 2), ("gla_state_passes", (16, 4, 2, 2), 4, 3),
+        ("gla_state_passes", (16, 4, 2, 2), 4, 3),
         ("gla_dv", (8, 4, 64, 2), 4, 2), ("gla_dqdk_diag", (8, 4, 64, 4, 2), 2, 1),
         ("gla_dqdk", (8, 4, 64, 4), 4, 3)],
 }
