@@ -157,8 +157,9 @@ def _dqdk_kernel(q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, dqd_r
   # Chunk-total gate term sum_v h[n+1] dH[n] (module docstring).
   d_last = (jnp.exp(cm.chunk_total(tot)) * d_last)[None, :] + jnp.sum(
       k * dk, axis=0, keepdims=True)
-  dA = jnp.where(cm.iota((C, C), 0) >= cm.iota((C, C), 1), scale * da, 0.0)     # [C, C]
-  rc, cc = cm.iota((C, C), 0) // S, cm.iota((C, C), 1) // S
+  ri, ci = cm.iota((C, C), 0), cm.iota((C, C), 1)
+  dA = jnp.where(ri >= ci, scale * da, 0.0)                                    # [C, C]
+  rc, cc = ri // S, ci // S
   fits, all_fit = cm.totals_fit(tot)
   fits = fits[None, :]
   # Rows of s: the columns before s through the row before s, e^{p_r} e^{x_i}, x_i = s_i
