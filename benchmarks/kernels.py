@@ -98,8 +98,11 @@ def jax_fns(backend, scale, config=None):
     return chunk_gla(q, k, v, g, scale=scale, backend=backend, kernel_config=config)[0]
 
   def fwd_bwd(q, k, v, g, do):
+    # o is returned so that the forward runs whole, as FLA's (eager) does: vjp(do) alone
+    # needs only the backward's residuals, and XLA drops the forward's output kernel and
+    # (unless the states are kept) its state walk as dead code.
     o, vjp = jax.vjp(fwd, q, k, v, g)
-    return vjp(do)
+    return o, vjp(do)
 
   return jax.jit(fwd), jax.jit(fwd_bwd)
 
@@ -458,7 +461,7 @@ def main():
         row[f"{vname} fwd GiB"] = jax_peak(f)
         row[f"{vname} fwd+bwd GiB"] = jax_peak(fb)
         if vname == "pallas":
-          gp = fb(q, k, v, g, do)
+          _, gp = fb(q, k, v, g, do)
           outs["pallas_grads"] = [np.asarray(x.astype(jnp.float32)) for x in gp]
         log(f"{name} {vname}: fwd {row[f'{vname} fwd ms']:.3f} ms, fwd+bwd "
             f"{row[f'{vname} fwd+bwd ms']:.3f} ms, peak {row[f'{vname} fwd GiB']:.2f} / "

@@ -167,7 +167,7 @@ def timings(log, smoke, iters, reps, docs):
 
     def fwd_bwd(q, k, v, g, ids, do):
       o, pull = jax.vjp(lambda q, k, v, g: fwd(q, k, v, g, ids), q, k, v, g)
-      return pull(do)
+      return o, pull(do)          # o too: else XLA drops the forward's output as dead code
     return (jax.jit(fwd).lower(q, k, v, g, ids).compile(),
             jax.jit(fwd_bwd).lower(q, k, v, g, ids, do).compile())
 
