@@ -21,7 +21,8 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 # Streaming multiprocessors assumed when the target GPU is not known (an H100 / H200, the
 # GPU the defaults were measured on).
 DEFAULT_SM_COUNT = 132
-_BOOL_FIELDS = ("interpret", "states_in_input_dtype", "fuse_state_passes", "diag_dots")
+_BOOL_FIELDS = ("interpret", "states_in_input_dtype", "fuse_state_passes", "diag_dots",
+                "save_states")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,13 @@ class KernelConfig:
   input dtype (every dot that reads them casts them to it anyway; the walks carry float32),
   else float32. ``fuse_state_passes``: the backward runs the state pass and the
   state-gradient pass side by side in one launch, else one after the other.
+  ``save_states``: the forward keeps its chunk states h[n] (which its output kernel reads
+  anyway) as a residual of :func:`zeco_jax.chunk_gla`'s custom_vjp, so the backward runs
+  only the state-gradient walk; else the backward recomputes h with a second walk. Keeping
+  h costs ``B * H * (T / C) * K * V`` elements in the state storage dtype (K / C times
+  v's size) held from the forward to the backward: on by default (measured on an H200:
+  the GLA-340M step 3% faster for 1.5 GiB at 16384 tokens, ``docs/kernels.md``); off
+  for a memory-bound run without remat.
   ``diag_dots``: the 16 x 16 diagonal blocks of the scores inside ``gla_scores``, one
   tensor-core dot per K slice of a chunk whose sub-chunk totals are all >= -16 (the
   exact column loop on the others), else the separate exact kernel ``gla_scores_diag``
@@ -97,6 +105,7 @@ class KernelConfig:
   dqdk_diag_stages: int = 1
   states_in_input_dtype: bool = True
   fuse_state_passes: bool = True
+  save_states: bool = True
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:

@@ -8,8 +8,9 @@ same kernels run in the Pallas interpreter, on any platform):
   fwd: the decay folded into q and k (the walk's and the scores' operands, sub-chunk
        totals) -> state pass -> scores A (diagonal included with ``config.diag_dots``)
        -> output
-  bwd: sub-chunk cumsums (p, s) -> state pass (recomputed) | state-gradient pass (one
-       launch, or two with ``config.fuse_state_passes`` off) -> A (without a residual:
+  bwd: sub-chunk cumsums (p, s) -> state pass (recomputed; skipped when the forward's
+       states are kept, ``config.save_states``) | state-gradient pass (one launch, or
+       two with ``config.fuse_state_passes`` off) -> A (without a residual:
        recomputed by the forward's chunk_decays and scores) -> dv -> diagonal dq/dk
        terms where the decay is too strong for dots -> dq, dk, dg (the last two form
        dA = tril(scale do v^T) from do and v themselves)
@@ -23,11 +24,16 @@ accuracy (issue 16; ``docs/kernels.md``).
 The kernels have no scalar-decay path yet: a scalar g is broadcast over K at entry and
 its gradient summed over K at exit (no decay: zeros, and no gradient).
 
-``fwd_res`` / ``bwd_res`` are the same with the float32 scores A kept from the forward
-(``B * T * H * C`` elements: as many as q has when K = C), which :func:`zeco_jax.chunk_gla`
-uses as its custom_vjp residual.
+``fwd_res`` / ``bwd_res`` are the same with a :class:`Residual` kept from the forward,
+which :func:`zeco_jax.chunk_gla` uses as its custom_vjp residual: the float32 scores A
+(``B * T * H * C`` elements: as many as q has when K = C) and, with
+``config.save_states``, the chunk states h.
 """
 from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
 
 from pallas_kernels import _common as cm
 from pallas_kernels import grads
@@ -35,8 +41,16 @@ from pallas_kernels import intra
 from pallas_kernels import state
 
 
+class Residual(NamedTuple):
+  """What ``fwd_res`` keeps for ``bwd_res``: the scores A, and the chunk states h
+  ``[B, H, N, K, V]`` with ``config.save_states`` (the default; else None: the backward
+  recomputes them)."""
+  A: jax.Array
+  h: Optional[jax.Array] = None
+
+
 def fwd_res(q, k, v, g, *, scale, initial_state, chunk_size, config):
-  """((o, final_state), A) with A the residual ``bwd_res`` takes."""
+  """((o, final_state), :class:`Residual`), the residual ``bwd_res`` takes."""
   cm.check_dims(q.shape[-1], v.shape[-1], chunk_size)
   kw = dict(chunk_size=chunk_size, config=config)
   g = cm.per_dim_decay(g, q.shape)
@@ -44,7 +58,7 @@ def fwd_res(q, k, v, g, *, scale, initial_state, chunk_size, config):
   h, final = state.folded_state_pass(d.kd, v, d.dl, initial_state, **kw)
   A = intra.scores(d, q, k, g, **kw)
   o = intra.output(d.qp, v, h, A, d.tots, scale=scale, **kw)
-  return (o, final), A
+  return (o, final), Residual(A, h if config.save_states else None)
 
 
 def fwd(q, k, v, g, *, scale, initial_state, chunk_size, config):
@@ -52,16 +66,19 @@ def fwd(q, k, v, g, *, scale, initial_state, chunk_size, config):
                  config=config)[0]
 
 
-def bwd_res(A, q, k, v, g, do, dht, *, scale, initial_state, chunk_size, config):
-  """The backward; ``A`` is ``fwd_res``'s residual, or None (then it is recomputed).
-  Returns (dq, dk, dv, dg in g's shape or None, dh0)."""
+def bwd_res(res, q, k, v, g, do, dht, *, scale, initial_state, chunk_size, config):
+  """The backward; ``res`` is ``fwd_res``'s :class:`Residual`, or None (then A and h are
+  recomputed). Returns (dq, dk, dv, dg in g's shape or None, dh0)."""
   cm.check_dims(q.shape[-1], v.shape[-1], chunk_size)
   kw = dict(chunk_size=chunk_size, config=config)
   do = do.astype(v.dtype)
   dht = dht.astype(cm.F32)
   gd = cm.per_dim_decay(g, q.shape)
   p, s = state.chunk_cumsum(gd, **kw)
-  if config.fuse_state_passes:
+  A, h = res if res is not None else (None, None)
+  if h is not None:   # the forward's states: the gradient walk alone
+    dH, dh0 = state.state_grad_pass(q, do, p, dht, scale=scale, **kw)
+  elif config.fuse_state_passes:
     h, dH, dh0 = state.both_passes(q, k, v, do, p, s, initial_state, dht, scale=scale, **kw)
   else:
     h, _ = state.state_pass(k, v, p, s, initial_state, **kw)

@@ -7,6 +7,7 @@ every launch option of ``KernelConfig`` (passed explicitly; nothing module-level
 """
 
 import dataclasses
+import functools
 import types
 
 import jax
@@ -100,7 +101,7 @@ def test_pallas_float32_matches_reference(B, T, H, K, V, decay):
 
 @pytest.mark.parametrize("overrides", [{}, {"states_in_input_dtype": False,
                                             "fuse_state_passes": False},
-                                       {"diag_dots": False}])
+                                       {"diag_dots": False, "save_states": False}])
 def test_pallas_bf16_matches_reference(overrides):
   q, k, v, g, h0, key = _inputs(1, 1, 96, 2, 64, 128, decay="mild", dtype=jnp.bfloat16)
   config = _config(q, v, **overrides)
@@ -202,8 +203,8 @@ def test_tpu_variant_lowers_to_mosaic(monkeypatch):
     (False, {"states_in_input_dtype": False, "state_bk": 32, "state_bv": 32,
              "state_both_bv": 32, "scores_kd": 32, "dqdk_bk": 16, "cumsum_kd": 32,
              "out_bv": 64, "dv_bv": 64, "diag_kd": 64, "dqdk_diag_bk": 32}),
-    (True, {"fuse_state_passes": False, "state_bv": 64, "out_bk": 32, "dv_bk": 32,
-            "dqdk_bv": 32, "scores_kd": 16}),
+    (True, {"fuse_state_passes": False, "save_states": False, "state_bv": 64, "out_bk": 32,
+            "dv_bk": 32, "dqdk_bv": 32, "scores_kd": 16}),
     (True, {"diag_dots": False}),   # the separate exact scores kernel
     (True, {}),                     # the defaults; strong decay: every diagonal as loops
 ])
@@ -211,7 +212,7 @@ def test_gpu_launch_options_keep_results(kept, overrides):
   """Launch options the benchmark sweeps (float32 states, other tiles, the state walks in
   separate launches) compute the same function, both in the recomputing backward
   (``bwd``) and through ``fwd_res`` / ``bwd_res`` (what chunk_gla uses) with the
-  forward's A kept."""
+  forward's A kept, and its states h too unless ``save_states`` is off."""
   from zeco_jax import chunked
   q, k, v, g, h0, key = _inputs(3, 1, 128, 1, 64, 128, decay="strong")
   config = _config(q, v, **overrides)
@@ -284,7 +285,7 @@ def test_diagonal_blocks_as_dots(decay, tiles):
     assert np.array_equal(np.asarray(a)[~rejected], np.asarray(b)[~rejected])
 
 
-@pytest.mark.parametrize("overrides", [{}, {"diag_dots": False}])
+@pytest.mark.parametrize("overrides", [{}, {"diag_dots": False, "save_states": False}])
 def test_kernels_lower_to_triton_for_a_gpu_target(overrides):
   """Every GPU kernel of the forward and backward lowers through Pallas's Triton lowering
   for an H200 target on this CPU host (an abstract device): what the interpreter tests
@@ -308,8 +309,11 @@ def test_kernels_lower_to_triton_for_a_gpu_target(overrides):
   with jax.sharding.use_abstract_mesh(mesh):
     text = jax.jit(fwd_bwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   names = ("gla_chunk_decays", "gla_state_pass", "gla_scores", "gla_output",
-           "gla_chunk_cumsum", "gla_state_passes", "gla_dv", "gla_dqdk")
+           "gla_chunk_cumsum", "gla_dv", "gla_dqdk")
   assert all(name in text for name in names)
+  # The backward's walks: the gradient walk alone when the forward's states are kept.
+  assert ("gla_state_grad_pass" in text) == config.save_states
+  assert ("gla_state_passes" in text) != config.save_states
   assert "gla_dqdk_diag" in text
   assert ("gla_scores_diag" in text) != config.diag_dots     # else inside gla_scores
 
@@ -317,7 +321,8 @@ def test_kernels_lower_to_triton_for_a_gpu_target(overrides):
 def test_state_storage_dtype():
   """The chunk states h[n] are stored in the input dtype (bf16 for bf16 inputs) with
   ``states_in_input_dtype`` (the default), in float32 without; the scores A kept for the
-  backward are float32."""
+  backward are float32; the states are kept for it with ``save_states`` (the default; in
+  the storage dtype, the recomputing walk's), not without."""
   from pallas_kernels import state
   q, k, v, g, h0, _ = _inputs(4, 1, 64, 1, 64, 64, decay="mild")
   for dtype, stored in ((jnp.bfloat16, True), (jnp.float32, True), (jnp.bfloat16, False)):
@@ -326,9 +331,16 @@ def test_state_storage_dtype():
     p, s = state.chunk_cumsum(g, chunk_size=64, config=config)
     h, _ = state.state_pass(cast(k), cast(v), p, s, h0, chunk_size=64, config=config)
     assert h.shape == (1, 1, 1, 64, 64) and h.dtype == (dtype if stored else jnp.float32)
-  _, A = pallas_kernels.backend("cpu").fwd_res(q, k, v, g, scale=0.125, initial_state=h0,
-                                               chunk_size=64, config=_config(q, v))
-  assert A.dtype == jnp.float32
+  fwd_res = functools.partial(pallas_kernels.backend("cpu").fwd_res, q, k, v, g, scale=0.125,
+                              initial_state=h0, chunk_size=64)
+  _, res = fwd_res(config=_config(q, v, save_states=False))
+  assert res.A.dtype == jnp.float32 and res.h is None
+  config = _config(q, v)
+  _, res = fwd_res(config=config)
+  p, s = state.chunk_cumsum(g, chunk_size=64, config=config)
+  h, _ = state.state_pass(k, v, p, s, h0, chunk_size=64, config=config)
+  assert res.A.dtype == jnp.float32 and res.h.dtype == jnp.float32 and res.h.shape == h.shape
+  assert rel_err(res.h, h) <= 1e-5 and float(jnp.max(jnp.abs(h))) > 0
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
