@@ -152,8 +152,33 @@ def _dqdk_kernel(q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, dqd_r
   suf = s_ref[b, tc, hd, ks]
   row = cm.iota((C, BK), 0)
   blk = row // S
-  dq = scale * dq_s * jnp.exp(cm.chunk_prefix(pre, tot, blk))
-  dk = dk_s * jnp.exp(cm.chunk_suffix(suf, tot, blk))               # e^{b_last - bc}
+  # Every exponent below is p or s of the row plus a run of sub-chunk totals between
+  # sub-chunks: e^{p} and e^{s} are taken once per tile, and each run's factor e^{T_a +
+  # ... + T_{b-1}} once per [BK] row (a product of exps of same-sign sums, each <= 1: no
+  # overflow, no cancellation), instead of one [C, BK] exp per sub-chunk and direction.
+  e_pre, e_suf = jnp.exp(pre), jnp.exp(suf)
+  runs = {}
+
+  def run(a, b):                # e^{T_a + ... + T_{b-1}} [BK]; None for an empty run (1)
+    if a >= b:
+      return None
+    if (a, b) not in runs:
+      acc = tot[a]
+      for u in range(a + 1, b):
+        acc = acc + tot[u]
+      runs[(a, b)] = jnp.exp(acc)
+    return runs[(a, b)]
+
+  def by_block(factor):         # [C, BK]: sub-chunk u's rows get factor(u) (None: 1, 0.: 0)
+    out = 0.0
+    for u in range(L):
+      f = factor(u)
+      if not (isinstance(f, float) and f == 0.0):
+        out = jnp.where(blk == u, 1.0 if f is None else f[None, :], out)
+    return out
+
+  dq = scale * dq_s * e_pre * by_block(lambda u: run(0, u))           # e^{bc}
+  dk = dk_s * e_suf * by_block(lambda u: run(u + 1, L))               # e^{b_last - bc}
   # Chunk-total gate term sum_v h[n+1] dH[n] (module docstring).
   d_last = (jnp.exp(cm.chunk_total(tot)) * d_last)[None, :] + jnp.sum(
       k * dk, axis=0, keepdims=True)
@@ -162,28 +187,28 @@ def _dqdk_kernel(q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, dqd_r
   rc, cc = ri // S, ci // S
   fits, all_fit = cm.totals_fit(tot)
   fits = fits[None, :]
-  # Rows of s: the columns before s through the row before s, e^{p_r} e^{x_i}, x_i = s_i
-  # + sum_{blk(i) < u < s} T_u, carried from one s to the next by adding T_s; the columns
-  # of s itself through e^{-p_j} (<= e^16 where ``fits``; 0 elsewhere).
-  x, q_side = suf, jnp.exp(pre)
+  # Rows of s: the columns of sub-chunks u < s through the row before s, e^{p_r} e^{s_i +
+  # T_{u+1} + ... + T_{s-1}}; the columns of s itself through e^{-p_j} (<= e^16 where
+  # ``fits``; 0 elsewhere).
+  k_suf = k * e_suf
   k_neg = jnp.where(fits, k * jnp.exp(-pre), 0.0)
   for s in range(L):
-    k_fac = k * cm.masked_exp(row < s * S, x) + jnp.where(blk == s, k_neg, 0.0)
+    k_fac = jnp.where(blk == s, k_neg, 0.0)
+    if s > 0:
+      k_fac = k_fac + k_suf * by_block(lambda u: run(u + 1, s) if u < s else 0.0)
     part = cm.dot(jnp.where((rc == s) & (cc <= s), dA, 0.0), k_fac, dt)
-    dq = dq + jnp.where(blk == s, q_side * part, 0.0)
-    if 0 < s < L - 1:
-      x = x + jnp.where(blk < s, tot[s][None, :], 0.0)
-  # Columns of s: the rows after s through the last row of s, e^{s_i} e^{y_r}, y_r = p_r
-  # + sum_{s < u < blk(r)} T_u, carried from one s to the one before by adding T_s; the
-  # rows of s itself through e^{-s_r} (e^{s_i - s_r}: the decay over (i, r]).
-  y, k_side = pre, jnp.exp(suf)
+    dq = dq + jnp.where(blk == s, e_pre * part, 0.0)
+  # Columns of s: the rows of sub-chunks u > s through the last row of s, e^{s_i} e^{p_r +
+  # T_{s+1} + ... + T_{u-1}}; the rows of s itself through e^{-s_r} (e^{s_i - s_r}: the
+  # decay over (i, r]).
+  q_pre = q * e_pre
   q_neg = jnp.where(fits, q * jnp.exp(-suf), 0.0)
   for s in reversed(range(L)):
-    q_fac = q * cm.masked_exp(row >= s * S + S, y) + jnp.where(blk == s, q_neg, 0.0)
+    q_fac = jnp.where(blk == s, q_neg, 0.0)
+    if s < L - 1:
+      q_fac = q_fac + q_pre * by_block(lambda u: run(s + 1, u) if u > s else 0.0)
     part = cm.dot(jnp.where((cc == s) & (rc >= s), dA, 0.0), q_fac, dt, ta=True)
-    dk = dk + jnp.where(blk == s, k_side * part, 0.0)
-    if 0 < s < L - 1:
-      y = y + jnp.where(blk > s, tot[s][None, :], 0.0)
+    dk = dk + jnp.where(blk == s, e_suf * part, 0.0)
   dq, dk = jax.lax.cond(                  # the loops' terms, on the columns the dots left out
       all_fit, lambda: (dq, dk),
       lambda: (dq + jnp.where(fits, 0.0, dqd_ref[b, tc, hd, ks]),
