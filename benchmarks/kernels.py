@@ -150,8 +150,10 @@ def jax_peak(exe):
 
 
 # Which stages a KernelConfig field changes (--stage-sweep times only those).
-STAGE_OF_KEY = {"cumsum": ("chunk_cumsum", "chunk_decays"), "decays": ("chunk_decays",),
-                "state": ("folded_state_pass", "state_pass", "state_grad_pass", "state_passes"),
+STAGE_OF_KEY = {"cumsum": ("chunk_cumsum", "chunk_cumsum_fold", "chunk_decays"),
+                "decays": ("chunk_decays",),
+                "state": ("folded_state_pass", "state_pass", "state_grad_pass", "state_passes",
+                          "folded_state_grad_pass"),
                 "scores": ("scores", "scores_off"),
                 "diag": ("scores", "scores_diag"),
                 "out": ("output",), "dv": ("dv",), "dqdk_diag": ("dqdk_diag",),
@@ -176,13 +178,14 @@ def stage_inputs(q, k, v, g, do, scale, config):
   g = g if g.ndim == 4 else jnp.broadcast_to(g[..., None], q.shape).astype(jnp.float32)
   d = jax.jit(lambda g, q, k: state.chunk_decays(g, q, k, **kw))(g, q, k)
   p, s = jax.jit(lambda g: state.chunk_cumsum(g, **kw))(g)
+  _, _, qd, dl = jax.jit(lambda g, q: state.chunk_cumsum_folded(g, q, scale=scale, **kw))(g, q)
   h, _ = jax.jit(lambda k, v, p, s: state.state_pass(k, v, p, s, h0, **kw))(k, v, p, s)
   dH, _ = jax.jit(lambda q, do, p: state.state_grad_pass(q, do, p, h0, scale=scale,
                                                          **kw))(q, do, p)
   A = jax.jit(lambda d, q, k, g: intra.scores(d, q, k, g, **kw))(d, q, k, g)
   diag = jax.jit(lambda q, k, g, do, v, p: grads.diag_grads(q, k, g, do, v, p, scale=scale,
                                                             **kw))(q, k, g, do, v, p)
-  return dict(h0=h0, g=g, d=d, p=p, s=s, h=h, dH=dH, A=A, diag=diag)
+  return dict(h0=h0, g=g, d=d, p=p, s=s, qd=qd, dl=dl, h=h, dH=dH, A=A, diag=diag)
 
 
 def stage_times(q, k, v, g, do, scale, iters, reps, config, *, names=None, pre=None):
@@ -191,13 +194,14 @@ def stage_times(q, k, v, g, do, scale, iters, reps, config, *, names=None, pre=N
   forward runs chunk_decays, folded_state_pass, scores (with ``diag_dots`` one launch of
   gla_scores, diagonal included; else scores_off, then scores_diag in place: timed
   alone, scores_diag also copies A; scores_off is the off-diagonal kernel alone either
-  way) and output; the backward chunk_cumsum, state_passes (state_pass and
-  state_grad_pass in one launch), dv, dqdk_diag and dqdk."""
+  way) and output; the backward chunk_cumsum_fold and folded_state_grad_pass (with
+  ``save_states``; else chunk_cumsum and state_passes, state_pass and state_grad_pass in
+  one launch), dv, dqdk_diag and dqdk."""
   from pallas_kernels import grads, intra, state
   kw = dict(chunk_size=64, config=config)
   p = pre or stage_inputs(q, k, v, g, do, scale, config)
-  h0, g, d, h, dH, A, diag, ps, ss = (
-      p[n] for n in ("h0", "g", "d", "h", "dH", "A", "diag", "p", "s"))
+  h0, g, d, h, dH, A, diag, ps, ss, qd, dl = (
+      p[n] for n in ("h0", "g", "d", "h", "dH", "A", "diag", "p", "s", "qd", "dl"))
   stages = {
       "chunk_decays": (lambda g, q, k: state.chunk_decays(g, q, k, **kw), (g, q, k)),
       "folded_state_pass": (lambda kd, v, dl: state.folded_state_pass(kd, v, dl, h0, **kw),
@@ -208,6 +212,10 @@ def stage_times(q, k, v, g, do, scale, iters, reps, config, *, names=None, pre=N
       "output": (lambda qp, v, h, A, t: intra.output(qp, v, h, A, t, scale=scale, **kw),
                  (d.qp, v, h, A, d.tots)),
       "chunk_cumsum": (lambda g: state.chunk_cumsum(g, **kw), (g,)),
+      "chunk_cumsum_fold": (lambda g, q: state.chunk_cumsum_folded(g, q, scale=scale, **kw),
+                            (g, q)),
+      "folded_state_grad_pass": (
+          lambda qd, do, dl: state.folded_state_grad_pass(qd, do, dl, h0, **kw), (qd, do, dl)),
       "state_pass": (lambda k, v, p, s: state.state_pass(k, v, p, s, h0, **kw), (k, v, ps, ss)),
       "state_grad_pass": (lambda q, do, p: state.state_grad_pass(q, do, p, h0, scale=scale,
                                                                  **kw), (q, do, ps)),

@@ -55,7 +55,9 @@ class KernelConfig:
   state-gradient pass side by side in one launch, else one after the other.
   ``save_states``: the forward keeps its chunk states h[n] (which its output kernel reads
   anyway) as a residual of :func:`zeco_jax.chunk_gla`'s custom_vjp, so the backward runs
-  only the state-gradient walk; else the backward recomputes h with a second walk. Keeping
+  only the state-gradient walk, over ``scale q e^{bc}`` and ``e^{b_last}`` that its cumsum
+  kernel writes (no exp in the walk's chain, as the forward's walk); else the backward
+  recomputes h with a second walk beside the gradient walk, both unfolded. Keeping
   h costs ``B * H * (T / C) * K * V`` elements in the state storage dtype (K / C times
   v's size) held from the forward to the backward: on by default (measured on an H200:
   the GLA-340M step 3% faster for 1.5 GiB at 16384 tokens, ``docs/kernels.md``); off

@@ -24,10 +24,19 @@ e^{b_last - bc}`` (the state walk), and in float32 the sub-chunk totals and ``dl
 e^{b_last}`` per chunk ``[B, H, N, K]``. Every dot that reads them casts its operands to
 the input dtype anyway, so the forward walk's sequential chunk steps do a dot and a scale
 and nothing else (no exp, no select), and the scores and the output read half the bytes
-of float32 p and s. The backward keeps ``chunk_cumsum`` and forms the decayed keys inside
-its walks: measured on one H200 (``docs/kernels.md``), folding made the forward faster
-(6-7% for the walk's keys, 11% more for the scores' operands) and the backward slower
-(its extra writes cost more than its walks saved).
+of float32 p and s. Measured on one H200 (``docs/kernels.md``), folding made the forward
+faster (6-7% for the walk's keys, 11% more for the scores' operands); a backward that
+recomputes the states keeps ``chunk_cumsum`` and forms the decayed keys and queries inside
+its two walks (folding both there made it slower: its extra writes cost more than the two
+walks, side by side in one launch, saved).
+
+``chunk_cumsum_folded`` is ``chunk_cumsum`` also writing the state-gradient walk's
+operands with the decay folded in: ``qd = scale q e^{bc}`` in q's dtype and ``dl =
+e^{b_last}``, ``bc`` and ``b_last`` added from the sub-chunk totals in ``chunk_prefix``'s
+and ``chunk_total``'s order, so ``folded_state_grad_pass`` dots the operands the unfolded
+walk would. The backward that keeps the forward's states (``config.save_states``) runs
+that walk alone over them: 0.04 ms faster than the unfolded walk at B1 T16384 H16 K=V=128
+on an H200, the same at the second benchmark shape.
 
 State passes, grid ``(B, H, K / BK, V / BV)``: each program owns one ``[BK, BV]`` tile of
 one head's state and walks the chunks in order (or in reverse); this ``K x V`` recurrence
@@ -37,6 +46,7 @@ is the only sequential work in the algorithm.
                state <- e^{b_last} state + (k e^{b_last - bc})^T v
   grad pass:   dH[n] = cotangent of the state leaving chunk n;
                dstate <- e^{b_last} dstate + scale (q e^{bc})^T do
+               (folded: dstate <- dl[n] dstate + qd^T do)
 """
 from __future__ import annotations
 
@@ -60,11 +70,14 @@ class Decays(NamedTuple):
   tots: jax.Array   # [B, H, N, C / 16, K] float32: the sub-chunk totals T_u
 
 
-def _cumsum_kernel(*refs, C, KD, fold):
-  """p and s of one chunk's [C, KD] tile (``chunk_cumsum``); with ``fold``
-  (``chunk_decays``) instead qp, ks, kn, kd, dl and the totals."""
+def _cumsum_kernel(*refs, C, KD, fold, grad_fold=False, scale=None):
+  """p and s of one chunk's [C, KD] tile (``chunk_cumsum``); with ``grad_fold``
+  (``chunk_cumsum_folded``) also qd and dl; with ``fold`` (``chunk_decays``) instead qp,
+  ks, kn, kd, dl and the totals."""
   if fold:
     g_ref, q_ref, k_ref, qp_ref, ks_ref, kn_ref, kd_ref, dl_ref, tots_ref = refs
+  elif grad_fold:
+    g_ref, q_ref, p_ref, s_ref, qd_ref, dl_ref = refs
   else:
     g_ref, p_ref, s_ref = refs
   b, hd, n, ik = (pl.program_id(i) for i in range(4))
@@ -73,23 +86,33 @@ def _cumsum_kernel(*refs, C, KD, fold):
   last = cm.iota((S, KD), 0) == S - 1
   # p: a forward cumsum of each [16, KD] sub-chunk tile. Folding: its last row is the
   # sub-chunk's total T_u (a masked sum: exact), and b_last = T_0 + ... + T_{L-1}, added
-  # in the order _common.chunk_total adds them.
+  # in the order _common.chunk_total adds them; ``before`` entering sub-chunk u is T_0 +
+  # ... + T_{u-1} in the order _common.chunk_prefix adds them, so the gradient fold's bc
+  # = before + p is the unfolded walk's, bit for bit.
   tot, before = [], None
   for u in range(L):
     sub = pl.ds(n * C + u * S, S)
     p = jnp.cumsum(g_ref[b, sub, hd, ks].astype(cm.F32), axis=0)
     if not fold:
       p_ref[b, sub, hd, ks] = p
+    if grad_fold:                                      # scale q e^{bc}, bc = before + p
+      bc = p if before is None else p + before[None, :]
+      qd_ref[b, sub, hd, ks] = (q_ref[b, sub, hd, ks].astype(cm.F32)
+                                * (scale * jnp.exp(bc))).astype(qd_ref.dtype)
+    elif fold:
+      q_f, k_f = q_ref[b, sub, hd, ks].astype(cm.F32), k_ref[b, sub, hd, ks].astype(cm.F32)
+      qp_ref[b, sub, hd, ks] = (q_f * jnp.exp(p)).astype(qp_ref.dtype)
+      kn_ref[b, sub, hd, ks] = (k_f * jnp.exp(-jnp.maximum(p, -cm.DIAG_DOT_SPAN))).astype(
+          kn_ref.dtype)
+    else:
       continue
-    q_f, k_f = q_ref[b, sub, hd, ks].astype(cm.F32), k_ref[b, sub, hd, ks].astype(cm.F32)
-    qp_ref[b, sub, hd, ks] = (q_f * jnp.exp(p)).astype(qp_ref.dtype)
-    kn_ref[b, sub, hd, ks] = (k_f * jnp.exp(-jnp.maximum(p, -cm.DIAG_DOT_SPAN))).astype(
-        kn_ref.dtype)
     tot.append(jnp.sum(jnp.where(last, p, 0.0), axis=0))
-    tots_ref[b, hd, n, u, ks] = tot[-1]
+    if fold:
+      tots_ref[b, hd, n, u, ks] = tot[-1]
     before = tot[-1] if before is None else before + tot[-1]
-  if fold:
+  if fold or grad_fold:
     dl_ref[b, hd, n, ks] = jnp.exp(before)                            # b_last = sum_u T_u
+  if fold:
     # The later sub-chunks' totals per sub-chunk as a [L, KD] tile (row u: T_{u+1} + ...
     # + T_{L-1}, added in _common.chunk_suffix's order).
     lrow, acc, after = cm.iota((L, KD), 0), None, jnp.zeros((L, KD), cm.F32)
@@ -142,6 +165,26 @@ def chunk_decays(g, q, k, *, chunk_size, config):
   return Decays(*cm.call(kern, out, (B, H, N, K // KD), config=config,
                          num_warps=config.cumsum_warps, num_stages=1,
                          name="gla_chunk_decays")(g, q, k))
+
+
+def chunk_cumsum_folded(g, q, *, scale, chunk_size, config):
+  """(p, s, qd, dl): :func:`chunk_cumsum`'s p and s (which the backward's other kernels
+  read), and the state-gradient walk's operands with the decay folded in (the backward
+  with ``config.save_states``): ``qd = scale q e^{bc}`` [B, T, H, K] in q's dtype (what
+  the unfolded walk casts to it before its dot) and ``dl = e^{b_last}`` [B, H, N, K]
+  float32, both formed from the sub-chunk totals as the unfolded walk forms them."""
+  B, T, H, K = g.shape
+  C = chunk_size
+  N = T // C
+  KD = cm.block(K, config.cumsum_kd)
+  kern = functools.partial(_cumsum_kernel, C=C, KD=KD, fold=False, grad_fold=True,
+                           scale=scale)
+  f32 = jax.ShapeDtypeStruct(g.shape, cm.F32)
+  out = (f32, f32, jax.ShapeDtypeStruct(g.shape, q.dtype),
+         jax.ShapeDtypeStruct((B, H, N, K), cm.F32))
+  return cm.call(kern, out, (B, H, N, K // KD), config=config,
+                 num_warps=config.cumsum_warps, num_stages=1,
+                 name="gla_chunk_cumsum_fold")(g, q)
 
 
 def walk_params(k, v, *, chunk_size, config, both=False):
@@ -231,27 +274,47 @@ def folded_state_pass(kd, v, dl, h0, *, chunk_size, config):
                    "gla_state_pass", config)(kd, v, dl, h0)
 
 
-def _grad_walk(q_ref, do_ref, p_ref, dht_ref, dh_ref, dh0_ref, b, hd, ik, iv, *, C, N, BK, BV,
-               dt, scale):
+def _grad_walk(queries, do_ref, dht_ref, dh_ref, dh0_ref, b, hd, ik, iv, *, C, N, BK, BV,
+               dt):
+  """One [BK, BV] tile of the state's cotangent walked over the chunks in reverse;
+  ``queries(n, t, ks)`` gives chunk n's decayed queries ``scale q e^{bc}`` [C, BK] and
+  its decay ``e^{b_last}`` [BK]."""
   ks, vs = pl.ds(ik * BK, BK), pl.ds(iv * BV, BV)
-  blk = cm.iota((C, BK), 0) // cm.SUB
 
   def body(i, dstate):
     n = N - 1 - i
     dh_ref[b, hd, n, ks, vs] = dstate.astype(dh_ref.dtype)
     t = pl.ds(n * C, C)
-    tot = cm.sub_totals(p_ref, b, n * C, hd, ks, C // cm.SUB)
-    bc = cm.chunk_prefix(p_ref[b, t, hd, ks], tot, blk)            # [C, BK]
-    q_dec = q_ref[b, t, hd, ks].astype(cm.F32) * (scale * jnp.exp(bc))
+    q_dec, decay = queries(n, t, ks)
     loc = cm.dot(q_dec, do_ref[b, t, hd, vs], dt, ta=True)       # [BK, BV]
-    return jnp.exp(cm.chunk_total(tot))[:, None] * dstate + loc
+    return decay[:, None] * dstate + loc
 
   dh0_ref[b, hd, ks, vs] = jax.lax.fori_loop(0, N, body, dht_ref[b, hd, ks, vs])
 
 
-def _state_grad_kernel(q_ref, do_ref, p_ref, dht_ref, dh_ref, dh0_ref, **kw):
-  _grad_walk(q_ref, do_ref, p_ref, dht_ref, dh_ref, dh0_ref,
-             *(pl.program_id(i) for i in range(4)), **kw)
+def _decayed_queries(q_ref, p_ref, b, hd, *, C, BK, scale):
+  """``queries`` of :func:`_grad_walk` formed from q and p (chunk_cumsum's)."""
+  blk = cm.iota((C, BK), 0) // cm.SUB
+
+  def queries(n, t, ks):
+    tot = cm.sub_totals(p_ref, b, n * C, hd, ks, C // cm.SUB)
+    bc = cm.chunk_prefix(p_ref[b, t, hd, ks], tot, blk)            # [C, BK]
+    return (q_ref[b, t, hd, ks].astype(cm.F32) * (scale * jnp.exp(bc)),
+            jnp.exp(cm.chunk_total(tot)))
+
+  return queries
+
+
+def _state_grad_kernel(q_ref, do_ref, p_ref, dht_ref, dh_ref, dh0_ref, *, scale, **kw):
+  b, hd, ik, iv = (pl.program_id(i) for i in range(4))
+  queries = _decayed_queries(q_ref, p_ref, b, hd, C=kw["C"], BK=kw["BK"], scale=scale)
+  _grad_walk(queries, do_ref, dht_ref, dh_ref, dh0_ref, b, hd, ik, iv, **kw)
+
+
+def _folded_state_grad_kernel(qd_ref, do_ref, dl_ref, dht_ref, dh_ref, dh0_ref, **kw):
+  b, hd, ik, iv = (pl.program_id(i) for i in range(4))
+  queries = lambda n, t, ks: (qd_ref[b, t, hd, ks], dl_ref[b, hd, n, ks])
+  _grad_walk(queries, do_ref, dht_ref, dh_ref, dh0_ref, b, hd, ik, iv, **kw)
 
 
 def state_grad_pass(q, do, p, dht, *, scale, chunk_size, config):
@@ -262,6 +325,15 @@ def state_grad_pass(q, do, p, dht, *, scale, chunk_size, config):
                    "gla_state_grad_pass", config)(q, do, p, dht)
 
 
+def folded_state_grad_pass(qd, do, dl, dht, *, chunk_size, config):
+  """:func:`state_grad_pass` from :func:`chunk_cumsum_folded`'s ``qd`` and ``dl`` (the
+  scale is in qd): each chunk step a dot and a scale, no exp in the chain."""
+  grid, kw = walk_params(qd, do, chunk_size=chunk_size, config=config)
+  out = walk_outputs(qd, do, chunk_size=chunk_size, config=config, states=False, grads=True)
+  return walk_call(functools.partial(_folded_state_grad_kernel, **kw), out, grid,
+                   "gla_state_grad_pass", config)(qd, do, dl, dht)
+
+
 def _both_kernel(k_ref, v_ref, q_ref, do_ref, p_ref, s_ref, h0_ref, dht_ref, h_ref, ht_ref,
                  dh_ref, dh0_ref, *, B, scale, **kw):
   pid, hd, ik, iv = (pl.program_id(i) for i in range(4))
@@ -270,8 +342,9 @@ def _both_kernel(k_ref, v_ref, q_ref, do_ref, p_ref, s_ref, h0_ref, dht_ref, h_r
       pid < B,
       lambda: _state_walk(_decayed_keys(k_ref, p_ref, s_ref, b, hd, C=kw["C"], BK=kw["BK"]),
                           v_ref, h0_ref, h_ref, ht_ref, b, hd, ik, iv, **kw),
-      lambda: _grad_walk(q_ref, do_ref, p_ref, dht_ref, dh_ref, dh0_ref, b, hd, ik, iv,
-                         scale=scale, **kw))
+      lambda: _grad_walk(_decayed_queries(q_ref, p_ref, b, hd, C=kw["C"], BK=kw["BK"],
+                                          scale=scale),
+                         do_ref, dht_ref, dh_ref, dh0_ref, b, hd, ik, iv, **kw))
 
 
 def both_passes(q, k, v, do, p, s, h0, dht, *, scale, chunk_size, config):

@@ -10,7 +10,9 @@ same kernels run in the Pallas interpreter, on any platform):
        -> output
   bwd: sub-chunk cumsums (p, s) -> state pass (recomputed; skipped when the forward's
        states are kept, ``config.save_states``) | state-gradient pass (one launch, or
-       two with ``config.fuse_state_passes`` off) -> A (without a residual:
+       two with ``config.fuse_state_passes`` off; with the states kept, the cumsums
+       also write scale q e^{bc} and e^{b_last} and the walk reads them) -> A (without a
+       residual:
        recomputed by the forward's chunk_decays and scores) -> dv -> diagonal dq/dk
        terms where the decay is too strong for dots -> dq, dk, dg (the last two form
        dA = tril(scale do v^T) from do and v themselves)
@@ -74,15 +76,18 @@ def bwd_res(res, q, k, v, g, do, dht, *, scale, initial_state, chunk_size, confi
   do = do.astype(v.dtype)
   dht = dht.astype(cm.F32)
   gd = cm.per_dim_decay(g, q.shape)
-  p, s = state.chunk_cumsum(gd, **kw)
   A, h = res if res is not None else (None, None)
-  if h is not None:   # the forward's states: the gradient walk alone
-    dH, dh0 = state.state_grad_pass(q, do, p, dht, scale=scale, **kw)
-  elif config.fuse_state_passes:
-    h, dH, dh0 = state.both_passes(q, k, v, do, p, s, initial_state, dht, scale=scale, **kw)
+  if h is not None:   # the forward's states: the gradient walk alone, over qd and dl
+    p, s, qd, dl = state.chunk_cumsum_folded(gd, q, scale=scale, **kw)
+    dH, dh0 = state.folded_state_grad_pass(qd, do, dl, dht, **kw)
   else:
-    h, _ = state.state_pass(k, v, p, s, initial_state, **kw)
-    dH, dh0 = state.state_grad_pass(q, do, p, dht, scale=scale, **kw)
+    p, s = state.chunk_cumsum(gd, **kw)
+    if config.fuse_state_passes:
+      h, dH, dh0 = state.both_passes(q, k, v, do, p, s, initial_state, dht, scale=scale,
+                                     **kw)
+    else:
+      h, _ = state.state_pass(k, v, p, s, initial_state, **kw)
+      dH, dh0 = state.state_grad_pass(q, do, p, dht, scale=scale, **kw)
   if A is None:       # the forward's two kernels, not its walk or output
     A = intra.scores(state.chunk_decays(gd, q, k, **kw), q, k, gd, **kw)
   dv = grads.dv(k, p, s, do, A, dH, scale=scale, **kw)

@@ -155,7 +155,7 @@ def test_chunk_gla_dispatches_by_the_target_mesh():
   'pallas', the jnp path under 'jax'."""
   gpu = _traced(abstract_mesh("gpu", "NVIDIA H200", 132), "auto")
   assert "pallas_call" in gpu and "interpret=True" not in gpu
-  assert "num_warps=4" in gpu and "gla_state_passes" in gpu
+  assert "num_warps=4" in gpu and "gla_state_grad_pass" in gpu
   tpu = abstract_mesh("tpu", "TPU v5 lite", 1)
   assert "gla_tpu_fwd" in _traced(tpu, "auto")
   assert "gla_tpu_fwd" in _traced(tpu, "pallas")

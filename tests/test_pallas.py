@@ -8,6 +8,7 @@ every launch option of ``KernelConfig`` (passed explicitly; nothing module-level
 
 import dataclasses
 import functools
+import re
 import types
 
 import jax
@@ -289,7 +290,8 @@ def test_diagonal_blocks_as_dots(decay, tiles):
 def test_kernels_lower_to_triton_for_a_gpu_target(overrides):
   """Every GPU kernel of the forward and backward lowers through Pallas's Triton lowering
   for an H200 target on this CPU host (an abstract device): what the interpreter tests
-  do not check (e.g. that Triton takes each kernel's control flow and reductions)."""
+  do not check (e.g. that Triton takes each kernel's control flow and reductions). The
+  folded gradient walk's cumsum replaces the backward's only where the states are kept."""
   mesh = abstract_mesh("gpu", "NVIDIA H200", 132)
   from pallas_kernels import triton_backend
   B, T, H, K, V = 1, 256, 2, 128, 128
@@ -314,6 +316,8 @@ def test_kernels_lower_to_triton_for_a_gpu_target(overrides):
   # The backward's walks: the gradient walk alone when the forward's states are kept.
   assert ("gla_state_grad_pass" in text) == config.save_states
   assert ("gla_state_passes" in text) != config.save_states
+  assert ("gla_chunk_cumsum_fold" in text) == config.save_states     # over qd, dl
+  assert bool(re.search(r"gla_chunk_cumsum\b", text)) != config.save_states   # unfolded
   assert "gla_dqdk_diag" in text
   assert ("gla_scores_diag" in text) != config.diag_dots     # else inside gla_scores
 
@@ -381,6 +385,33 @@ def test_chunk_decays_folds_the_decay_into_q_and_k(dtype):
   assert rel_err(h1, h2) <= 1e-6 and rel_err(f1, f2) <= 1e-6
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_chunk_cumsum_folded_for_the_gradient_walk(dtype):
+  """The backward's chunk_cumsum_folded (with ``save_states``): p and s as chunk_cumsum's,
+  qd = scale q e^{bc} in q's dtype and dl = e^{b_last} against float64 numpy (the inputs
+  of test_chunk_decays_folds_the_decay_into_q_and_k); and the gradient walk over qd, dl
+  gives state_grad_pass's dH and dh0 (both walks dot the same operands)."""
+  from pallas_kernels import state
+  q, _, do, g, dht, _ = _inputs(8, 1, 128, 2, 64, 32, decay="mild")
+  g = jnp.where((jnp.arange(128) // 16 == 5)[None, :, None, None], 40.0 * g - 1.0, g)
+  q, do = q.astype(dtype), do.astype(dtype)
+  config = _config(q, do)
+  kw = dict(chunk_size=64, config=config)
+  p, s, qd, dl = state.chunk_cumsum_folded(g, q, scale=0.125, **kw)
+  assert qd.dtype == dtype and dl.shape == (1, 2, 2, 64) and dl.dtype == jnp.float32
+  ps, ss = state.chunk_cumsum(g, **kw)
+  assert np.array_equal(p, ps) and np.array_equal(s, ss)
+  f64 = lambda a: np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
+  gc = np.cumsum(f64(g).reshape(1, 2, 64, 2, 64), axis=2)    # bc, [B, N, C, H, K]
+  tol = 1e-6 if dtype == jnp.float32 else 8e-3               # bf16: one rounding
+  assert rel_err(f64(qd), 0.125 * f64(q) * np.exp(gc.reshape(q.shape))) <= tol
+  assert rel_err(f64(dl), np.exp(gc[:, :, -1]).transpose(0, 2, 1, 3)) <= 1e-6
+  dH1, dh01 = state.folded_state_grad_pass(qd, do, dl, dht, **kw)
+  dH2, dh02 = state.state_grad_pass(q, do, ps, dht, scale=0.125, **kw)
+  assert dH1.dtype == dH2.dtype
+  assert rel_err(dH1, dH2) <= 1e-5 and rel_err(dh01, dh02) <= 1e-5
+
+
 @pytest.mark.parametrize("decay", ["mild", "mixed"])
 def test_forward_from_folded_operands(decay):
   """The forward from chunk_decays' folded operands (scores through e^{totals} rows, the
@@ -401,9 +432,9 @@ def test_forward_from_folded_operands(decay):
   A_r = np.tril(A_r)[None, None]                                        # [B, H, N, C, C]
   for diag_dots in (True, False):
     config = _config(q, v, diag_dots=diag_dots)
-    (o, fin), A = be.fwd_res(q, k, v, g, config=config, **kw)
+    (o, fin), res = be.fwd_res(q, k, v, g, config=config, **kw)
     assert rel_err(o, o_r) <= 1e-5 and rel_err(fin, fin_r) <= 1e-5
-    assert rel_err(A, A_r) <= 1e-5, rel_err(A, A_r)
+    assert rel_err(res.A, A_r) <= 1e-5, rel_err(res.A, A_r)
 
 
 def test_walk_tiles_target_one_program_per_sm():
@@ -467,15 +498,16 @@ _H200_LAUNCHES = {
     (1, 16384, 16, 128, 128): [
         ("gla_chunk_decays", (1, 16, 256, 1), 4, 1), ("gla_state_pass", (1, 16, 2, 4), 4, 3),
         ("gla_scores", (1, 16, 256), 4, 1),
-        ("gla_output", (1, 16, 256, 1), 4, 3), ("gla_chunk_cumsum", (1, 16, 256, 2), 4, 1),
-        ("gla_state_passes", (2, 16, 2, 2), 4, 3),
+        ("gla_output", (1, 16, 256, 1), 4, 3),
+        ("gla_chunk_cumsum_fold", (1, 16, 256, 2), 4, 1),
+        ("gla_state_grad_pass", (1, 16, 2, 4), 4, 3),
         ("gla_dv", (1, 16, 256, 1), 4, 2), ("gla_dqdk_diag", (1, 16, 256, 4, 2), 2, 1),
         ("gla_dqdk", (1, 16, 256, 4), 4, 3)],
     (8, 4096, 4, 128, 256): [
         ("gla_chunk_decays", (8, 4, 64, 1), 4, 1), ("gla_state_pass", (8, 4, 2, 2), 4, 3),
         ("gla_scores", (8, 4, 64), 4, 1),
-        ("gla_output", (8, 4, 64, 2), 4, 3), ("gla_chunk_cumsum", (8, 4, 64, 2), 4, 1),
-        ("gla_state_passes", (16, 4, 2, 2), 4, 3),
+        ("gla_output", (8, 4, 64, 2), 4, 3), ("gla_chunk_cumsum_fold", (8, 4, 64, 2), 4, 1),
+        ("gla_state_grad_pass", (8, 4, 2, 2), 4, 3),
         ("gla_dv", (8, 4, 64, 2), 4, 2), ("gla_dqdk_diag", (8, 4, 64, 4, 2), 2, 1),
         ("gla_dqdk", (8, 4, 64, 4), 4, 3)],
 }
