@@ -1,6 +1,8 @@
 """Shared test helpers: random GLA inputs (never zeros), the relative-norm error, the
 sub-jaxprs of a jaxpr equation (to walk a traced program), and an abstract one-device mesh
 of a GPU or TPU (to trace or lower for that target on this CPU host)."""
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,3 +70,34 @@ def loss_and_grads(op, q, k, v, g, h0, w_o, w_s, **kwargs):
   names = [n for n, x in zip("q k v g h0".split(), (q, k, v, g, h0)) if x is not None]
   return o, final, dict(zip(names, grads))
 
+
+
+CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+                 "jax_persistent_cache_min_entry_size_bytes")
+
+
+@contextlib.contextmanager
+def persistent_compilation_cache(path):
+  """JAX's persistent compilation cache in folder ``path`` (every program, however quick
+  to compile), the previous settings restored afterwards. A later compile of a program
+  already compiled (the same HLO, e.g. a second run of the same training program, or the
+  same Pallas kernel traced again) loads it from ``path`` instead; subprocesses share it
+  through :func:`persistent_cache_env`."""
+  from jax.experimental.compilation_cache import compilation_cache
+  before = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
+  for name, value in zip(CACHE_OPTIONS, (str(path), 0.0, 0)):
+    jax.config.update(name, value)
+  compilation_cache.reset_cache()
+  try:
+    yield str(path)
+  finally:
+    for name, value in before.items():
+      jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
+def persistent_cache_env(path) -> dict:
+  """Environment variables that give a subprocess the same persistent compilation cache."""
+  return {"JAX_COMPILATION_CACHE_DIR": str(path),
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}

@@ -16,9 +16,20 @@ import configs.gla_1b3
 import configs.gla_340m
 import configs.tiny_mqar
 import trainer
+from helpers import persistent_cache_env, persistent_compilation_cache
 from test_model import tiny_cfg, tiny_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+  """A persistent compilation cache for this module (and the training subprocess it
+  starts): each run here builds a new Experiment, whose jitted steps would compile again
+  (about 12 s each); a run of a program an earlier run compiled (the same config, so the
+  same HLO) loads it instead. Every run still traces and lowers its own programs."""
+  with persistent_compilation_cache(tmp_path_factory.mktemp("jax_cache")) as path:
+    yield path
 
 
 def _flat(tree):
@@ -77,7 +88,7 @@ def test_command_line_errors_name_the_field():
 # --- resume ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def straight_run(tmp_path_factory, devices):
+def straight_run(tmp_path_factory, devices, compile_cache):
   cfg = tiny_cfg(steps=20, checkpoint_every=10)
   return trainer.train_and_evaluate(cfg, str(tmp_path_factory.mktemp("straight")),
                                     progress="off")
@@ -100,13 +111,14 @@ def test_resume_is_exact(straight_run, tmp_path):
   assert os.listdir(tmp_path / "tensorboard")
 
 
-def test_sigkill_during_async_save_resumes_from_last_complete(straight_run, tmp_path):
+def test_sigkill_during_async_save_resumes_from_last_complete(straight_run, tmp_path,
+                                                             compile_cache):
   """A subprocess saving every step is SIGKILLed right after an async save starts."""
   workdir = str(tmp_path)
   cmd = [sys.executable, "train.py", "--progress=lines", "--workdir", workdir,
          *tiny_flags(steps=20, checkpoint_every=1, keep_checkpoints=2)]
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          cwd=ROOT)
+                          cwd=ROOT, env=dict(os.environ, **persistent_cache_env(compile_cache)))
   killed_at, deadline, lines = None, time.time() + 240, []
   try:
     for line in proc.stdout:
