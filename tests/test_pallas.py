@@ -16,11 +16,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import abstract_mesh, rel_err
+from helpers import abstract_mesh, persistent_compilation_cache, rel_err
 from zeco_jax import chunk_gla, recurrent_gla
 
 pallas_kernels = pytest.importorskip("pallas_kernels")
 KernelConfig = pallas_kernels.KernelConfig
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_cache(tmp_path_factory):
+  """The module's tests run with a persistent compilation cache in a temporary folder:
+  most calls here run eagerly, so every pallas_call is traced and compiled on its own,
+  again in each test or case; one already compiled (the same kernel, launch and shapes:
+  the same HLO) is loaded from the cache instead. It changes no program, only skips
+  compiling it twice."""
+  with persistent_compilation_cache(tmp_path_factory.mktemp("kernel_cache")) as path:
+    yield path
 
 
 def _strong_odd_subchunks(g, columns=None):
@@ -148,7 +159,9 @@ def test_rejects_non_power_of_two_dims():
 
 # --- Mosaic TPU variant (interpret mode here; never run on TPU hardware) ----------------
 
-def _backend_terms(be, q, k, v, g, h0, key, C, config=None):
+def _backend_terms(be, q, k, v, g, h0, key, C, config=None, call=None):
+  """``be``'s forward (o, final) and backward at a random (do, dht); each through
+  ``call(fn, *args, **kw)`` if given (e.g. :func:`_jitted`)."""
   B, T, H, K = q.shape
   kd, kf = jax.random.split(key)
   do = jax.random.normal(kd, v.shape, jnp.float32).astype(v.dtype)
@@ -156,8 +169,17 @@ def _backend_terms(be, q, k, v, g, h0, key, C, config=None):
   kw = dict(scale=K ** -0.5, initial_state=h0, chunk_size=C)
   if config is not None:
     kw["config"] = config
-  o, fin = be.fwd(q, k, v, g, **kw)
-  return o, fin, be.bwd(q, k, v, g, do, dht, **kw)
+  call = call or (lambda fn, *a, **kw: fn(*a, **kw))
+  o, fin = call(be.fwd, q, k, v, g, **kw)
+  return o, fin, call(be.bwd, q, k, v, g, do, dht, **kw)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("scale", "chunk_size", "config"))
+def _jitted(fn, *args, **kw):
+  """``fn(*args, **kw)`` compiled once per (fn, scale, chunk_size, config, shapes): calls
+  of the same kernels on the same shapes (parametrized cases that differ only in values)
+  reuse the program instead of tracing and compiling every pallas_call again, eagerly."""
+  return fn(*args, **kw)
 
 
 @pytest.mark.parametrize("B,T,H,K,V,decay,dtype", [
@@ -256,25 +278,26 @@ def test_diagonal_blocks_as_dots(decay, tiles):
     g = _strong_odd_subchunks(g, columns=16 if decay == "columns" else None)
   config = _config(q, v, **tiles)
   assert config.diag_dots
-  o, fin, grads_ = _backend_terms(pallas_kernels.backend("cpu"), q, k, v, g, h0, key, 64, config)
+  o, fin, grads_ = _backend_terms(pallas_kernels.backend("cpu"), q, k, v, g, h0, key, 64, config,
+                                  call=_jitted)
   o_r, fin_r, grads_r = _backend_terms(chunked, q, k, v, g, h0, key, 64)
   assert rel_err(o, o_r) <= 1e-5 and rel_err(fin, fin_r) <= 1e-5
   for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), grads_, grads_r):
     assert np.all(np.isfinite(np.asarray(a))), name
     assert rel_err(a, b) <= 1e-4, (name, rel_err(a, b))
   kw = dict(chunk_size=64, config=config)
-  p, s = state.chunk_cumsum(g, **kw)
-  d = state.chunk_decays(g, q, k, **kw)
-  A0, A1 = (intra.scores(d, q, k, g, chunk_size=64, config=c)
+  p, s = _jitted(state.chunk_cumsum, g, **kw)
+  d = _jitted(state.chunk_decays, g, q, k, **kw)
+  A0, A1 = (_jitted(intra.scores, d, q, k, g, chunk_size=64, config=c)
             for c in (_config(q, v, diag_dots=False), config))
   assert rel_err(A1, A0) <= 1e-6 and not np.array_equal(A1, A0)
-  h, _ = state.state_pass(k, v, p, s, h0, **kw)
-  dH, _ = state.state_grad_pass(q, v, p, h0, scale=0.125, **kw)
+  h, _ = _jitted(state.state_pass, k, v, p, s, h0, **kw)
+  dH, _ = _jitted(state.state_grad_pass, q, v, p, h0, scale=0.125, **kw)
   do = jax.random.normal(key, v.shape)
   args = (q, k, v, g, p, s, do, h, dH)
-  dq, dk, _ = grads.dqdk(*args, scale=0.125, **kw)
+  dq, dk, _ = _jitted(grads.dqdk, *args, scale=0.125, **kw)
   nan = jnp.full(q.shape, jnp.nan)
-  dq_n, dk_n, _ = grads.dqdk(*args, scale=0.125, diag=(nan, nan), **kw)
+  dq_n, dk_n, _ = _jitted(grads.dqdk, *args, scale=0.125, diag=(nan, nan), **kw)
   rejected = np.zeros(q.shape, bool)
   if decay != "mild":
     rejected = np.asarray(_strong_odd_subchunks(jnp.zeros_like(g), columns=16 if
