@@ -12,8 +12,7 @@ same kernels run in the Pallas interpreter, on any platform):
        states are kept, ``config.save_states``) | state-gradient pass (one launch, or
        two with ``config.fuse_state_passes`` off; with the states kept, the cumsums
        also write scale q e^{bc} and e^{b_last} and the walk reads them) -> A (without a
-       residual:
-       recomputed by the forward's chunk_decays and scores) -> dv -> diagonal dq/dk
+       residual: recomputed by the forward's chunk_decays and scores) -> dv -> diagonal dq/dk
        terms where the decay is too strong for dots -> dq, dk, dg (the last two form
        dA = tril(scale do v^T) from do and v themselves)
 

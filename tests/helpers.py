@@ -71,7 +71,6 @@ def loss_and_grads(op, q, k, v, g, h0, w_o, w_s, **kwargs):
   return o, final, dict(zip(names, grads))
 
 
-
 CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
                  "jax_persistent_cache_min_entry_size_bytes")
 

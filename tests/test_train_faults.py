@@ -17,33 +17,24 @@ import sys
 import jax
 import pytest
 from absl import flags
-from jax.experimental.compilation_cache import compilation_cache
 
 import configs
 import metrics
 import train
 import trainer
+from helpers import persistent_cache_env, persistent_compilation_cache
 from test_model import tiny_cfg, tiny_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The base run: checkpoints every 5 steps, no evaluation (one program fewer to compile).
 BASE = dict(steps=30, checkpoint_every=5, keep_checkpoints=3, eval_batches=0)
-CACHE_OPTIONS = {"jax_compilation_cache_dir": None,
-                 "jax_persistent_cache_min_compile_time_secs": 0.0}
 
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
   """A persistent compilation cache for this module only (restored afterwards)."""
-  path = str(tmp_path_factory.mktemp("jax_cache"))
-  before = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
-  for name, value in {**CACHE_OPTIONS, "jax_compilation_cache_dir": path}.items():
-    jax.config.update(name, value)
-  compilation_cache.reset_cache()
-  yield path
-  for name, value in before.items():
-    jax.config.update(name, value)
-  compilation_cache.reset_cache()
+  with persistent_compilation_cache(tmp_path_factory.mktemp("jax_cache")) as path:
+    yield path
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +67,7 @@ def _rows(workdir) -> list:
 
 
 def _train_cli(*args, cache=None):
-  env = dict(os.environ)
-  if cache:
-    env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  env = dict(os.environ, **(persistent_cache_env(cache) if cache else {}))
   return subprocess.run([sys.executable, "train.py", "--progress=off", *args], cwd=ROOT,
                         capture_output=True, text=True, timeout=300, env=env)
 
