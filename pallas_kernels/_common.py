@@ -173,6 +173,16 @@ def totals_fit(tot):
   return low >= -DIAG_DOT_SPAN, jnp.min(low) >= -DIAG_DOT_SPAN        # (no all() in Triton)
 
 
+def chunk_fits(tot):
+  """Whether every K column's chunk total ``b_last = sum_u T_u`` (``tot``: a list of
+  ``[KD]`` rows) is ``>= -DIAG_DOT_SPAN``. Then every ``bc`` of the chunk lies in ``[-16,
+  0]`` and ``e^{bc_r - bc_i} = e^{bc_r} e^{-bc_i}`` with ``e^{-bc} <= e^{16}`` (the
+  exponent off by at most ``2 * 16 * eps``, as in the diagonal dots): ``gla_dqdk`` takes
+  one dot per direction over the whole chunk. Implies :func:`totals_fit` (every ``T_u
+  >= b_last``)."""
+  return jnp.min(chunk_total(tot)) >= -DIAG_DOT_SPAN
+
+
 def sub_rows(ref, b, t0, hd, ks, j, blk, L):
   """``[C, KD]``: on the rows of sub-chunk u, row ``j`` of that sub-chunk (``ref[b, t0 +
   16 u + j, hd, ks]``), float32; ``blk`` the rows' sub-chunk index."""

@@ -11,22 +11,29 @@
        (h[n+1] = e^{b_last} h[n] + sum_i (k_i e^{b_last - bc_i}) v_i^T, and dk_state_i =
        (v_i dH[n]^T) e^{b_last - bc_i}), so h[n+1] is never read.
 
-Exponents are never differences of chunk-cumulative sums: ``bc`` and ``b_last - bc`` are
-built from the sub-chunk-local ``p`` / ``s`` of :func:`pallas_kernels.state.chunk_cumsum`
-and the sub-chunk totals (``_common.chunk_prefix`` / ``chunk_suffix``). The intra-chunk
-terms use the same references as the scores: blocks below the diagonal factor through the
-row before the sub-chunk (dq: ``e^{p_r}`` times ``e^{s_i + totals between}``) or its last
-row (dk: ``e^{s_i}`` times ``e^{p_r + totals between}``), one masked ``[C, C] x [C, BK]``
-dot per sub-chunk in ``gla_dqdk`` (grid ``(B, H, N, K / BK)``, which also does the state
-terms and dg's reverse cumsum over the chunk). The diagonal 16 x 16 blocks are one more
-block of the same dots, through ``e^{-p}`` (dq) and ``e^{-s}`` (dk), on the K columns
-whose sub-chunk totals are all >= -16 (``_common.totals_fit``: then ``e^{-p}, e^{-s} <=
-e^{16}`` and the exponent's rounding error is at most ``2 * 16 * eps``). On the other
-columns they are exact in log space: ``gla_dqdk_diag`` (grid ``(B, H, N, C / 16, K /
-BK)``, a program writing only for a tile with such a column) runs one ``j`` at a time on
-``[16, BK]`` tiles, the exponents accumulated from g itself column by column (dq from
-the last column down, dk from the first up), and ``gla_dqdk`` adds its float32 partials
-there.
+Where a chunk's K tile has every column's chunk total ``b_last >= -16``
+(``_common.chunk_fits``), ``gla_dqdk`` (grid ``(B, H, N, K / BK)``, which also does the
+state terms and dg's reverse cumsum over the chunk) takes its intra-chunk terms as one
+``[C, C] x [C, BK]`` dot per direction through ``e^{bc}`` and ``e^{-bc}`` (``<= e^{16}``;
+the exponent off by at most ``2 * 16 * eps``): dq = e^{bc} (tril(dA) (k e^{-bc})), dk =
+e^{-bc} (tril(dA)^T (q e^{bc})). The logsigmoid / 16 decays of GLA and the benchmarks
+give chunk totals near -3, so this is the common path.
+
+On other tiles no exponent is a difference of chunk-cumulative sums: ``bc`` and ``b_last
+- bc`` are built from the sub-chunk-local ``p`` / ``s`` of
+:func:`pallas_kernels.state.chunk_cumsum` and the sub-chunk totals
+(``_common.chunk_prefix`` / ``chunk_suffix``). The intra-chunk terms use the same
+references as the scores: blocks below the diagonal factor through the row before the
+sub-chunk (dq: ``e^{p_r}`` times ``e^{s_i + totals between}``) or its last row (dk:
+``e^{s_i}`` times ``e^{p_r + totals between}``), one masked ``[C, C] x [C, BK]`` dot per
+sub-chunk and direction. The diagonal 16 x 16 blocks are one more block of the same
+dots, through ``e^{-p}`` (dq) and ``e^{-s}`` (dk), on the K columns whose sub-chunk
+totals are all >= -16 (``_common.totals_fit``: then ``e^{-p}, e^{-s} <= e^{16}`` and the
+exponent's rounding error is at most ``2 * 16 * eps``). On the other columns they are
+exact in log space: ``gla_dqdk_diag`` (grid ``(B, H, N, C / 16, K / BK)``, a program
+writing only for a tile with such a column) runs one ``j`` at a time on ``[16, BK]``
+tiles, the exponents accumulated from g itself column by column (dq from the last column
+down, dk from the first up), and ``gla_dqdk`` adds its float32 partials there.
 """
 from __future__ import annotations
 
@@ -118,12 +125,13 @@ def _diag_grad_kernel(q_ref, k_ref, g_ref, do_ref, v_ref, p_ref, dqd_ref, dkd_re
 
 def _dqdk_kernel(q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, dqd_ref, dkd_ref,
                  dq_ref, dk_ref, dg_ref, *, C, V, BK, BV, dt, scale):
-  """dq, dk, dg of one chunk's K tile. The diagonal blocks' terms are one more block in
-  the masked dots below (dq: ``e^{p_r} e^{-p_j}``, through the same ``e^{p_r}`` as the
-  blocks before; dk: ``e^{s_i} e^{-s_r}``) on the columns ``_common.totals_fit`` accepts;
-  ``gla_dqdk_diag``'s loop terms are read for the others, under a cond (not at all when
-  every column fits). dA = tril(scale do v^T) is accumulated here from the do and v tiles
-  the state terms read anyway (one more dot per V slice), never read from memory."""
+  """dq, dk, dg of one chunk's K tile. Where every column's chunk total is >= -16
+  (``_common.chunk_fits``: the benchmark's and GLA's logsigmoid / 16 decays, nearly
+  always), the intra-chunk terms are one dot per direction over the whole lower triangle
+  through ``e^{bc}`` and ``e^{-bc}``; elsewhere ``_dqdk_by_sub_chunk``'s masked dots per
+  sub-chunk through sub-chunk-local exponents (a cond per tile: the other branch costs
+  nothing). dA = tril(scale do v^T) is accumulated here from the do and v tiles the state
+  terms read anyway (one more dot per V slice), never read from memory."""
   b, hd, n, ik = (pl.program_id(i) for i in range(4))
   t0 = n * C
   tc, ks = pl.ds(t0, C), pl.ds(ik * BK, BK)
@@ -148,8 +156,46 @@ def _dqdk_kernel(q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, dqd_r
                             jnp.zeros((C, C), cm.F32)))
   q = q_ref[b, tc, hd, ks].astype(cm.F32)
   k = k_ref[b, tc, hd, ks].astype(cm.F32)
-  pre = p_ref[b, tc, hd, ks]                              # [C, BK]: p, s of the chunk
-  suf = s_ref[b, tc, hd, ks]
+  pre = p_ref[b, tc, hd, ks]                              # [C, BK]: p of the chunk
+  row = cm.iota((C, BK), 0)
+  blk = row // S
+  ri, ci = cm.iota((C, C), 0), cm.iota((C, C), 1)
+  dA = jnp.where(ri >= ci, scale * da, 0.0)                                    # [C, C]
+  e_tot = jnp.exp(cm.chunk_total(tot))                                         # e^{b_last}
+
+  def whole_chunk():
+    # Every column's chunk total b_last >= -16 (``_common.chunk_fits``), so -16 <= bc <=
+    # 0: e^{bc_r - bc_i} = e^{bc_r} e^{-bc_i} with e^{-bc} <= e^{16} (no overflow; the
+    # exponent off by at most 2 * 16 * eps, as the diagonal dots): one [C, C] x [C, BK]
+    # dot per direction over the whole lower triangle, the diagonal blocks included.
+    bc = cm.chunk_prefix(pre, tot, blk)
+    e_bc, e_nbc = jnp.exp(bc), jnp.exp(-bc)
+    dk_st = dk_s * (e_tot[None, :] * e_nbc)                           # e^{b_last - bc}
+    dq = e_bc * (scale * dq_s + cm.dot(dA, k * e_nbc, dt))
+    dk = dk_st + e_nbc * cm.dot(dA, q * e_bc, dt, ta=True)
+    return dq, dk, jnp.sum(k * dk_st, axis=0)
+
+  def by_sub_chunk():
+    return _dqdk_by_sub_chunk(q, k, pre, s_ref[b, tc, hd, ks], tot, dq_s, dk_s, dA,
+                              lambda: (dqd_ref[b, tc, hd, ks], dkd_ref[b, tc, hd, ks]),
+                              C=C, BK=BK, dt=dt, scale=scale)
+
+  dq, dk, k_dk = jax.lax.cond(cm.chunk_fits(tot), whole_chunk, by_sub_chunk)
+  # Chunk-total gate term sum_v h[n+1] dH[n] (module docstring).
+  d_last = (e_tot * d_last + k_dk)[None, :]
+  dq_ref[b, tc, hd, ks] = dq.astype(dq_ref.dtype)
+  dk_ref[b, tc, hd, ks] = dk.astype(dk_ref.dtype)
+  dg_ref[b, tc, hd, ks] = cm.rev_cumsum(q * dq - k * dk) + d_last
+
+
+def _dqdk_by_sub_chunk(q, k, pre, suf, tot, dq_s, dk_s, dA, diag_terms, *, C, BK, dt, scale):
+  """``gla_dqdk``'s (dq, dk, sum_i k_i dk_state_i) of a tile with a column whose chunk
+  total is below -16: every exponent a sum of same-sign sub-chunk-local parts. One masked
+  ``[C, C] x [C, BK]`` dot per sub-chunk and direction; the diagonal blocks' terms in the
+  same dots on the columns ``_common.totals_fit`` accepts, ``diag_terms()`` (the
+  ``gla_dqdk_diag`` partials) read for the others, under a cond (not at all when every
+  column fits)."""
+  L = C // S
   row = cm.iota((C, BK), 0)
   blk = row // S
   # Every exponent below is p or s of the row plus a run of sub-chunk totals between
@@ -179,11 +225,8 @@ def _dqdk_kernel(q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, dqd_r
 
   dq = scale * dq_s * e_pre * by_block(lambda u: run(0, u))           # e^{bc}
   dk = dk_s * e_suf * by_block(lambda u: run(u + 1, L))               # e^{b_last - bc}
-  # Chunk-total gate term sum_v h[n+1] dH[n] (module docstring).
-  d_last = (jnp.exp(cm.chunk_total(tot)) * d_last)[None, :] + jnp.sum(
-      k * dk, axis=0, keepdims=True)
+  k_dk = jnp.sum(k * dk, axis=0)
   ri, ci = cm.iota((C, C), 0), cm.iota((C, C), 1)
-  dA = jnp.where(ri >= ci, scale * da, 0.0)                                    # [C, C]
   rc, cc = ri // S, ci // S
   fits, all_fit = cm.totals_fit(tot)
   fits = fits[None, :]
@@ -209,13 +252,13 @@ def _dqdk_kernel(q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, dqd_r
       q_fac = q_fac + q_pre * by_block(lambda u: run(s + 1, u) if u > s else 0.0)
     part = cm.dot(jnp.where((cc == s) & (rc >= s), dA, 0.0), q_fac, dt, ta=True)
     dk = dk + jnp.where(blk == s, e_suf * part, 0.0)
-  dq, dk = jax.lax.cond(                  # the loops' terms, on the columns the dots left out
-      all_fit, lambda: (dq, dk),
-      lambda: (dq + jnp.where(fits, 0.0, dqd_ref[b, tc, hd, ks]),
-               dk + jnp.where(fits, 0.0, dkd_ref[b, tc, hd, ks])))
-  dq_ref[b, tc, hd, ks] = dq.astype(dq_ref.dtype)
-  dk_ref[b, tc, hd, ks] = dk.astype(dk_ref.dtype)
-  dg_ref[b, tc, hd, ks] = cm.rev_cumsum(q * dq - k * dk) + d_last
+
+  def with_loops():             # the loops' terms, on the columns the dots left out
+    dqd, dkd = diag_terms()
+    return dq + jnp.where(fits, 0.0, dqd), dk + jnp.where(fits, 0.0, dkd)
+
+  dq, dk = jax.lax.cond(all_fit, lambda: (dq, dk), with_loops)
+  return dq, dk, k_dk
 
 
 def diag_grads(q, k, g, do, v, p, *, scale, chunk_size, config):

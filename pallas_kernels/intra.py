@@ -3,10 +3,16 @@
 Scores ``A[r, i] = sum_k q_rk k_ik exp(sum_{i < j <= r} g_jk)`` for ``i <= r`` (unscaled);
 every exponent is a sum of same-sign sub-chunk-local parts (``p``, ``s`` of
 :func:`pallas_kernels.state.chunk_cumsum`, the sub-chunk totals ``T_u``, or g itself),
-never a difference of chunk-cumulative sums, except in the diagonal dots below, where
-the difference is bounded:
+never a difference of chunk-cumulative sums, except in the whole-chunk and diagonal dots
+below, where the difference is bounded by 16:
 
-* ``gla_scores``, grid ``(B, H, N)``: the blocks below the 16 x 16 diagonal. Rows of
+* ``gla_scores``, grid ``(B, H, N)``, one K slice of the chunk at a time. Where every
+  column of the slice has a chunk total ``b_last >= -16`` (``_common.chunk_fits``: GLA's
+  and the benchmarks' logsigmoid / 16 decays, nearly always), one dot over the whole
+  chunk, masked to the lower triangle: ``(q e^{bc - b_last}) (k e^{b_last - bc})^T``, the
+  first factor ``<= e^{16}`` formed from ``q e^{p}`` and the totals, the second the state
+  walk's ``kd`` (the exponent off by at most ``2 * 16 * eps``). Elsewhere, the blocks
+  below the 16 x 16 diagonal by sub-chunk, exact: rows of
   sub-chunk ``s`` and the columns before it factor through the row before ``s``:
   ``exp(p_r) * exp(s_i + sum_{blk(i) < u < s} T_u)``, both factors <= 1; one
   ``[C, KD] x [KD, C]`` tensor-core dot per sub-chunk, its operands folded by
@@ -62,14 +68,16 @@ def _prefix_scale(tot, blk):
 
 def _scores_off_kernel(*refs, C, K, KD, dt, diag):
   """A for one chunk from :func:`pallas_kernels.state.chunk_decays`' operands (``qp = q
-  e^{p}``, ``ks = k e^{s}``, ``kn = k e^{-p}``, the totals), with zero diagonal blocks:
-  for each sub-chunk s >= 1, rows of s times columns before s, through the row before s
+  e^{p}``, ``ks = k e^{s}``, ``kn = k e^{-p}``, ``kd = k e^{b_last - bc}``, the totals).
+  Per K slice, where ``_common.chunk_fits``: one dot of ``qp e^{bc - p - b_last}`` and
+  ``kd`` over the chunk, masked (without ``diag``: below the diagonal blocks). Else, with
+  zero diagonal blocks: for each sub-chunk s >= 1, rows of s times columns before s, through the row before s
   (both factors <= 1: ``qp`` on the rows, ``ks`` scaled by ``e^{totals between}`` formed
   from ``[KD]`` rows on the columns). With ``diag`` also the diagonal blocks
   (``diag_dots``): one dot of ``qp`` and ``kn`` where the chunk's K slice fits
   ``_common.totals_fit``, else the exact column loop, which alone reads q, k and g."""
-  qp_ref, ks_ref, kn_ref, tots_ref, q_ref, k_ref, g_ref, a_ref = (
-      refs if diag else refs[:4] + (None, None, None) + refs[4:])
+  qp_ref, ks_ref, kn_ref, kd_ref, tots_ref, q_ref, k_ref, g_ref, a_ref = (
+      refs if diag else refs[:5] + (None, None, None) + refs[5:])
   b, hd, n = (pl.program_id(i) for i in range(3))
   t0 = n * C
   tc = pl.ds(t0, C)
@@ -93,9 +101,12 @@ def _scores_off_kernel(*refs, C, K, KD, dt, diag):
 
     return cm.unrolled(S, 4, column, (acc, jnp.zeros((C, KD), cm.F32)))[0]
 
-  def k_slice(kk, acc):
-    ks = pl.ds(kk * KD, KD)
-    tot = [tots_ref[b, hd, n, u, ks] for u in range(L)]
+  # The whole chunk's mask: the lower triangle, or (diagonal blocks left to
+  # gla_scores_diag) the blocks below the diagonal blocks.
+  ri, ci = cm.iota((C, C), 0), cm.iota((C, C), 1)
+  lower = ri >= ci if diag else ri // S > ci // S
+
+  def by_sub_chunk(ks, tot, acc):
     q_e = qp_ref[b, tc, hd, ks].astype(cm.F32)                         # q e^{p_r}
     k_s = ks_ref[b, tc, hd, ks].astype(cm.F32)                         # k e^{s_i}
     for s in range(1, L):
@@ -108,6 +119,20 @@ def _scores_off_kernel(*refs, C, K, KD, dt, diag):
                                        0.0)
     return jax.lax.cond(cm.totals_fit(tot)[1], factored,
                         lambda: columns(q_ref[b, tc, hd, ks].astype(cm.F32), ks, acc))
+
+  def whole_chunk(ks, tot, acc):
+    # Every column's chunk total >= -16 (``_common.chunk_fits``): A = (q e^{bc - b_last})
+    # (k e^{b_last - bc})^T, e^{bc - b_last} <= e^{16}, kd the state walk's operand; one
+    # dot over the whole chunk, masked.
+    fac = _prefix_scale(tot[:-1], blk) * jnp.exp(-cm.chunk_total(tot))[None, :]
+    q_w = qp_ref[b, tc, hd, ks].astype(cm.F32) * fac                   # q e^{bc - b_last}
+    return acc + jnp.where(lower, cm.dot(q_w, kd_ref[b, tc, hd, ks], dt, tb=True), 0.0)
+
+  def k_slice(kk, acc):
+    ks = pl.ds(kk * KD, KD)
+    tot = [tots_ref[b, hd, n, u, ks] for u in range(L)]
+    return jax.lax.cond(cm.chunk_fits(tot), lambda: whole_chunk(ks, tot, acc),
+                        lambda: by_sub_chunk(ks, tot, acc))
 
   a_ref[b, hd, n] = jax.lax.fori_loop(0, K // KD, k_slice, jnp.zeros((C, C), cm.F32))
 
@@ -156,7 +181,7 @@ def _scores_call(d, loop_operands, *, chunk_size, config):
   return cm.call(kern, jax.ShapeDtypeStruct((B, H, T // C, C, C), cm.F32), (B, H, T // C),
                  config=config, num_warps=config.scores_warps,
                  num_stages=config.scores_stages, name="gla_scores")(
-                     d.qp, d.ks, d.kn, d.tots, *loop_operands)
+                     d.qp, d.ks, d.kn, d.kd, d.tots, *loop_operands)
 
 
 def scores_off(d, *, chunk_size, config):

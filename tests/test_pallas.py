@@ -309,6 +309,45 @@ def test_diagonal_blocks_as_dots(decay, tiles):
     assert np.array_equal(np.asarray(a)[~rejected], np.asarray(b)[~rejected])
 
 
+def test_whole_chunk_dots_where_the_chunk_total_fits():
+  """``gla_dqdk`` and ``gla_scores`` take one dot per direction over a chunk's K tile
+  whose every column has a chunk total >= -16 (``_common.chunk_fits``), the sub-chunk
+  dots elsewhere. Chunk 0 decays mildly (the whole-chunk dots); chunk 1 by -0.4 a token
+  (total -25.6, each sub-chunk -6.4: the sub-chunk dots, diagonal included, no loops).
+  Both against the jnp path (float32, relative norms: 1e-5 forward, 1e-4 gradients).
+  Which path ran: dq / dk given NaN for s (which only the sub-chunk path reads) are the
+  same on chunk 0 and NaN on chunk 1 (past dq's first sub-chunk, which reads no s); the
+  scores given NaN for ``k e^{s}`` likewise below the diagonal blocks."""
+  from pallas_kernels import grads, intra, state
+  from zeco_jax import chunked
+  q, k, v, g, h0, key = _inputs(11, 1, 128, 1, 64, 64, decay="mild")
+  g = g.at[:, 64:].set(-0.4 + 0.01 * g[:, 64:])
+  config = _config(q, v)
+  o, fin, grads_ = _backend_terms(pallas_kernels.backend("cpu"), q, k, v, g, h0, key, 64, config,
+                                  call=_jitted)
+  o_r, fin_r, grads_r = _backend_terms(chunked, q, k, v, g, h0, key, 64)
+  assert rel_err(o, o_r) <= 1e-5 and rel_err(fin, fin_r) <= 1e-5
+  for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), grads_, grads_r):
+    assert rel_err(a, b) <= 1e-4, (name, rel_err(a, b))
+  kw = dict(chunk_size=64, config=config)
+  p, s = _jitted(state.chunk_cumsum, g, **kw)
+  h, _ = _jitted(state.state_pass, k, v, p, s, h0, **kw)
+  dH, _ = _jitted(state.state_grad_pass, q, v, p, h0, scale=0.125, **kw)
+  do = jax.random.normal(key, v.shape)
+  nan = jnp.full(q.shape, jnp.nan)
+  whole = lambda a: np.asarray(a)[:, :64]
+  split = lambda a: np.asarray(a)[:, 64:]
+  for out, out_n in zip(_jitted(grads.dqdk, q, k, v, g, p, s, do, h, dH, scale=0.125, **kw),
+                        _jitted(grads.dqdk, q, k, v, g, p, nan, do, h, dH, scale=0.125, **kw)):
+    assert np.array_equal(whole(out), whole(out_n)) and np.all(np.isfinite(whole(out)))
+    assert np.all(np.isnan(split(out_n)[:, 16:]))    # (dq's first sub-chunk reads no s)
+  d = _jitted(state.chunk_decays, g, q, k, **kw)
+  A = _jitted(intra.scores, d, q, k, g, **kw)
+  A_n = _jitted(intra.scores, d._replace(ks=nan.astype(d.ks.dtype)), q, k, g, **kw)
+  assert np.array_equal(np.asarray(A)[:, :, 0], np.asarray(A_n)[:, :, 0])
+  assert np.all(np.isnan(np.asarray(A_n)[0, 0, 1][np.tril(np.ones((64, 64), bool), -16)]))
+
+
 @pytest.mark.parametrize("overrides", [{}, {"diag_dots": False, "save_states": False}])
 def test_kernels_lower_to_triton_for_a_gpu_target(overrides):
   """Every GPU kernel of the forward and backward lowers through Pallas's Triton lowering
