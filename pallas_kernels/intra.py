@@ -71,11 +71,12 @@ def _scores_off_kernel(*refs, C, K, KD, dt, diag):
   e^{p}``, ``ks = k e^{s}``, ``kn = k e^{-p}``, ``kd = k e^{b_last - bc}``, the totals).
   Per K slice, where ``_common.chunk_fits``: one dot of ``qp e^{bc - p - b_last}`` and
   ``kd`` over the chunk, masked (without ``diag``: below the diagonal blocks). Else, with
-  zero diagonal blocks: for each sub-chunk s >= 1, rows of s times columns before s, through the row before s
-  (both factors <= 1: ``qp`` on the rows, ``ks`` scaled by ``e^{totals between}`` formed
-  from ``[KD]`` rows on the columns). With ``diag`` also the diagonal blocks
-  (``diag_dots``): one dot of ``qp`` and ``kn`` where the chunk's K slice fits
-  ``_common.totals_fit``, else the exact column loop, which alone reads q, k and g."""
+  zero diagonal blocks: for each sub-chunk s >= 1, rows of s times columns before s,
+  through the row before s (both factors <= 1: ``qp`` on the rows, ``ks`` scaled by
+  ``e^{totals between}`` formed from ``[KD]`` rows on the columns). With ``diag`` also
+  the diagonal blocks (``diag_dots``): one dot of ``qp`` and ``kn`` where the chunk's K
+  slice fits ``_common.totals_fit``, else the exact column loop, which alone reads q, k
+  and g."""
   qp_ref, ks_ref, kn_ref, kd_ref, tots_ref, q_ref, k_ref, g_ref, a_ref = (
       refs if diag else refs[:5] + (None, None, None) + refs[5:])
   b, hd, n = (pl.program_id(i) for i in range(3))
