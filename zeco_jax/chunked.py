@@ -30,14 +30,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from zeco_jax._linalg import ein as _ein
+from zeco_jax._linalg import opaque
 from zeco_jax._vma import match_varying
 
-_HI = lax.Precision.HIGHEST
 SUB_CHUNK = 16
-
-
-def _ein(eq, *xs):
-  return jnp.einsum(eq, *xs, precision=_HI, preferred_element_type=jnp.float32)
 
 
 def to_chunks(x, C):
@@ -181,7 +178,9 @@ def state_pass(kc, vc, dec, h0):
     d, inc = xs
     return d[..., None] * h + inc, h
 
-  h0 = match_varying(h0, increment, dec.total)
+  # opaque: a zero h0 must not reach the output's dot as a constant (one chunk inlines
+  # the scan; XLA:CPU then miscompiles, see zeco_jax._linalg.opaque).
+  h0 = opaque(match_varying(h0, increment, dec.total))
   final, h = lax.scan(step, h0, (jnp.moveaxis(dec.total, 2, 0), jnp.moveaxis(increment, 2, 0)))
   return jnp.moveaxis(h, 0, 2), final
 
@@ -198,7 +197,7 @@ def state_grad_pass(qc, doc, dec, dht, scale):
     d, loc = xs
     return d[..., None] * dh + loc, dh
 
-  dht = match_varying(dht, local, dec.total)
+  dht = opaque(match_varying(dht, local, dec.total))
   dh0, dH = lax.scan(step, dht, (jnp.moveaxis(dec.total, 2, 0), jnp.moveaxis(local, 2, 0)),
                      reverse=True)
   return jnp.moveaxis(dH, 0, 2), dh0

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from zeco_jax._linalg import opaque
 from zeco_jax._vma import make_varying, match_varying
 from zeco_jax.transitions import as_transition
 
@@ -241,7 +242,8 @@ def all_scan(state, decay, axis_name, *, num_blocks=1, method="all_scan", initia
   work = () if overlap_with is None else tuple(overlap_with)
   results = None
   if lax.axis_size(axis_name) == 1:
-    exclusive = jnp.broadcast_to(h0, S.shape)
+    # opaque: callers multiply it into their outputs (zeco_jax._linalg.opaque says why).
+    exclusive = opaque(jnp.broadcast_to(h0, S.shape))
   elif work and spec.run is _run_chain:
     exclusive, results = _run_chain(S, A, h0, axis_name, num_blocks, reverse, work)
   else:

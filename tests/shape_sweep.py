@@ -1,0 +1,93 @@
+"""The shape sweep every op family runs (test_*_shapes.py): the shapes users run, against
+the family's reference.
+
+T below, at and just past a chunk (1, chunk - 1, chunk, chunk + 1, 3 chunks) with every
+(K, V) from 16 to 128 on one device; tokens per shard 1, chunk - 1, chunk, chunk + 1 on a
+data=2 x seq=4 mesh; scalar and per-dim decay; jit, and eager for the forward.
+
+Every case starts from a zero state (no ``initial_state``), with gradients taken without
+the final state: the zero initial state and the zero final-state cotangent are what
+XLA:CPU once saw as constants (``docs/xla_cpu_ynn.md``). One program per case, forward
+and gradients together, to stay within CI's time. Tolerances (relative norms, float32):
+forward 1e-5, gradients 1e-4; a gradient whose reference is exactly zero (dg at T = 1
+from a zero state) must be below 1e-6 of the largest gradient.
+"""
+import contextlib
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from helpers import rel_err
+
+CHUNK = 64
+T_VALUES = (1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK)
+KV_VALUES = ((16, 16), (64, 64), (128, 128))
+# Every T with every (K, V); the decay kind alternates so both meet every T and size.
+CASES = [(T, K, V, ("dim", "scalar")[i % 2])
+         for i, (T, (K, V)) in enumerate(itertools.product(T_VALUES, KV_VALUES))]
+# (tokens per seq shard, K = V) on the mesh: every shard length at K = 64, and 128 once.
+SHARD_CASES = [(L, 64) for L in (1, CHUNK - 1, CHUNK, CHUNK + 1)] + [(CHUNK, 128)]
+
+
+def inputs(seed, B, T, H, K, V, decay):
+  r = np.random.default_rng(seed)
+  q, k = (jnp.asarray(r.standard_normal((B, T, H, K)), jnp.float32) for _ in range(2))
+  v = jnp.asarray(r.standard_normal((B, T, H, V)), jnp.float32)
+  g_shape = (B, T, H, K) if decay == "dim" else (B, T, H)
+  g = jnp.asarray(np.log(r.uniform(0.6, 1.0, g_shape)), jnp.float32)
+  w = jnp.asarray(r.standard_normal((B, T, H, V)), jnp.float32)
+  return q, k, v, g, w
+
+
+def delta_inputs(seed, B, T, H, K, V):
+  q, k, v, g, w = inputs(seed, B, T, H, K, V, "scalar")
+  beta = jax.nn.sigmoid(jnp.asarray(np.random.default_rng(seed + 7).standard_normal(
+      (B, T, H)), jnp.float32))
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  return unit(q), unit(k), v, g, beta, w
+
+
+def value_and_grads(op, args, w):
+  """o and the gradients of sum(o * w) w.r.t. every input: one jitted program."""
+  def loss(*a):
+    o = op(*a)
+    return jnp.sum(o * w), o
+
+  (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args))),
+                                             has_aux=True))(*args)
+  return o, grads
+
+
+def check(op, reference, args, w, what, *, eager=False, mesh=None, tol=1e-4):
+  """``op`` against ``reference`` (both ``(*args) -> o``): the forward alone under jit (a
+  program of its own: XLA fuses it differently from one that also differentiates), the
+  forward and gradients of ``sum(o * w)`` in one program, and, if ``eager``, the forward
+  op by op. A gradient whose reference is exactly zero (dg at T = 1 from a zero state)
+  must be below 1e-6 of the largest gradient. With ``mesh``, ``op`` gets the arrays with
+  B over ``data`` and T over ``seq`` (under ``jax.set_mesh``), the reference unsharded."""
+  o_ref, grads_ref = value_and_grads(reference, args, w)
+  context = contextlib.nullcontext()
+  if mesh is not None:
+    args, (w,), context = on_mesh(mesh, *args), on_mesh(mesh, w), jax.set_mesh(mesh)
+  with context:
+    o_jit = jax.jit(op)(*args)
+    o, grads = value_and_grads(op, args, w)
+    o_eager = op(*args) if eager else None
+  assert rel_err(o_jit, o_ref) <= 1e-5, (what, "jit forward")
+  assert rel_err(o, o_ref) <= 1e-5, (what, "forward with the backward")
+  if eager:
+    assert rel_err(o_eager, o_ref) <= 1e-5, (what, "eager forward")
+  largest = max(float(jnp.linalg.norm(g)) for g in grads_ref)
+  for i, (g, g_ref) in enumerate(zip(grads, grads_ref)):
+    if float(jnp.linalg.norm(g_ref)) == 0.0:
+      assert float(jnp.linalg.norm(g)) <= 1e-6 * largest, (what, i)
+    else:
+      assert rel_err(g, g_ref) <= tol, (what, i)
+
+
+def on_mesh(mesh, *arrays):
+  """``arrays`` with B over ``data`` and T over ``seq`` (the mesh's Explicit axes)."""
+  spec = jax.sharding.PartitionSpec("data", "seq")
+  return tuple(jax.device_put(x, jax.sharding.NamedSharding(mesh, spec)) for x in arrays)
