@@ -139,3 +139,33 @@ def test_argument_errors():
     chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=0)
   with pytest.raises(ValueError, match="initial_state"):
     chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0[..., :4])
+
+
+@pytest.mark.parametrize("C", [16, 48, 64])
+def test_ut_inverse_matches_float64(C):
+  from zeco_jax.gated_delta import unit_lower_inverse
+  A = np.tril(np.random.default_rng(C).uniform(-1, 1, (3, C, C)), -1)
+  X = jax.jit(unit_lower_inverse)(jnp.asarray(A, jnp.float32))
+  assert rel_err(X, np.linalg.inv(np.eye(C) + A)) <= 1e-5
+
+
+def test_chunked_form_has_no_lapack_call():
+  """No triangular solve (a LAPACK call on CPU, which waited on the thread pool the
+  simulated devices' collectives hold, and hung zeco_gated_delta_rule on jax 0.10.2)."""
+  (q, k, v, g, beta, h0), _ = gdn_inputs(5, 1, 64, 1, K, V)
+  fn = jax.grad(lambda *a: jnp.sum(chunk_gated_delta_rule(*a, initial_state=h0)[0]),
+                argnums=(0, 1, 2, 3, 4))
+  text = jax.jit(fn).lower(q, k, v, g, beta).as_text()
+  assert "triangular_solve" not in text and "custom_call" not in text
+
+
+def test_debug_checked_reports_inputs_outside_the_contract():
+  from zeco_jax import debug
+  (q, k, v, g, beta, _), _ = gdn_inputs(6, 1, 16, 1, K, V, initial=False)
+  checked = jax.jit(debug.checked(chunk_gated_delta_rule), static_argnames="use_qk_l2norm")
+  assert checked(q, k, v, g, beta)[0].get() is None
+  err = checked(q, 3 * k, v, g, beta)[0].get()
+  assert "`k` must be unit-norm" in err and "use_qk_l2norm=True" in err
+  assert checked(q, 3 * k, v, g, beta, use_qk_l2norm=True)[0].get() is None
+  assert "`g` (log-decay) must be <= 0" in checked(q, k, v, -g, beta)[0].get()
+  assert "`beta` (write strength) must be in [0, 1]" in checked(q, k, v, g, 2 * beta)[0].get()

@@ -38,10 +38,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.scipy.linalg import solve_triangular
 
 from zeco_jax import _checks
 from zeco_jax import segments
+from zeco_jax._linalg import opaque
 from zeco_jax._vma import match_varying
 
 _HI = lax.Precision.HIGHEST
@@ -170,6 +170,43 @@ def _masked_exp(x, mask):
   return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
 
 
+INVERSE_BLOCK = 16   # the diagonal blocks unit_lower_inverse inverts by substitution
+
+
+def unit_lower_inverse(A):
+  """``(I + A)^{-1}`` for strictly lower-triangular ``A [..., C, C]`` (the UT transform).
+
+  Plain XLA ops, no LAPACK: the 16 x 16 diagonal blocks by forward substitution (a loop
+  of 16 row steps, all blocks at once), then blocks merged pairwise,
+  ``[[X11, 0], [A21, X22]]^{-1} = [[X11, 0], [-X22 A21 X11, X22]]``, as FLA's
+  ``solve_tril``. Why not ``jax.scipy.linalg.solve_triangular``: on XLA:CPU (jax 0.10.2)
+  its LAPACK call waits on the thread pool that the simulated devices' collectives block,
+  so a sequence-parallel program that holds both can deadlock.
+  """
+  C = A.shape[-1]
+  b = INVERSE_BLOCK if C % INVERSE_BLOCK == 0 else C
+  eye_b = jnp.eye(b, dtype=A.dtype)
+  blocks = jnp.stack([A[..., i:i + b, i:i + b] for i in range(0, C, b)], -3)   # [.., n, b, b]
+  def substitute(i, X):
+    # Row i of the inverse: e_i - A[i, :i] X[:i]; A is strictly lower and the rows of X
+    # from i on are still zero, so the whole row of A may be used.
+    row = eye_b[i] - jnp.einsum("...j,...jc->...c", blocks[..., i, :], X, precision=_HI)
+    return lax.dynamic_update_index_in_dim(X, row, i, -2)
+
+  diag = lax.fori_loop(0, b, substitute, jnp.zeros_like(blocks))               # [.., n, b, b]
+  # (start row, inverse) per diagonal block; neighbours merged until one block is left.
+  inverses = [(i * b, x) for i, x in enumerate(jnp.moveaxis(diag, -3, 0))]
+  while len(inverses) > 1:
+    merged = []
+    for (r0, x11), (r1, x22) in zip(inverses[0::2], inverses[1::2]):
+      a21 = A[..., r1:r1 + x22.shape[-1], r0:r1]
+      x21 = -jnp.einsum("...ij,...jk,...kl->...il", x22, a21, x11, precision=_HI)
+      top = jnp.concatenate([x11, jnp.zeros(x11.shape[:-1] + x22.shape[-1:], x11.dtype)], -1)
+      merged.append((r0, jnp.concatenate([top, jnp.concatenate([x21, x22], -1)], -2)))
+    inverses = merged + inverses[len(merged) * 2:]         # an odd one out waits a level
+  return inverses[0][1]
+
+
 def chunk_terms(q, k, v, g, beta, scale):
   """Per-chunk arrays of the WY / UT form, chunk-parallel (docs/design.md §9).
 
@@ -188,9 +225,8 @@ def chunk_terms(q, k, v, g, beta, scale):
   to_end = jnp.exp(seg[..., -1, :])                         # e^{b_C - b_j}: decay to chunk end
   kk = jnp.einsum("...ik,...jk->...ij", k, k, precision=_HI)
   A = beta[..., :, None] * decay_strict * kk
-  eye_C = jnp.eye(C, dtype=jnp.float32)
   rhs = jnp.concatenate([(beta * from_start)[..., None] * k, beta[..., None] * v], -1)
-  WU = solve_triangular(eye_C + A, rhs, lower=True, unit_diagonal=True)
+  WU = jnp.einsum("...ij,...jc->...ic", unit_lower_inverse(A), rhs, precision=_HI)
   W, U = WU[..., :K], WU[..., K:]
   k_end = to_end[..., None] * k
   M = (from_start[..., -1, None, None] * jnp.eye(K, dtype=jnp.float32)
@@ -222,7 +258,9 @@ def _initial(h0, M, Sc, augment):
   if augment:
     Y0 = jnp.concatenate([Y0, jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, H, K, K))],
                          -1)
-  return match_varying(Y0, M, Sc)
+  # opaque: a zero (or identity) Y0 must not reach a dot as a constant when one chunk
+  # inlines the scan (XLA:CPU miscompiles that; see zeco_jax._linalg.opaque).
+  return opaque(match_varying(Y0, M, Sc))
 
 
 def _states(M, Sc, Y0):
@@ -276,7 +314,7 @@ def _chunk_recurrence_bwd(scale, C, augment, residuals, cotangents):
     M_n, G_n = xs
     return jnp.einsum("bhji,bhjw->bhiw", M_n, dY, precision=_HI) + G_n, dY
 
-  d_final = match_varying(d_final.astype(jnp.float32), M, G)
+  d_final = opaque(match_varying(d_final.astype(jnp.float32), M, G))
   dY0, dYs = lax.scan(step, d_final, (jnp.moveaxis(M, 2, 0), jnp.moveaxis(G, 2, 0)),
                       reverse=True)
   dYs = jnp.moveaxis(dYs, 0, 2)                               # dY leaving each chunk
