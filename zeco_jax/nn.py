@@ -33,8 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax.sharding import PartitionSpec as P
+
 from zeco_jax.ops import chunk_gla
-from zeco_jax.parallel import zeco_gla
+from zeco_jax.parallel import (_axes_in, _explicit_entries, _mesh_or_context, _on, seq_axis_size,
+                               zeco_gla)
 from zeco_jax.scan import SCAN_METHODS
 
 LOGICAL_AXES_KEY = "logical_axes"   # the metadata key of every parameter's logical axis names
@@ -70,11 +73,15 @@ class RMSNorm(nnx.Module):
 class ShortConvolution(nnx.Module):
   """Causal depthwise convolution over time, then SiLU (fla ``ShortConvolution``).
 
-  Written as shifted slices of a left-padded input, so under jit with T sharded XLA adds
-  the (size - 1)-token halo exchange between sequence shards itself. With
-  ``segment_ids`` (``[B, T]``, :mod:`zeco_jax.segments`) a tap that would read a token
+  With ``segment_ids`` (``[B, T]``, :mod:`zeco_jax.segments`) a tap that would read a token
   before the start of the current document reads zero instead, as at the start of the
   row: no document sees the previous one.
+
+  Over a mesh whose ``seq_axis`` has size > 1 (``mesh=`` or the one set with
+  ``jax.set_mesh``; Auto or Explicit axes) each sequence shard receives its
+  ``size - 1``-token halo (and its segment ids) from the previous shard by one
+  ``ppermute`` inside a shard_map, forward and backward; a shard must hold at least
+  ``size - 1`` tokens.
   """
 
   def __init__(self, dim: int, size: int = 4, *, rngs: nnx.Rngs,
@@ -82,26 +89,74 @@ class ShortConvolution(nnx.Module):
     self.weight = normal_param(rngs, (size, dim), size ** -0.5, logical_axes)
     self.size = size
 
-  def __call__(self, x_BxTxC, segment_ids=None):
-    T = x_BxTxC.shape[1]
-    w = self.weight[...].astype(x_BxTxC.dtype)
-    W = self.size
-    padded = jnp.pad(x_BxTxC, ((0, 0), (W - 1, 0), (0, 0)))
-    # Tap j (j = 0 the current token) reads x[t - j], i.e. padded[:, W - 1 - j + t].
-    taps = [padded[:, W - 1 - j:W - 1 - j + T] for j in range(W)]
+  def __call__(self, x_BxTxC, segment_ids=None, *, mesh=None, seq_axis: str = "seq"):
     if segment_ids is not None:
       ids = jnp.asarray(segment_ids)
       if ids.shape != x_BxTxC.shape[:2] or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"ShortConvolution: `segment_ids` must be integer [B, T] = "
                          f"{x_BxTxC.shape[:2]}, got {ids.dtype} {ids.shape}.")
-      # same[t] = token t continues token t - 1's document; tap j is read only if tokens
-      # t - j + 1 .. t all continue (shifted slices, so T may be sharded).
-      same = jnp.pad(ids[:, 1:] == ids[:, :-1], ((0, 0), (W, 0)))
-      ok = jnp.ones(ids.shape, bool)
-      for j in range(1, W):
-        ok = ok & same[:, W - j:W - j + T]
-        taps[j] = jnp.where(ok[..., None], taps[j], jnp.zeros((), taps[j].dtype))
-    return jax.nn.silu(sum(taps[j] * w[W - 1 - j] for j in range(W)))
+    w = self.weight[...].astype(x_BxTxC.dtype)
+    if _seq_size(mesh, seq_axis) > 1:
+      y = _sharded_conv(x_BxTxC, w, segment_ids, mesh=mesh, seq_axis=seq_axis)
+    else:
+      y = _conv_with_halo(x_BxTxC, w, segment_ids, None, None)
+    return jax.nn.silu(y)
+
+
+def _conv_with_halo(x_BxLxC, w_WxC, ids_BxL, halo_x, halo_ids):
+  """The depthwise causal convolution of one shard, given the ``W - 1`` tokens before it
+  (``halo_x``, and their ids ``halo_ids``; None: the start of the row, zeros)."""
+  B, L, C = x_BxLxC.shape
+  W = w_WxC.shape[0]
+  if halo_x is None:
+    halo_x = jnp.zeros((B, W - 1, C), x_BxLxC.dtype)
+  padded = jnp.concatenate([halo_x, x_BxLxC], axis=1)
+  # Tap j (j = 0 the current token) reads x[t - j], i.e. padded[:, W - 1 - j + t].
+  taps = [padded[:, W - 1 - j:W - 1 - j + L] for j in range(W)]
+  if ids_BxL is not None:
+    if halo_ids is None:        # the row's start: the halo is zeros, any ids do
+      halo_ids = jnp.zeros((B, W - 1), ids_BxL.dtype)
+    ids = jnp.concatenate([halo_ids, ids_BxL], axis=1)
+    # same[i] = padded token i continues padded token i - 1's document; tap j is read only
+    # if tokens t - j + 1 .. t all continue.
+    same = jnp.pad(ids[:, 1:] == ids[:, :-1], ((0, 0), (1, 0)))
+    ok = jnp.ones((B, L), bool)
+    for j in range(1, W):
+      ok = ok & same[:, W - j:W - j + L]
+      taps[j] = jnp.where(ok[..., None], taps[j], jnp.zeros((), taps[j].dtype))
+  return sum(taps[j] * w_WxC[W - 1 - j] for j in range(W))
+
+
+def _sharded_conv(x_BxTxC, w_WxC, ids_BxT, *, mesh, seq_axis):
+  """:func:`_conv_with_halo` per sequence shard: the halo (and its ids) from the previous
+  shard by one ``ppermute`` each (the first shard gets zeros, as the row's start)."""
+  name = "ShortConvolution"
+  mesh = _mesh_or_context(mesh, name=name)
+  B, T, C = x_BxTxC.shape
+  P_size = seq_axis_size(mesh, seq_axis, T, name=name)
+  W = w_WxC.shape[0]
+  if T // P_size < W - 1:
+    raise ValueError(f"{name}: a sequence shard holds T / {P_size} = {T // P_size} tokens, "
+                     f"fewer than the convolution's halo of size - 1 = {W - 1}; use at least "
+                     f"{(W - 1) * P_size} tokens or a smaller conv_size.")
+  batch_spec, chan_spec = _explicit_entries(x_BxTxC, mesh, seq_axis, (0, 2))
+  manual = {seq_axis} | _axes_in(batch_spec) | _axes_in(chan_spec)
+  x_spec = P(batch_spec, seq_axis, chan_spec)
+  w_spec = P(None, chan_spec)
+  ids_spec = None if ids_BxT is None else P(batch_spec, seq_axis)
+  if manual != {seq_axis}:      # Explicit axes: keep the caller's split of B and C
+    place = lambda a, spec: jax.sharding.reshard(a, _on(mesh, spec))
+    x_BxTxC, w_WxC = place(x_BxTxC, x_spec), place(w_WxC, w_spec)
+    ids_BxT = None if ids_BxT is None else place(ids_BxT, ids_spec)
+
+  def body(x, w, ids):
+    n = jax.lax.axis_size(seq_axis)
+    send = lambda a: jax.lax.ppermute(a[:, a.shape[1] - (W - 1):], seq_axis,
+                                      [(i, i + 1) for i in range(n - 1)])
+    return _conv_with_halo(x, w, ids, send(x), None if ids is None else send(ids))
+
+  return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec, ids_spec),
+                       out_specs=x_spec, axis_names=manual)(x_BxTxC, w_WxC, ids_BxT)
 
 
 def _seq_size(mesh, axis: str) -> int:
@@ -229,8 +284,9 @@ class GatedLinearAttention(nnx.Module):
     k = _dot(x_BxTxD, self.k_proj[...])
     v = _dot(x_BxTxD, self.v_proj[...])
     if self.use_short_conv:
-      q, k, v = (self.q_conv(q, segment_ids), self.k_conv(k, segment_ids),
-                 self.v_conv(v, segment_ids))
+      conv = dict(mesh=mesh, seq_axis=self.seq_axis)
+      q, k, v = (self.q_conv(q, segment_ids, **conv), self.k_conv(k, segment_ids, **conv),
+                 self.v_conv(v, segment_ids, **conv))
     q, k, v = (x.reshape(B, T, H, -1) for x in (q, k, v))
     gate_logits = _dot(_dot(x_BxTxD, self.gk_down[...]), self.gk_up[...]).astype(jnp.float32)
     g = jax.nn.log_sigmoid(gate_logits + self.gk_bias[...]) / self.gate_logit_normalizer

@@ -122,8 +122,8 @@ class GatedDeltaNet(nnx.Module):
     k = _dot(x_BxTxD, self.k_proj[...])
     v = _dot(x_BxTxD, self.v_proj[...])
     if self.use_short_conv:
-      q, k, v = (conv(x, segment_ids) for conv, x in ((self.q_conv, q), (self.k_conv, k),
-                                                      (self.v_conv, v)))
+      q, k, v = (conv(x, segment_ids, mesh=mesh, seq_axis=self.seq_axis)
+                 for conv, x in ((self.q_conv, q), (self.k_conv, k), (self.v_conv, v)))
     q, k, v = (x.reshape(B, T, H, -1) for x in (q, k, v))
     beta = jax.nn.sigmoid(_dot(x_BxTxD, self.b_proj[...]).astype(jnp.float32))
     a = _dot(x_BxTxD, self.a_proj[...]).astype(jnp.float32)

@@ -244,14 +244,20 @@ def _axes_in(entry) -> set:
   return set(entry) if isinstance(entry, tuple) else {entry}
 
 
-def _explicit_batch_head(q, mesh, seq_axis):
-  """How q's B and H axes are split over Explicit mesh axes (None, None when not explicit)."""
-  sharding = getattr(jax.typeof(q), "sharding", None)
+def _explicit_entries(x, mesh, seq_axis, dims):
+  """The entries of x's sharding spec at ``dims`` that split over Explicit mesh axes other
+  than ``seq_axis`` (None for the rest, and when x's type carries no Explicit split)."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
   axis_types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ())))
-  spec = tuple(getattr(sharding, "spec", ())) + (None,) * 4
+  spec = tuple(getattr(sharding, "spec", ())) + (None,) * x.ndim
   explicit = lambda e: e is not None and e != seq_axis and all(
       axis_types.get(a) == jax.sharding.AxisType.Explicit for a in _axes_in(e))
-  return (spec[0] if explicit(spec[0]) else None), (spec[2] if explicit(spec[2]) else None)
+  return tuple(spec[d] if explicit(spec[d]) else None for d in dims)
+
+
+def _explicit_batch_head(q, mesh, seq_axis):
+  """How q's B and H axes are split over Explicit mesh axes (None, None when not explicit)."""
+  return _explicit_entries(q, mesh, seq_axis, (0, 2))
 
 
 def _batch_axes(batch_axes, batch_spec, head_spec, mesh, seq_axis, B, *, name):
