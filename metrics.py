@@ -25,8 +25,12 @@ PROGRESS_MODES = ("bar", "lines", "off")
 class MetricWriter:
   """``write(step, scalars)`` to ``metrics.jsonl`` and, if available, TensorBoard events."""
 
-  def __init__(self, workdir: str, enabled: bool = True):
+  def __init__(self, workdir: str, enabled: bool = True, keep_through=None):
+    """``keep_through``: a step; rows of ``metrics.jsonl`` past it are dropped first (a run
+    resumed from that step's checkpoint logs the later steps again). None keeps every row."""
     self.path = os.path.join(workdir, "metrics.jsonl")
+    if enabled and keep_through is not None:
+      drop_rows_after(self.path, keep_through)
     self._file = open(self.path, "a") if enabled else None
     self._reopened = 0           # times the file was found deleted or replaced
     self._tb = None
@@ -75,6 +79,31 @@ class MetricWriter:
     if self._tb is not None:
       self._tb.close()
       self._tb = None
+
+
+def drop_rows_after(path: str, step: int) -> int:
+  """Rewrites ``path`` (atomically) without the rows whose ``"step"`` is past ``step``, and
+  without lines a kill cut short; returns how many were dropped (0: file left alone)."""
+  try:
+    with open(path) as f:
+      lines = f.readlines()
+  except FileNotFoundError:
+    return 0
+  kept = []
+  for line in lines:
+    try:
+      row = json.loads(line)
+    except ValueError:            # a line cut short by a kill
+      continue
+    if row.get("step", 0) <= step:
+      kept.append(line if line.endswith("\n") else line + "\n")
+  dropped = len(lines) - len(kept)
+  if dropped:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+      f.writelines(kept)
+    os.replace(tmp, path)
+  return dropped
 
 
 def _fmt(value) -> str:

@@ -152,7 +152,8 @@ def main(argv):
     trainer.train_and_evaluate(config, _WORKDIR.value or os.path.join("runs", name),
                                progress=_PROGRESS.value)
   except trainer.RunError as e:      # one line and the exit code (docs/training.md)
-    print(f"train.py: {e}", file=sys.stderr, flush=True)
+    line = str(e) if isinstance(e, trainer.DataError) else f"train.py: {e}"
+    print(line, file=sys.stderr, flush=True)
     sys.exit(e.exit_code)
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import sys
 import time
 
@@ -57,6 +58,13 @@ from zeco_jax.losses import linear_cross_entropy
 class RunError(RuntimeError):
   """A run that cannot go on; the message is one line and ``train.py`` exits ``exit_code``."""
   exit_code = 1
+
+
+class DataError(RunError):
+  """The corpus cannot be read as documents; the message says which file and line."""
+
+  def __str__(self):
+    return f"data error: {super().__str__()}"
 
 
 class Diverged(RunError):
@@ -342,14 +350,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   devices = jax.devices()
   mesh_shape = configs.validate(config, len(devices))
   train, data_cfg = config.train, config.data.to_dict()
+  new_workdir = not os.path.exists(workdir)
   os.makedirs(workdir, exist_ok=True)
   main_process = distributed.is_main_process()   # the one process that writes and prints
   if not main_process:
     progress = "off"
   say = (lambda text: print(text, flush=True)) if progress != "off" else (lambda text: None)
   exp = Experiment(config, make_mesh(mesh_shape))
-  dataset = Dataset(data_cfg, vocab_size=config.model.vocab_size, workdir=workdir,
-                    write=main_process)
+  try:
+    dataset = Dataset(data_cfg, vocab_size=config.model.vocab_size, workdir=workdir,
+                      write=main_process)
+  except ValueError as e:         # the corpus (models/text.py says what it checks)
+    if new_workdir and main_process:   # a run that never started leaves no workdir
+      shutil.rmtree(workdir, ignore_errors=True)
+    raise DataError(str(e)) from e
+  for text in dataset.warnings:
+    _warn(f"data: {text}")
   mngr = checkpointing.checkpoint_manager(workdir, train)
   ckpt_dir = os.path.join(workdir, "checkpoints")
   stop = min(train.steps, train.stop_after or train.steps)
@@ -402,7 +418,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       f"batch {data_cfg['batch_size']} x {data_cfg['seq_len']} tokens, steps {start}->{stop}")
 
   bar = metrics.Progress(stop, start, progress)
-  writer = metrics.MetricWriter(workdir, enabled=main_process)
+  # A resumed run writes the steps after `start` again: rows past it (from the steps after
+  # the restored checkpoint that a killed run had logged) are dropped first.
+  writer = metrics.MetricWriter(workdir, enabled=main_process, keep_through=start)
   losses, pending = {}, []
   t_start = time.time()
   t_window, window_steps, compile_s, steady = time.time(), 0, None, []

@@ -204,6 +204,8 @@ class Dataset:
       from models.text import TextData
       self.text = TextData(self.cfg, vocab_size, workdir, write)
     self.stateful = self.text is not None
+    # What reading the corpus noticed but did not stop for (files not UTF-8, skipped ones).
+    self.warnings = list(self.text.docs.warnings) if self.text is not None else []
 
   def _make(self, seed, step, rows=None):
     c = self.cfg

@@ -56,7 +56,14 @@ EXTENSIONS = (".txt", ".jsonl")
 
 
 class Documents:
-  """The documents of a file or folder, read on access (a grain random-access source)."""
+  """The documents of a file or folder, read on access (a grain random-access source).
+
+  Every document is checked when the index is built (which reads every file once): a
+  ``.jsonl`` line that is not a JSON object with a string ``"text"`` is a ValueError naming
+  the file and line; a ``.txt`` file that is not UTF-8 is decoded with U+FFFD for its bad
+  bytes and noted in :attr:`warnings` (with the count), or skipped when most of it is not
+  text (a binary file). Nothing is found later in a loader thread.
+  """
 
   def __init__(self, path: str):
     if os.path.isdir(path):
@@ -69,21 +76,18 @@ class Documents:
       files = [path]
     else:
       raise ValueError(f"data.path={path!r}: no such file or folder")
-    self.path, self.files, index = path, files, []
-    for i, f in enumerate(files):
-      if f.endswith(".jsonl"):
-        offset = 0
-        with open(f, "rb") as fh:
-          for line in fh:
-            if line.strip():
-              index.append((i, offset, len(line)))
-            offset += len(line)
-      else:
-        index.append((i, 0, os.path.getsize(f)))
+    self.path, self.files, self.warnings, index = path, [], [], []
+    for f in files:
+      entries = _jsonl_index(f) if f.endswith(".jsonl") else _txt_index(f, self.warnings)
+      if entries:
+        index += [(len(self.files), offset, length) for offset, length in entries]
+        self.files.append(f)
     if not index:
-      raise ValueError(f"data.path={path!r} holds no documents: expected .txt files (one "
-                       "document each) or .jsonl files (one JSON object with a \"text\" "
-                       "field per line)")
+      found = (f"{len(files)} file(s), none with a document" if files else
+               "no .txt or .jsonl file")
+      raise ValueError(f"data.path={path!r} holds no documents ({found}): expected .txt "
+                       "files (one document each) or .jsonl files (one JSON object with a "
+                       "\"text\" field per line)")
     self.index = np.asarray(index, np.int64)
 
   def __len__(self) -> int:
@@ -96,11 +100,7 @@ class Documents:
       raw = fh.read(length)
     if not self.files[f].endswith(".jsonl"):
       return raw.decode("utf-8", errors="replace")
-    try:
-      return json.loads(raw)["text"]
-    except (ValueError, KeyError, TypeError) as e:
-      raise ValueError(f"{self.files[f]} at byte {offset}: not a JSON object with a "
-                       f"\"text\" field ({type(e).__name__}: {e})") from None
+    return json.loads(raw)["text"]           # checked when the index was built
 
   def fingerprint(self) -> str:
     """Files, sizes and document count: a resumed run must read the same corpus."""
@@ -109,6 +109,50 @@ class Documents:
       h.update(f"{os.path.relpath(f, self.path)}:{os.path.getsize(f)};".encode())
     h.update(str(len(self)).encode())
     return h.hexdigest()[:16]
+
+
+NOT_TEXT_FRACTION = 0.5   # a .txt file with more undecodable / control characters is skipped
+
+
+def _jsonl_index(path: str) -> list:
+  """(offset, length) of every non-blank line of a .jsonl file, each checked to be a JSON
+  object with a string "text"; ValueError naming the file and line otherwise."""
+  entries, offset = [], 0
+  with open(path, "rb") as fh:
+    for number, line in enumerate(fh, 1):
+      if line.strip():
+        try:
+          text = json.loads(line)["text"]
+          if not isinstance(text, str):
+            raise TypeError(f"\"text\" is a {type(text).__name__}, not a string")
+        except (ValueError, KeyError, TypeError) as e:
+          why = f"no \"text\" field" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+          raise ValueError(f"{path} line {number}: not a JSON object with a string \"text\" "
+                           f"field ({why}); fix or remove the line") from None
+        entries.append((offset, len(line)))
+      offset += len(line)
+  return entries
+
+
+def _txt_index(path: str, warnings: list) -> list:
+  """[(0, size)] for a .txt document; a file that is not UTF-8 is noted in ``warnings``,
+  and skipped (noted too) when most of its characters are U+FFFD or control characters."""
+  with open(path, "rb") as fh:
+    raw = fh.read()
+  if not raw:
+    return []
+  try:
+    raw.decode("utf-8")
+  except UnicodeDecodeError:
+    text = raw.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd")
+    junk = bad + sum(1 for c in text if c < " " and c not in "\t\n\r\f")
+    if junk > NOT_TEXT_FRACTION * len(text):
+      warnings.append(f"{path}: skipped, not text ({junk} of {len(text)} characters are not "
+                      "UTF-8 or are control characters)")
+      return []
+    warnings.append(f"{path}: {bad} byte sequence(s) not UTF-8, read as U+FFFD")
+  return [(0, len(raw))]
 
 
 class Tokenizer:

@@ -85,6 +85,18 @@ def test_command_line_errors_name_the_field():
   assert "config error: mesh data=2 x seq=2 = 4 devices, but 8 are available" in mesh.stderr
 
 
+def test_data_errors_are_one_line_and_leave_no_workdir(tmp_path):
+  corpus, workdir = tmp_path / "corpus", tmp_path / "run"
+  corpus.mkdir()
+  (corpus / "a.jsonl").write_text('{"text": "one"}\n{"txt": "two"}\n')
+  bad = _train_cli("--text", str(corpus), "--workdir", str(workdir))
+  assert bad.returncode == 1, bad.stderr
+  assert bad.stderr.strip().splitlines() == [
+      f'data error: {corpus}/a.jsonl line 2: not a JSON object with a string "text" field '
+      '(no "text" field); fix or remove the line'], bad.stderr
+  assert not workdir.exists()
+
+
 # --- resume ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -98,6 +110,11 @@ def test_resume_is_exact(straight_run, tmp_path):
   cfg = tiny_cfg(steps=20, checkpoint_every=10, stop_after=10)
   first = trainer.train_and_evaluate(cfg, str(tmp_path), progress="off")
   assert first["step"] == 10 and sorted(first["losses"]) == list(range(1, 11))
+  # A run killed at step 15 had logged steps 11-15 past the checkpoint at 10.
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    for step in range(11, 16):
+      f.write(json.dumps({"step": step, "loss": 1.0}) + "\n")
+    f.write('{"step": 16, "lo')                          # a line cut short by the kill
   cfg.train.stop_after = None
   second = trainer.train_and_evaluate(cfg, str(tmp_path), progress="off")
   assert second["start_step"] == 10 and second["step"] == 20
@@ -106,7 +123,8 @@ def test_resume_is_exact(straight_run, tmp_path):
   for a, b in zip(_flat(second["state"]["params"]), _flat(straight_run["state"]["params"])):
     np.testing.assert_array_equal(a, b)
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-  assert {r["step"] for r in rows if "loss" in r} == set(range(1, 21))
+  assert sorted(r["step"] for r in rows if "loss" in r) == list(range(1, 21))   # once each
+  assert [r["loss"] for r in rows if r["step"] == 11] == [losses[11]]
   assert (tmp_path / "loss.png").exists()
   assert os.listdir(tmp_path / "tensorboard")
 
