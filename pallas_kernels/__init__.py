@@ -1,45 +1,43 @@
-"""Pallas kernels for chunked GLA (``docs/design.md`` §2), plugged into :func:`zeco_jax.chunk_gla`.
+"""Pallas kernels for the chunked linear-attention ops, one folder per family.
 
-``backend(platform)`` returns the module whose ``fwd`` / ``bwd`` follow the contract of
-:mod:`zeco_jax.chunked` (padded, validated inputs, layout ``[B, T, H, D]``), with one more
-keyword, ``config``: a :class:`KernelConfig`, the frozen launch configuration
-(``default_config(platform, B, T, H, K, V, dtype)`` gives the defaults; ``docs/design.md``
-§8 and ``docs/kernels.md`` say how they are chosen).
+``backend(family, platform)`` returns the family's kernels for a target platform: an
+object satisfying :class:`ChunkKernels` (``fwd`` / ``bwd`` and their ``*_res`` forms, each
+with ``config=``, the family's frozen launch configuration). :data:`FAMILIES` lists the
+families that have kernels.
 
-* ``"gpu"``: :mod:`pallas_kernels.triton_backend`, pallas_call lowered through Triton.
-* ``"cpu"``: the same kernels in the Pallas interpreter (tests).
-* ``"tpu"``: :mod:`pallas_kernels.tpu_backend` (Mosaic TPU), what ``backend="auto"`` picks
-  for a TPU target. libtpu compiles it ahead of time for v5e / v5p / v6e and it is checked
-  in the interpreter; it has not run on a TPU chip here.
+* ``"gla"`` (:mod:`pallas_kernels.gla`): ``"gpu"`` Triton-lowered kernels
+  (:mod:`pallas_kernels.gla.gpu`), ``"tpu"`` Mosaic TPU kernels (:mod:`pallas_kernels.gla.tpu`,
+  compiled ahead of time for v5e / v5p / v6e and checked in the interpreter; not yet run on
+  a TPU chip), ``"cpu"`` the GPU kernels in the Pallas interpreter (tests). Its launch
+  configuration: :class:`KernelConfig` and :func:`default_config` (``docs/kernels.md``).
 
-Modules: ``config`` (:class:`KernelConfig`, :func:`default_config`), ``state`` (chunk
-cumsums and the decayed q, k; sequential state pass and state-gradient pass, also in one
-launch), ``intra`` (intra-chunk scores by tensor-core dots, the 16 x 16 diagonal blocks
-too where the decay allows, else exact in log space; output), ``grads`` (dv; dq, dk, dg,
-with dA formed inside and the diagonal terms exact in log space where the decay is too
-strong for dots),
-``triton_backend`` (composition), ``tpu_backend`` (the Mosaic TPU variant), ``_common``
-(helpers, the launch).
+Shared by every family: :mod:`pallas_kernels._launch` (the launch, dots, tiles) and
+:mod:`pallas_kernels.protocol`. This package never imports ``zeco_jax``.
 """
-from pallas_kernels.config import KernelConfig
-from pallas_kernels.config import PLATFORMS
-from pallas_kernels.config import default_config
+from pallas_kernels.gla.config import PLATFORMS, KernelConfig, Launch, default_config
+from pallas_kernels.protocol import ChunkKernels
+
+FAMILIES = ("gla",)
 
 
-def backend(platform: str):
-  """The kernel module for a target platform (``"cpu"``, ``"gpu"`` or ``"tpu"``).
+def backend(family: str, platform: str) -> ChunkKernels:
+  """The kernels of ``family`` for a target ``platform`` (``"cpu"``, ``"gpu"``, ``"tpu"``).
 
-  Imports it, so a broken kernel package raises here (ImportError, AttributeError), never
+  Imports them, so a broken kernel package raises here (ImportError, AttributeError), never
   silently falls back.
   """
+  if family not in FAMILIES:
+    raise ValueError(f"pallas_kernels.backend: no kernels for family {family!r}; the families "
+                     f"with kernels are {', '.join(map(repr, FAMILIES))}.")
   if platform == "tpu":
-    from pallas_kernels import tpu_backend
-    return tpu_backend
+    from pallas_kernels.gla import tpu
+    return tpu
   if platform in ("gpu", "cpu"):
-    from pallas_kernels import triton_backend
-    return triton_backend
+    from pallas_kernels.gla import gpu
+    return gpu
   raise ValueError(f"pallas_kernels.backend: unknown `platform` {platform!r}; choose one of "
                    f"{', '.join(map(repr, PLATFORMS))}.")
 
 
-__all__ = ["KernelConfig", "PLATFORMS", "backend", "default_config"]
+__all__ = ["ChunkKernels", "FAMILIES", "KernelConfig", "Launch", "PLATFORMS", "backend",
+           "default_config"]

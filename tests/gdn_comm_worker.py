@@ -19,8 +19,8 @@ def grad_bytes(method, n):
   import numpy as np
   from jax.sharding import Mesh
 
-  from zeco_jax.hlo_stats import collective_bytes
-  from zeco_jax.parallel_delta import zeco_gated_delta_rule
+  from zeco_jax.runtime.hlo_stats import collective_bytes
+  from zeco_jax.ops.gated_delta.parallel import zeco_gated_delta_rule
 
   mesh = Mesh(np.array(jax.devices()[:n]), ("seq",))
   T = C * n

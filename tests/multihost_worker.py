@@ -1,11 +1,11 @@
-"""Worker for tests/test_multihost.py, run under ``python -m zeco_jax.launch``.
+"""Worker for tests/test_multihost.py, run under ``python -m zeco_jax.runtime.launch``.
 
-    python -m zeco_jax.launch --processes 2 --devices-per-process 4 -- \\
+    python -m zeco_jax.runtime.launch --processes 2 --devices-per-process 4 -- \\
         tests/multihost_worker.py gla OUT.npz     # zeco_gla fwd + grads, every method
     ... -- tests/multihost_worker.py die           # process 1 fails after a first step
 
 ``gla``: every process builds only its own half of the sequence, makes global arrays with
-``zeco_jax.distributed.global_batch``, runs ``jit(value_and_grad(zeco_gla))`` on the mesh
+``zeco_jax.runtime.distributed.global_batch``, runs ``jit(value_and_grad(zeco_gla))`` on the mesh
 ``seq=8`` spanning both processes, and process 0 writes the (replicated) results to OUT.
 :func:`gla_results` is also what the test runs in one process for the reference.
 """
@@ -15,9 +15,9 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
-from zeco_jax import distributed  # noqa: E402  (before anything starts the backend)
+from zeco_jax.runtime import distributed  # noqa: E402  (before anything starts the backend)
 
-METHODS = ("all_scan", "all_gather")   # keys of zeco_jax.scan.SCAN_METHODS: ppermute, all-gather
+METHODS = ("all_scan", "all_gather")   # keys of zeco_jax.sp.scan.SCAN_METHODS: ppermute, all-gather
 SHAPE = dict(B=2, T=128, H=2, K=8, V=16)
 
 

@@ -1,6 +1,6 @@
 """Helper for tests/test_multihost_train.py: restore a train.py checkpoint, dump the params.
 
-    PYTHONPATH=. python -m zeco_jax.launch --processes 2 --devices-per-process 4 -- \\
+    PYTHONPATH=. python -m zeco_jax.runtime.launch --processes 2 --devices-per-process 4 -- \\
         tests/multihost_worker_train.py --workdir W --out OUT.npz \\
         --config.mesh=data=1,seq=8 --config.model.num_layers=2 ...
 
@@ -14,7 +14,7 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
-from zeco_jax import distributed
+from zeco_jax.runtime import distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CONFIG = config_flags.DEFINE_config_file(

@@ -22,41 +22,11 @@ import pytest
 from jax.sharding import Mesh
 
 from zeco_jax import chunk_gla, chunk_gla_reference, zeco_gla
+from zeco_jax.ops.gla.reference import gla_float64 as gla64
 
 SHAPES = {"issue": (1, 128, 1, 16, 16), "multi": (1, 100, 2, 16, 32)}   # B, T, H, K, V
 DECAYS = (-1e4, -100.0, -10.0, "mix")
 FWD_TOL, GRAD_TOL = 1e-5, 1e-4
-
-
-def gla64(q, k, v, g, h0, do, dht, scale):
-  """float64 token loop: (o, final state) and the vjp of (do, dht) for q, k, v, g, h0.
-
-  S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T, o_t = scale S_t^T q_t (docs/design.md §1).
-  dht None: no final-state cotangent."""
-  f = lambda x: np.asarray(x, np.float64)
-  q, k, v, g, h0, do = map(f, (q, k, v, g, h0, do))
-  dS = np.zeros(h0.shape) if dht is None else f(dht)
-  B, T, H, K = q.shape
-  gk = np.broadcast_to(g[..., None], q.shape) if g.ndim == 3 else g
-  S = h0
-  states = [S]
-  o = np.zeros(v.shape)
-  for t in range(T):
-    S = np.exp(gk[:, t])[..., None] * S + k[:, t, :, :, None] * v[:, t, :, None, :]
-    states.append(S)
-    o[:, t] = scale * np.einsum("bhk,bhkv->bhv", q[:, t], S)
-  dq, dk, dv, dg = (np.zeros(x.shape) for x in (q, k, v, gk))
-  for t in reversed(range(T)):
-    dS = dS + scale * q[:, t, :, :, None] * do[:, t, :, None, :]
-    dq[:, t] = scale * np.einsum("bhkv,bhv->bhk", states[t + 1], do[:, t])
-    dk[:, t] = np.einsum("bhkv,bhv->bhk", dS, v[:, t])
-    dv[:, t] = np.einsum("bhkv,bhk->bhv", dS, k[:, t])
-    decay = np.exp(gk[:, t])
-    dg[:, t] = decay * np.sum(states[t] * dS, -1)
-    dS = decay[..., None] * dS
-  if g.ndim == 3:
-    dg = dg.sum(-1)
-  return o, S, dict(q=dq, k=dk, v=dv, g=dg, h0=dS)
 
 
 def err(a, b):
@@ -123,7 +93,7 @@ def _tpu_op():
   pallas_kernels = pytest.importorskip("pallas_kernels")
   # Imported before the first trace: importing jax.experimental.pallas.tpu adds an entry to
   # jax's trace context, so a jit traced before it would compile a second time.
-  import pallas_kernels.tpu_backend  # noqa: F401
+  import pallas_kernels.gla.tpu  # noqa: F401
   return functools.partial(chunk_gla, backend="pallas", kernel_config=pallas_kernels.KernelConfig(
       platform="tpu", interpret=True))
 

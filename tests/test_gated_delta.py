@@ -1,5 +1,5 @@
 """Gated DeltaNet on one device: chunk_gated_delta_rule and the float32 token loop against a
-float64 numpy token loop (forward and a hand-written vjp, tests/gdn_reference64.py).
+float64 numpy token loop (forward and a hand-written vjp, zeco_jax.ops.gated_delta.reference).
 
 Tolerances are relative norms: forward 1e-5, gradients 1e-4 in float32, 2e-2 in bf16.
 """
@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gdn_reference64 import gdn_float64, gdn_float64_documents
+from zeco_jax.ops.gated_delta.reference import gdn_float64, gdn_float64_documents
 from helpers import rel_err
-from zeco_jax.gated_delta import (chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule)
+from zeco_jax import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from zeco_jax.ops.gated_delta.op import l2norm
 
 B, H, K, V = 2, 2, 8, 16
 
@@ -143,7 +144,7 @@ def test_argument_errors():
 
 @pytest.mark.parametrize("C", [16, 48, 64])
 def test_ut_inverse_matches_float64(C):
-  from zeco_jax.gated_delta import unit_lower_inverse
+  from zeco_jax.ops.gated_delta.chunked import unit_lower_inverse
   A = np.tril(np.random.default_rng(C).uniform(-1, 1, (3, C, C)), -1)
   X = jax.jit(unit_lower_inverse)(jnp.asarray(A, jnp.float32))
   assert rel_err(X, np.linalg.inv(np.eye(C) + A)) <= 1e-5

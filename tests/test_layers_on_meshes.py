@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import rel_err
 from zeco_jax.nn import GatedLinearAttention, ShortConvolution
-from zeco_jax.nn_delta import GatedDeltaNet
+from zeco_jax.nn import GatedDeltaNet
 
 B, T, D = 2, 256, 128
 # Row 0: documents starting 2 tokens after a shard boundary, 1 token before one, and

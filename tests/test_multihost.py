@@ -1,10 +1,10 @@
-"""Multi-process runs on one machine: ``python -m zeco_jax.launch`` with CPU devices and gloo.
+"""Multi-process runs on one machine: ``python -m zeco_jax.runtime.launch``, CPU devices, gloo.
 
 * 2 processes x 4 CPU devices, mesh ``seq=8`` spanning both: zeco_gla outputs and
   gradients equal the single-process 8-device result (all_scan and all_gather);
 * a process dying mid-run makes the launcher exit non-zero promptly with its error;
 * the launcher stops hung peers (and their children), honours its timeout and SIGTERM;
-* ``zeco_jax.distributed`` resolves and validates its settings.
+* ``zeco_jax.runtime.distributed`` resolves and validates its settings.
 
 Every subprocess has a hard timeout; the whole file takes about a minute on 2 cores.
 """
@@ -22,8 +22,8 @@ from jax.sharding import Mesh
 
 from helpers import rel_err
 import multihost_worker
-from zeco_jax import distributed, launch
-from zeco_jax.scan import SCAN_METHODS
+from zeco_jax.runtime import distributed, launch
+from zeco_jax.sp.scan import SCAN_METHODS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -31,10 +31,10 @@ WORKER = os.path.join(HERE, "multihost_worker.py")
 
 
 def run_launcher(args, program, timeout, pythonpath=()):
-  """``python -m zeco_jax.launch ARGS -- PROGRAM``; returns (CompletedProcess, seconds)."""
+  """``python -m zeco_jax.runtime.launch ARGS -- PROGRAM``; returns (CompletedProcess, seconds)."""
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE, *pythonpath]))
   t0 = time.monotonic()
-  proc = subprocess.run([sys.executable, "-m", "zeco_jax.launch", *args, "--", *program],
+  proc = subprocess.run([sys.executable, "-m", "zeco_jax.runtime.launch", *args, "--", *program],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
   return proc, time.monotonic() - t0
 
@@ -140,7 +140,7 @@ def test_launcher_timeout_and_sigterm(tmp_path):
   assert "timeout after 2 s" in proc.stderr and proc.stdout.count("started") == 2
 
   env = dict(os.environ, PYTHONPATH=ROOT)
-  runner = subprocess.Popen([sys.executable, "-m", "zeco_jax.launch", "--processes", "2",
+  runner = subprocess.Popen([sys.executable, "-m", "zeco_jax.runtime.launch", "--processes", "2",
                              "--devices-per-process", "1", "--grace", "1", "--", script],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)

@@ -33,8 +33,8 @@ def _env():
 
 
 def launch(processes, devices, program, timeout=420):
-  """Runs PROGRAM under zeco_jax.launch; fails the test with the output if it fails."""
-  cmd = [sys.executable, "-m", "zeco_jax.launch", "--processes", str(processes),
+  """Runs PROGRAM under zeco_jax.runtime.launch; fails the test with the output if it fails."""
+  cmd = [sys.executable, "-m", "zeco_jax.runtime.launch", "--processes", str(processes),
          "--devices-per-process", str(devices), "--timeout", str(timeout - 30), "--",
          *program]
   proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,

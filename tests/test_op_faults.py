@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import cotangents, gla_inputs, loss_and_grads, rel_err
 from zeco_jax import chunk_gla, recurrent_gla, zeco_gla, zeco_gla_local
-from zeco_jax.hlo_stats import collective_bytes
-from zeco_jax.parallel import _segment_state
+from zeco_jax.runtime.hlo_stats import collective_bytes
+from zeco_jax.ops.gla.parallel import _segment_state
 
 T, H, K, V = 64, 1, 4, 8
 

@@ -10,8 +10,11 @@ import pytest
 
 import zeco_jax
 from helpers import abstract_mesh, cotangents, gla_inputs, loss_and_grads, rel_err
-from zeco_jax import chunk_gla, chunked, ops, recurrent_gla, target
-from zeco_jax.ops import resolve_backend
+from zeco_jax import chunk_gla, recurrent_gla
+from zeco_jax.ops import _dispatch
+from zeco_jax.ops.gla import chunked
+from zeco_jax.runtime import target
+from zeco_jax.ops.gla.op import resolve_backend
 
 
 @pytest.mark.parametrize("decay,initial", [("dim", True), ("scalar", True), (None, False)])
@@ -108,7 +111,7 @@ def test_backends_receive_g_as_given(monkeypatch, decay):
 def test_resolve_backend_follows_the_platform():
   """'auto' picks by the target platform given (no such device needed): Pallas on gpu and
   tpu, jnp on cpu, all silently; 'pallas' and 'jax' are honoured."""
-  ops._say_jax_fallback.cache_clear()
+  _dispatch.say_jax_fallback.cache_clear()
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     assert resolve_backend("auto", platform="gpu") == "pallas"
@@ -166,8 +169,8 @@ def test_broken_kernel_package_raises(monkeypatch):
   """An ImportError inside pallas_kernels surfaces; it never turns into the jnp path."""
   kernels = pytest.importorskip("pallas_kernels")
 
-  def broken(platform):
-    raise ImportError(f"kernels for {platform} failed to import")
+  def broken(family, platform):
+    raise ImportError(f"{family} kernels for {platform} failed to import")
 
   monkeypatch.setattr(kernels, "backend", broken)
   q, k, v, g, _ = gla_inputs(19, T=32)

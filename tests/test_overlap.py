@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import cotangents, gla_inputs, loss_and_grads, rel_err
 from zeco_jax import recurrent_gla, zeco_gla
-from zeco_jax.parallel import default_overlap_pieces
+from zeco_jax.ops.gla.parallel import default_overlap_pieces
 
 B, T, H, K, V = 1, 256, 4, 8, 16
 
@@ -69,7 +69,7 @@ def test_tpu_schedule_overlaps_every_send():
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from jax.experimental import topologies
-  from zeco_jax import hlo_stats
+  from zeco_jax.runtime import hlo_stats
   topo = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
   mesh = Mesh(np.array(topo.devices).reshape(1, 8), ("data", "seq"))
   Bt, L, Ht, Kt, Vt = 1, 2048, 16, 128, 128

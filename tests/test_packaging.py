@@ -100,7 +100,11 @@ def test_wheel_holds_only_the_library(wheel):
     top = {name.split("/")[0] for name in zf.namelist()}
   dist_info = {t for t in top if t.endswith(".dist-info")}
   assert top - dist_info == {"zeco_jax", "pallas_kernels"}, sorted(top)
-  assert "zeco_jax/nn.py" in zf.namelist() and "pallas_kernels/__init__.py" in zf.namelist()
+  names = set(zf.namelist())
+  for module in ("zeco_jax/nn/__init__.py", "zeco_jax/sp/scan.py", "zeco_jax/ops/gla/op.py",
+                 "zeco_jax/ops/gated_delta/op.py", "zeco_jax/runtime/target.py",
+                 "pallas_kernels/__init__.py", "pallas_kernels/gla/gpu.py"):
+    assert module in names, module
 
 
 def test_user_model_runs_the_gla_layer_from_the_wheel(wheel, tmp_path):

@@ -47,8 +47,8 @@ def _strong_odd_subchunks(g, columns=None):
 def _config(q, v, **overrides):
   """The CPU (interpreter) default for q's and v's shape, with ``overrides``."""
   B, T, H, K = q.shape
-  return dataclasses.replace(
-      pallas_kernels.default_config("cpu", B, T, H, K, v.shape[-1], q.dtype), **overrides)
+  return pallas_kernels.default_config("cpu", B, T, H, K, v.shape[-1], q.dtype).replace(
+      **overrides)
 
 
 def _inputs(seed, B, T, H, K, V, *, decay="strong", dtype=jnp.float32):
@@ -129,22 +129,31 @@ def test_pallas_bf16_matches_reference(overrides):
 
 
 def test_backend_per_platform_and_defaults():
-  """backend(platform) picks the kernel module; the CPU default interprets, the GPU and TPU
-  defaults compile; a CPU config that does not interpret is refused."""
-  from pallas_kernels import tpu_backend, triton_backend
-  assert pallas_kernels.backend("gpu") is triton_backend
-  assert pallas_kernels.backend("cpu") is triton_backend
-  assert pallas_kernels.backend("tpu") is tpu_backend
+  """backend(family, platform) picks the kernel module, a ChunkKernels; the CPU default
+  interprets, the GPU and TPU defaults compile; a CPU config that does not interpret is
+  refused."""
+  from pallas_kernels.gla import gpu, tpu
+  assert pallas_kernels.backend("gla", "gpu") is gpu
+  assert pallas_kernels.backend("gla", "cpu") is gpu
+  assert pallas_kernels.backend("gla", "tpu") is tpu
+  assert all(isinstance(m, pallas_kernels.ChunkKernels) for m in (gpu, tpu))
   with pytest.raises(ValueError, match="platform"):
-    pallas_kernels.backend("cuda")
+    pallas_kernels.backend("gla", "cuda")
+  with pytest.raises(ValueError, match="no kernels for family 'kda'"):
+    pallas_kernels.backend("kda", "gpu")
   shape = (1, 64, 1, 64, 64, jnp.float32)
   assert pallas_kernels.default_config("cpu", *shape).interpret
   assert not pallas_kernels.default_config("gpu", *shape).interpret
   assert not pallas_kernels.default_config("tpu", *shape).interpret
   with pytest.raises(ValueError, match="interpret=True"):
     KernelConfig(platform="cpu", interpret=False)
-  with pytest.raises(ValueError, match="out_bv"):
-    KernelConfig(out_bv=0)
+  with pytest.raises(ValueError, match="`bv` must be a positive int"):
+    KernelConfig().replace(out_bv=0)
+  with pytest.raises(ValueError, match="unknown setting 'out_kd'"):
+    KernelConfig().replace(out_kd=32)
+  with pytest.raises(ValueError, match="stage `out` needs bv"):
+    KernelConfig(out=pallas_kernels.Launch(bk=64, warps=4, stages=3))
+  assert KernelConfig().replace(out_warps=8).out.warps == 8
   with pytest.raises(ValueError, match="fuse_state_passes"):
     KernelConfig(fuse_state_passes=1)
   assert hash(KernelConfig()) == hash(KernelConfig())      # a static (hashable) argument
@@ -187,8 +196,8 @@ def _jitted(fn, *args, **kw):
     (1, 64, 1, 128, 64, "scalar", jnp.bfloat16),
 ])
 def test_tpu_variant_matches_jnp_path(B, T, H, K, V, decay, dtype):
-  from pallas_kernels import tpu_backend
-  from zeco_jax import chunked
+  from pallas_kernels.gla import tpu as tpu_backend
+  from zeco_jax.ops.gla import chunked
   q, k, v, g, h0, key = _inputs(2, B, T, H, K, V, decay=decay, dtype=dtype)
   config = KernelConfig(platform="tpu", interpret=True)
   o, fin, grads = _backend_terms(tpu_backend, q, k, v, g, h0, key, 64, config)
@@ -206,7 +215,7 @@ def test_tpu_variant_lowers_to_mosaic(monkeypatch):
   tpu_info = pytest.importorskip("jax._src.tpu_info")
   monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")
   monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
-  from pallas_kernels import tpu_backend
+  from pallas_kernels.gla import tpu as tpu_backend
   B, T, H, K, V = 1, 128, 1, 128, 128
   sd = jax.ShapeDtypeStruct
   bf, f32 = jnp.bfloat16, jnp.float32
@@ -236,10 +245,10 @@ def test_gpu_launch_options_keep_results(kept, overrides):
   separate launches) compute the same function, both in the recomputing backward
   (``bwd``) and through ``fwd_res`` / ``bwd_res`` (what chunk_gla uses) with the
   forward's A kept, and its states h too unless ``save_states`` is off."""
-  from zeco_jax import chunked
+  from zeco_jax.ops.gla import chunked
   q, k, v, g, h0, key = _inputs(3, 1, 128, 1, 64, 128, decay="strong")
   config = _config(q, v, **overrides)
-  be = pallas_kernels.backend("cpu")
+  be = pallas_kernels.backend("gla", "cpu")
   if kept:      # fwd / bwd through the residual pair
     res, impl = {}, be
 
@@ -271,14 +280,15 @@ def test_diagonal_blocks_as_dots(decay, tiles):
   (not equal to) the loops (``diag_dots`` off), so the dots ran; dq / dk the same when
   ``gla_dqdk`` is handed NaN partials, except on the rejected columns (NaN there): the
   partials are read where the loops ran and nowhere else."""
-  from pallas_kernels import grads, intra, state
-  from zeco_jax import chunked
+  from pallas_kernels.gla import grads, intra, state
+  from zeco_jax.ops.gla import chunked
   q, k, v, g, h0, key = _inputs(9, 1, 128, 1, 64, 64, decay="mild")
   if decay != "mild":
     g = _strong_odd_subchunks(g, columns=16 if decay == "columns" else None)
   config = _config(q, v, **tiles)
   assert config.diag_dots
-  o, fin, grads_ = _backend_terms(pallas_kernels.backend("cpu"), q, k, v, g, h0, key, 64, config,
+  o, fin, grads_ = _backend_terms(pallas_kernels.backend("gla", "cpu"), q, k, v, g, h0, key,
+                                  64, config,
                                   call=_jitted)
   o_r, fin_r, grads_r = _backend_terms(chunked, q, k, v, g, h0, key, 64)
   assert rel_err(o, o_r) <= 1e-5 and rel_err(fin, fin_r) <= 1e-5
@@ -318,12 +328,13 @@ def test_whole_chunk_dots_where_the_chunk_total_fits():
   Which path ran: dq / dk given NaN for s (which only the sub-chunk path reads) are the
   same on chunk 0 and NaN on chunk 1 (past dq's first sub-chunk, which reads no s); the
   scores given NaN for ``k e^{s}`` likewise below the diagonal blocks."""
-  from pallas_kernels import grads, intra, state
-  from zeco_jax import chunked
+  from pallas_kernels.gla import grads, intra, state
+  from zeco_jax.ops.gla import chunked
   q, k, v, g, h0, key = _inputs(11, 1, 128, 1, 64, 64, decay="mild")
   g = g.at[:, 64:].set(-0.4 + 0.01 * g[:, 64:])
   config = _config(q, v)
-  o, fin, grads_ = _backend_terms(pallas_kernels.backend("cpu"), q, k, v, g, h0, key, 64, config,
+  o, fin, grads_ = _backend_terms(pallas_kernels.backend("gla", "cpu"), q, k, v, g, h0, key,
+                                  64, config,
                                   call=_jitted)
   o_r, fin_r, grads_r = _backend_terms(chunked, q, k, v, g, h0, key, 64)
   assert rel_err(o, o_r) <= 1e-5 and rel_err(fin, fin_r) <= 1e-5
@@ -355,10 +366,10 @@ def test_kernels_lower_to_triton_for_a_gpu_target(overrides):
   do not check (e.g. that Triton takes each kernel's control flow and reductions). The
   folded gradient walk's cumsum replaces the backward's only where the states are kept."""
   mesh = abstract_mesh("gpu", "NVIDIA H200", 132)
-  from pallas_kernels import triton_backend
+  from pallas_kernels.gla import gpu as triton_backend
   B, T, H, K, V = 1, 256, 2, 128, 128
-  config = dataclasses.replace(
-      pallas_kernels.default_config("gpu", B, T, H, K, V, jnp.bfloat16), **overrides)
+  config = pallas_kernels.default_config("gpu", B, T, H, K, V, jnp.bfloat16).replace(
+      **overrides)
   kw = dict(scale=K ** -0.5, initial_state=jnp.zeros((B, H, K, V)), chunk_size=64,
             config=config)
 
@@ -389,7 +400,7 @@ def test_state_storage_dtype():
   ``states_in_input_dtype`` (the default), in float32 without; the scores A kept for the
   backward are float32; the states are kept for it with ``save_states`` (the default; in
   the storage dtype, the recomputing walk's), not without."""
-  from pallas_kernels import state
+  from pallas_kernels.gla import state
   q, k, v, g, h0, _ = _inputs(4, 1, 64, 1, 64, 64, decay="mild")
   for dtype, stored in ((jnp.bfloat16, True), (jnp.float32, True), (jnp.bfloat16, False)):
     cast = lambda a: a.astype(dtype)
@@ -397,7 +408,7 @@ def test_state_storage_dtype():
     p, s = state.chunk_cumsum(g, chunk_size=64, config=config)
     h, _ = state.state_pass(cast(k), cast(v), p, s, h0, chunk_size=64, config=config)
     assert h.shape == (1, 1, 1, 64, 64) and h.dtype == (dtype if stored else jnp.float32)
-  fwd_res = functools.partial(pallas_kernels.backend("cpu").fwd_res, q, k, v, g, scale=0.125,
+  fwd_res = functools.partial(pallas_kernels.backend("gla", "cpu").fwd_res, q, k, v, g, scale=0.125,
                               initial_state=h0, chunk_size=64)
   _, res = fwd_res(config=_config(q, v, save_states=False))
   assert res.A.dtype == jnp.float32 and res.h is None
@@ -417,7 +428,7 @@ def test_chunk_decays_folds_the_decay_into_q_and_k(dtype):
   decays past -16 so that kn's clamp is exercised, the rest mildly, so that e^{b_last}
   does not underflow); and the walk over kd, dl gives state_pass's states (the
   backward's walk)."""
-  from pallas_kernels import state
+  from pallas_kernels.gla import state
   q, k, v, g, h0, _ = _inputs(8, 1, 128, 2, 64, 32, decay="mild")
   g = jnp.where((jnp.arange(128) // 16 == 5)[None, :, None, None], 40.0 * g - 1.0, g)
   q, k, v = (a.astype(dtype) for a in (q, k, v))
@@ -453,7 +464,7 @@ def test_chunk_cumsum_folded_for_the_gradient_walk(dtype):
   qd = scale q e^{bc} in q's dtype and dl = e^{b_last} against float64 numpy (the inputs
   of test_chunk_decays_folds_the_decay_into_q_and_k); and the gradient walk over qd, dl
   gives state_grad_pass's dH and dh0 (both walks dot the same operands)."""
-  from pallas_kernels import state
+  from pallas_kernels.gla import state
   q, _, do, g, dht, _ = _inputs(8, 1, 128, 2, 64, 32, decay="mild")
   g = jnp.where((jnp.arange(128) // 16 == 5)[None, :, None, None], 40.0 * g - 1.0, g)
   q, do = q.astype(dtype), do.astype(dtype)
@@ -480,11 +491,11 @@ def test_forward_from_folded_operands(decay):
   diagonal dots through kn, the loops where a chunk does not fit; the output forming q
   e^{bc} from q e^{p}), with and without ``diag_dots``: against the jnp path in float32,
   and A against float64 numpy (chunk-cumulative exponents formed in float64)."""
-  from zeco_jax import chunked
+  from zeco_jax.ops.gla import chunked
   q, k, v, g, h0, key = _inputs(9, 1, 128, 1, 64, 64, decay="mild")
   if decay == "mixed":
     g = _strong_odd_subchunks(g)
-  be = pallas_kernels.backend("cpu")
+  be = pallas_kernels.backend("gla", "cpu")
   kw = dict(scale=0.125, initial_state=h0, chunk_size=64)
   o_r, fin_r = chunked.fwd(q, k, v, g, **kw)
   c64 = lambda a: np.asarray(a, np.float64).reshape(2, 64, 64)          # [N, C, K], H = 1
@@ -503,17 +514,17 @@ def test_walk_tiles_target_one_program_per_sm():
   """State-walk tiles of the default config: about one program per SM for the launch (the
   benchmark shapes on a 132-SM GPU; 132 when the SM count is unknown), set explicitly in
   the config (a walk alone, and both walks in one launch), and honoured by the walks."""
-  from pallas_kernels import state
+  from pallas_kernels.gla import state
   cfg = lambda B, H, K, V, **kw: pallas_kernels.default_config("gpu", B, 64, H, K, V,
                                                                jnp.bfloat16, **kw)
-  tiles = lambda c: (c.state_bk, c.state_bv, c.state_both_bv)
+  tiles = lambda c: (c.state.bk, c.state.bv, c.state.both_bv)
   assert tiles(cfg(1, 16, 128, 128, sm_count=132)) == (64, 32, 64)   # 128, 2 x 64 programs
   assert tiles(cfg(8, 4, 128, 256, sm_count=132)) == (64, 128, 128)  # 128, 2 x 128
   assert tiles(cfg(1, 16, 128, 128)) == (64, 32, 64)                 # unknown: 132
   assert tiles(cfg(1, 1, 64, 16, sm_count=132)) == (64, 16, 16)      # V below 32
   assert tiles(cfg(1, 16, 128, 128, sm_count=16)) == (64, 128, 128)  # a small GPU
   k = jax.ShapeDtypeStruct((1, 64, 16, 128), jnp.bfloat16)
-  config = dataclasses.replace(cfg(1, 16, 128, 128), state_bv=64, state_both_bv=128)
+  config = cfg(1, 16, 128, 128).replace(state_bv=64, state_both_bv=128)
   assert state.walk_params(k, k, chunk_size=64, config=config)[0] == (1, 16, 2, 2)
   assert state.walk_params(k, k, chunk_size=64, config=config, both=True)[0] == (1, 16, 2, 1)
 
@@ -526,7 +537,7 @@ def test_one_jitted_function_two_configs_two_kernels():
   q, k, v, g, h0, _ = _inputs(5, 1, 64, 1, 64, 128, decay="strong")
   f = jax.jit(chunk_gla, static_argnames=("kernel_config", "backend"))
   first = _config(q, v)
-  second = dataclasses.replace(first, out_bv=64, scores_kd=32)
+  second = first.replace(out_bv=64, scores_kd=32)
   grids = []
   for config in (first, second):
     jaxpr = str(jax.make_jaxpr(lambda *a: f(*a, backend="pallas", kernel_config=config))(
@@ -543,7 +554,7 @@ def test_one_jitted_function_two_configs_two_kernels():
   f(q, k, v, g, backend="pallas", kernel_config=first)
   assert f._cache_size() == 2
   assert rel_err(o1, o_r) <= 1e-5 and rel_err(o2, o_r) <= 1e-5
-  from pallas_kernels import _common
+  from pallas_kernels.gla import _common
   assert not hasattr(_common, "TUNE")
 
 

@@ -11,9 +11,9 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import cotangents, gla_inputs, loss_and_grads, rel_err, sub_jaxprs
 from zeco_jax import recurrent_gla, transitions, zeco_gla, zeco_gla_local
-from zeco_jax.hlo_stats import collective_bytes
-from zeco_jax.parallel import segment_transition
-from zeco_jax.scan import SCAN_METHODS
+from zeco_jax.runtime.hlo_stats import collective_bytes
+from zeco_jax.ops.gla.parallel import segment_transition
+from zeco_jax.sp.scan import SCAN_METHODS
 
 B, H, K, V = 2, 2, 8, 16
 

@@ -19,9 +19,9 @@ from gdn_comm_worker import grad_bytes
 from helpers import rel_err
 from test_gated_delta import check_against_float64, check_documents, gdn_inputs
 from test_parallel import _communicates, _find_shard_map
-from zeco_jax.gated_delta import recurrent_gated_delta_rule
-from zeco_jax.parallel_delta import zeco_gated_delta_rule, zeco_gated_delta_rule_local
-from zeco_jax.scan import SCAN_METHODS
+from zeco_jax import recurrent_gated_delta_rule
+from zeco_jax.ops.gated_delta.parallel import zeco_gated_delta_rule, zeco_gated_delta_rule_local
+from zeco_jax.sp.scan import SCAN_METHODS
 
 B, H, K, V = 2, 2, 8, 16
 
@@ -178,15 +178,15 @@ def test_argument_errors():
 
 
 def test_gdn_lm_on_four_seq_shards_matches_one_device():
-  # The LM of configs/gdn_*.py (models/gdn.py), picked by model.family: its logits and
+  # The LM of configs/gdn_*.py (models/gdn.py, models/lm.py), picked by model.family: its logits and
   # parameter gradients through zeco_gated_delta_rule on 4 seq shards equal those of the
   # single-device chunked op, on packed documents (short convolutions and states reset).
   from flax import nnx
-  from models.gdn import GDNLM, model_from_config
+  from models import LM, GDNConfig, model_from_config
   cfg, cls = model_from_config(dict(family="gdn", vocab_size=32, hidden_size=32,
                                     num_layers=1, num_heads=2, expand_k=0.5, expand_v=1.0,
                                     intermediate_size=64, chunk_size=16, use_short_conv=True))
-  assert cls is GDNLM and cfg.head_dim == 8
+  assert cls is LM and type(cfg) is GDNConfig and cfg.head_dim == 8
   graphdef, params = nnx.split(cls(cfg, rngs=nnx.Rngs(0)))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 64)), jnp.int32)
   ids = jnp.asarray(SEQ_IDS)

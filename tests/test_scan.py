@@ -9,8 +9,8 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import rel_err
 from zeco_jax import all_scan
-from zeco_jax import scan as scan_lib
-from zeco_jax.transitions import DenseTransition, DiagonalDecay, Identity, ScalarDecay
+from zeco_jax.sp import scan as scan_lib
+from zeco_jax.sp.transitions import DenseTransition, DiagonalDecay, Identity, ScalarDecay
 
 B, H, K, V = 2, 2, 4, 8
 
@@ -189,7 +189,7 @@ def test_pipeline_sends_one_state_per_rank():
   # The compiled forward scan: every rank sends exactly M bytes (the last sends nothing),
   # whatever num_blocks is, and with a dense K x K transition too (the matrix stays on its
   # rank); all_gather sends (P - 1) M.
-  from zeco_jax.hlo_stats import collective_bytes
+  from zeco_jax.runtime.hlo_stats import collective_bytes
   n = 8
   mesh = Mesh(np.array(jax.devices()[:n]), ("seq",))
   S = jax.ShapeDtypeStruct((n, B, H, K, V), jnp.float32)

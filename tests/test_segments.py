@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from test_decay_range import gla64
 from test_parallel import _communicates, _find_shard_map
 from zeco_jax import (chunk_gla, chunk_gla_reference, recurrent_gla, segments, zeco_gla)
-from zeco_jax.hlo_stats import collective_bytes
+from zeco_jax.runtime.hlo_stats import collective_bytes
 from zeco_jax.nn import ShortConvolution
 
 B, T, H, K, V = 2, 256, 2, 16, 16

@@ -9,20 +9,6 @@ from __future__ import annotations
 from typing import Optional
 
 
-def check_vma_enabled() -> bool:
-  """Whether the enclosing ``jax.shard_map`` runs with ``check_vma=True``.
-
-  No public API reads this (it is shard_map's trace-time context). Move to one if JAX
-  exposes it; until then False when the private name is gone (the caller then declares
-  no varying axes, which shard_map with ``check_vma=True`` reports loudly at trace time).
-  """
-  try:
-    from jax._src import config as jax_config
-    return bool(jax_config._check_vma.value)
-  except (ImportError, AttributeError):
-    return False
-
-
 def backends_started() -> bool:
   """Whether a JAX backend has been created in this process.
 

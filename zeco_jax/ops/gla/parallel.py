@@ -6,7 +6,7 @@ Forward on the rank holding tokens ``[pL, (p+1)L)`` (docs/design.md §3):
    state ``S_p``; the segment's transition ``A_p`` (docs/design.md §7): the decay
    ``exp(sum of g over the segment)``, per dimension ``[B, H, K]`` or per head ``[B, H]``,
    or none;
-2. the scan of ``(S_p, A_p)`` (``method``, a key of :data:`zeco_jax.scan.SCAN_METHODS`)
+2. the scan of ``(S_p, A_p)`` (``method``, a key of :data:`zeco_jax.sp.scan.SCAN_METHODS`)
    -> ``X_p``, the true state entering the segment;
 3. the fix-up (GLA's output correction), one GEMM: ``o += scale * (q * exp(c)) @ X_p``
    with ``c`` the cumulative log-decay from the segment start.
@@ -32,27 +32,20 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from zeco_jax import _checks
-from zeco_jax import chunked
-from zeco_jax import scan as _scan
 from zeco_jax import segments
-from zeco_jax import transitions
-from zeco_jax.ops import chunk_gla, resolve_backend
-from zeco_jax.target import platform_of
+from zeco_jax._linalg import HI as _HI
+from zeco_jax.ops.gla import chunked
+from zeco_jax.ops.gla.op import chunk_gla, resolve_backend
+from zeco_jax.runtime.target import platform_of
+from zeco_jax.sp import scan as _scan
+from zeco_jax.sp import shard
+from zeco_jax.sp import transitions
 
-_HI = lax.Precision.HIGHEST
 
-
-def _resolve_num_blocks(num_blocks, method, P_size, B, H, K, V, *, name):
-  if not _scan.SCAN_METHODS[method].blocked:
-    return 1
-  if num_blocks is None:
-    return _scan.default_num_blocks(P_size, 4 * B * H * K * V, V, method=method)
-  _scan.check_num_blocks(num_blocks, V, name=name, none_ok=True)
-  return num_blocks
+def _num_blocks(num_blocks, method, P_size, B, H, K, V, *, name):
+  return _scan.resolve_num_blocks(num_blocks, method, P_size, 4 * B * H * K * V, V, name=name)
 
 
 def default_overlap_pieces(platform: str, method: str, P: int, num_blocks: int, H: int) -> int:
@@ -117,8 +110,7 @@ def zeco_gla_local(q, k, v, g=None, *, axis_name, method="all_scan", num_blocks=
   platform = platform_of(q)
   backend = resolve_backend(backend, name=name, platform=platform)
   B, L, H, K, V, scale = args.B, args.T, args.H, args.K, args.V, args.scale
-  nb = _resolve_num_blocks(num_blocks, method, lax.axis_size(axis_name), B, H, K, V,
-                           name=name)
+  nb = _num_blocks(num_blocks, method, lax.axis_size(axis_name), B, H, K, V, name=name)
   scan = functools.partial(_scan.all_scan, axis_name=axis_name, num_blocks=nb,
                            method=method, initial=initial_state)
   local = functools.partial(chunk_gla, scale=scale, chunk_size=chunk_size, backend=backend,
@@ -130,7 +122,7 @@ def zeco_gla_local(q, k, v, g=None, *, axis_name, method="all_scan", num_blocks=
     # the previous rank's last id arrives, only into the transition and the fix-up.
     segments.check_segment_ids(segment_ids, B, L, name=name)
     q, k, g_local = segments.apply(q, k, g, segment_ids)
-    g_seg = segments.reset_first_token(g_local, _first_token_starts(segment_ids, axis_name))
+    g_seg = segments.reset_first_token(g_local, shard.first_token_starts(segment_ids, axis_name))
   scan = functools.partial(scan, decay=segment_transition(g_seg))
 
   if _scan.SCAN_METHODS[method].overlaps_local:
@@ -159,25 +151,24 @@ def zeco_gla_local(q, k, v, g=None, *, axis_name, method="all_scan", num_blocks=
       o = (jnp.concatenate(outs, axis=2).astype(jnp.float32)
            + jnp.concatenate(fix, axis=2)).astype(v.dtype)
       return o, (after if output_final_state else None)
-    o = (o_local.astype(jnp.float32) + _fix_up(q, g_seg, entering, scale)).astype(v.dtype)
+    o = o_local.astype(jnp.float32)
+    if not _nothing_enters(axis_name, initial_state):
+      o = o + _fix_up(q, g_seg, entering, scale)
+    o = o.astype(v.dtype)
   else:
     # No overlap (LASP-1): the segment's state from one GEMM, the scan, then the whole
     # local pass from the received state: compute after receive.
     entering, after = scan(_segment_state(k, v, g_seg))
-    o, _ = local(q, k, v, g_seg, initial_state=entering)
+    o, _ = local(q, k, v, g_seg, initial_state=(
+        None if _nothing_enters(axis_name, initial_state) else entering))
   return o, (after if output_final_state else None)
 
 
-def _first_token_starts(segment_ids, axis_name):
-  """bool [B]: whether this rank's first token starts a document (docs/design.md §10):
-  its id differs from the previous rank's last id (one ppermute of B int32) and is not
-  padding. Never on the first rank, whose first token continues ``initial_state``."""
-  n = lax.axis_size(axis_name)
-  if n == 1:
-    return jnp.zeros(segment_ids.shape[:1], bool)
-  prev = lax.ppermute(segment_ids[:, -1], axis_name, [(i, i + 1) for i in range(n - 1)])
-  first = segment_ids[:, 0]
-  return (lax.axis_index(axis_name) > 0) & (first != prev) & (first >= 0)
+def _nothing_enters(axis_name, initial_state) -> bool:
+  """One rank and no initial state: the state entering the segment is zero, and nothing is
+  computed from it (a zero constant meeting a dot is what XLA:CPU miscompiles,
+  ``docs/xla_cpu_ynn.md``)."""
+  return lax.axis_size(axis_name) == 1 and initial_state is None
 
 
 # --- GLA's side of the transition (docs/design.md §7) --------------------------------------
@@ -238,92 +229,6 @@ def _fix_up(q, g, entering, scale):
   return scale * jnp.einsum("bthk,bhkv->bthv", q_decayed, entering, precision=_HI)
 
 
-def _axes_in(entry) -> set:
-  if entry is None:
-    return set()
-  return set(entry) if isinstance(entry, tuple) else {entry}
-
-
-def _explicit_entries(x, mesh, seq_axis, dims):
-  """The entries of x's sharding spec at ``dims`` that split over Explicit mesh axes other
-  than ``seq_axis`` (None for the rest, and when x's type carries no Explicit split)."""
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  axis_types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ())))
-  spec = tuple(getattr(sharding, "spec", ())) + (None,) * x.ndim
-  explicit = lambda e: e is not None and e != seq_axis and all(
-      axis_types.get(a) == jax.sharding.AxisType.Explicit for a in _axes_in(e))
-  return tuple(spec[d] if explicit(spec[d]) else None for d in dims)
-
-
-def _explicit_batch_head(q, mesh, seq_axis):
-  """How q's B and H axes are split over Explicit mesh axes (None, None when not explicit)."""
-  return _explicit_entries(q, mesh, seq_axis, (0, 2))
-
-
-def _batch_axes(batch_axes, batch_spec, head_spec, mesh, seq_axis, B, *, name):
-  """The B entry of the shard_map's specs: ``batch_axes`` checked against the mesh, else
-  q's Explicit split (``batch_spec``)."""
-  if batch_axes is None:
-    return batch_spec
-  axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
-  shape = dict(mesh.shape)
-  bad = [a for a in axes if not isinstance(a, str) or a not in shape or a == seq_axis
-         or a in _axes_in(head_spec)]
-  if not axes or bad:
-    raise ValueError(f"{name}: `batch_axes`={batch_axes!r} must name mesh axes other than "
-                     f"seq_axis={seq_axis!r} (and the heads' axes); the mesh's axes are "
-                     f"{tuple(mesh.axis_names)}.")
-  if batch_spec is not None and set(axes) != _axes_in(batch_spec):
-    raise ValueError(f"{name}: `batch_axes`={batch_axes!r} disagrees with q's Explicit "
-                     f"sharding of B over {batch_spec!r}; pass batch_axes={batch_spec!r} "
-                     "or None.")
-  size = 1
-  for a in axes:
-    size *= shape[a]
-  if B % size:
-    raise ValueError(f"{name}: batch size B = {B} is not divisible by the {size} shards of "
-                     f"`batch_axes`={batch_axes!r}; use a batch that is a multiple of {size}.")
-  return axes[0] if len(axes) == 1 else axes
-
-
-def _manual_axes(mesh, seq_axis, batch_spec, head_spec, backend, *, name) -> frozenset:
-  """The mesh axes the shard_map is manual over: the sequence axis and the axes B and H
-  are split over; for the Pallas backend every axis (a kernel cannot be partitioned by the
-  compiler), so an unnamed Auto axis of size > 1 is an error there."""
-  manual = {seq_axis} | _axes_in(batch_spec) | _axes_in(head_spec)
-  if backend != "pallas":
-    return frozenset(manual)
-  unnamed = [a for a in mesh.axis_names if a not in manual and dict(mesh.shape)[a] > 1]
-  if unnamed:
-    raise ValueError(
-        f"{name}: the Pallas kernels run on whole shards, but mesh axes {tuple(unnamed)} "
-        f"(size > 1) split neither the sequence ({seq_axis!r}) nor B nor H as zeco_gla "
-        f"knows. Pass batch_axes={unnamed[0]!r} if B is split over it (or shard B / H over "
-        "Explicit mesh axes), or use backend='jax'.")
-  return frozenset(mesh.axis_names)
-
-
-def seq_axis_size(mesh, seq_axis, T, *, name) -> int:
-  """The size of mesh axis ``seq_axis``, checked: the axis exists and divides T."""
-  if seq_axis not in mesh.axis_names:
-    raise ValueError(f"{name}: the mesh has no axis `seq_axis`={seq_axis!r}; its axes are "
-                     f"{tuple(mesh.axis_names)}. Pass seq_axis= one of them.")
-  P_size = mesh.shape[seq_axis]
-  if T % P_size:
-    raise ValueError(f"{name}: sequence length T = {T} is not divisible by the size "
-                     f"{P_size} of mesh axis {seq_axis!r}; pad T to a multiple of {P_size}.")
-  return P_size
-
-
-def _mesh_or_context(mesh, *, name):
-  if mesh is not None:
-    return mesh
-  ctx = jax.sharding.get_abstract_mesh()
-  if ctx is None or getattr(ctx, "empty", True) or not ctx.axis_names:
-    raise ValueError(f"{name}: no mesh. Pass `mesh=` or call inside `with jax.set_mesh(mesh):`.")
-  return ctx
-
-
 def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
              num_blocks=None, chunk_size=64, scale=None, initial_state=None, segment_ids=None,
              output_final_state=False, backend="auto", kernel_config=None, batch_axes=None,
@@ -338,11 +243,11 @@ def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
     mesh: a ``jax.sharding.Mesh`` (Auto or Explicit axes; passing it is enough, no
       ``jax.set_mesh`` needed); default: the mesh set with ``jax.set_mesh``.
     seq_axis: the mesh axis the sequence is split over; T must be divisible by its size.
-    method: a key of :data:`zeco_jax.scan.SCAN_METHODS`: ``"all_scan"`` (ZeCO's
+    method: a key of :data:`zeco_jax.sp.scan.SCAN_METHODS`: ``"all_scan"`` (ZeCO's
       pipelined All-Scan), ``"all_gather"`` (LASP-2), ``"ring"`` (LASP-1, no overlap) or
       ``"tree"`` (recursive doubling); the same names as :func:`zeco_jax.all_scan`'s.
     num_blocks: blocks the state is split into along V for ``"all_scan"``; must divide V.
-      None picks the alpha-beta optimum (see :func:`zeco_jax.scan.default_num_blocks`).
+      None picks the alpha-beta optimum (see :func:`zeco_jax.sp.scan.default_num_blocks`).
     chunk_size, scale, initial_state, output_final_state, backend, kernel_config: as in
       :func:`zeco_jax.chunk_gla`; ``backend="auto"`` picks by the mesh's platform.
     segment_ids: None or integer ``[B, T]`` (split over ``seq_axis`` like q): packed
@@ -368,30 +273,31 @@ def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
   """
   name = "zeco_gla"
   args = _check_args(q, k, v, g, initial_state, scale, chunk_size, method, name=name)
-  mesh = _mesh_or_context(mesh, name=name)
-  backend = resolve_backend(backend, name=name, platform=platform_of(q, mesh=mesh))
-  P_size = seq_axis_size(mesh, seq_axis, args.T, name=name)
-
-  batch_spec, head_spec = _explicit_batch_head(q, mesh, seq_axis)
-  batch_spec = _batch_axes(batch_axes, batch_spec, head_spec, mesh, seq_axis, args.B,
-                           name=name)
-  manual = _manual_axes(mesh, seq_axis, batch_spec, head_spec, backend, name=name)
-  nb = _resolve_num_blocks(num_blocks, method, P_size, args.B, args.H, args.K, args.V,
-                           name=name)
-  _resolve_pieces(overlap_pieces, method, platform_of(q, mesh=mesh), P_size, nb, args.H,
-                  name=name)
-  options = _Options(method, num_blocks, chunk_size, args.scale, output_final_state, backend,
-                     kernel_config, overlap_pieces)
+  mesh = shard.mesh_or_context(mesh, name=name)
+  platform = platform_of(q, mesh=mesh)
+  backend = resolve_backend(backend, name=name, platform=platform)
+  spec = shard.shard_spec(q, mesh=mesh, seq_axis=seq_axis, batch_axes=batch_axes,
+                          every_axis=backend == "pallas", check_vma=backend != "pallas",
+                          name=name)
+  nb = _num_blocks(num_blocks, method, spec.seq_axis_size, args.B, args.H, args.K, args.V,
+                   name=name)
+  _resolve_pieces(overlap_pieces, method, platform, spec.seq_axis_size, nb, args.H, name=name)
   if segment_ids is not None:
     segments.check_segment_ids(segment_ids, args.B, args.T, name=name)
-  o, final = _sharded_gla(q, k, v, g, initial_state, segment_ids, mesh=mesh, seq_axis=seq_axis,
-                          batch_spec=batch_spec, head_spec=head_spec, manual=manual,
-                          options=options)
-  return o, final
+  # Pallas calls (and the Pallas interpreter on CPU) do not carry shard_map's varying-axes
+  # types through their bodies, so that check is off around them (check_vma above); JAX
+  # then inserts the psums for replicated inputs itself.
+  options = _Options(method, num_blocks, chunk_size, args.scale, output_final_state, backend,
+                     kernel_config, overlap_pieces)
+  arrays = (q, k, v, g, segment_ids, initial_state)
+  in_specs = tuple(None if x is None else spec.tokens(x.ndim) for x in arrays[:5]) + (
+      None if initial_state is None else spec.state(),)
+  return shard.sharded(_local, spec, arrays, in_specs, options=options,
+                       out_spec=spec.tokens(4), final_state=output_final_state)
 
 
 class _Options(NamedTuple):
-  """zeco_gla's static options, hashable: part of the jit cache key of _sharded_gla."""
+  """zeco_gla's static options, hashable: part of the compiled program's identity."""
   method: str
   num_blocks: Optional[int]
   chunk_size: int
@@ -402,73 +308,11 @@ class _Options(NamedTuple):
   overlap_pieces: Optional[int]
 
 
-# Jitted so that an eager call compiles once per shape and options instead of running the
-# shard_map body op by op (seconds for a tiny input); under an outer jit it is inlined.
-@functools.partial(jax.jit, static_argnames=("mesh", "seq_axis", "batch_spec", "head_spec",
-                                             "manual", "options"))
-def _sharded_gla(q, k, v, g, initial_state, segment_ids, *, mesh, seq_axis, batch_spec,
-                 head_spec,
-                 manual, options):
-  """zeco_gla after its checks: the shard_map over ``manual`` (``seq_axis``, the axes B
-  and H are split over, ``batch_spec`` / ``head_spec``, and for kernels every axis)."""
+def _local(q, k, v, g, ids, h0, *, axis_name, options):
+  """:func:`zeco_gla_local` with zeco_gla's options: the per-shard body of ``shard.sharded``."""
   opt = options
-  seq4 = P(batch_spec, seq_axis, head_spec, None)
-  g_spec = None if g is None else P(batch_spec, seq_axis, *([head_spec, None][:g.ndim - 2]))
-  h0_spec = None if initial_state is None else P(batch_spec, head_spec, None, None)
-  ids_spec = None if segment_ids is None else P(batch_spec, seq_axis)
-  state_spec = P(batch_spec, head_spec, None, None)
-  if _explicit(mesh, _axes_in(batch_spec) | _axes_in(head_spec)):
-    # Explicit mesh axes: B and H stay split as the caller split them, by making the
-    # shard_map manual over those axes too (each shard then works on its own rows / heads).
-    # A NamedSharding, not a bare spec: the caller may have passed `mesh=` without
-    # setting it as the context mesh.
-    place = lambda x, spec: jax.sharding.reshard(x, _on(mesh, spec))
-    q, k, v = (place(x, seq4) for x in (q, k, v))
-    g = None if g is None else place(g, g_spec)
-    segment_ids = None if segment_ids is None else place(segment_ids, ids_spec)
-    if initial_state is not None:
-      initial_state = place(initial_state, h0_spec)
-
-  def body(q, k, v, g, h0, ids):
-    o, after = zeco_gla_local(q, k, v, g, axis_name=seq_axis, method=opt.method,
-                              num_blocks=opt.num_blocks, chunk_size=opt.chunk_size,
-                              scale=opt.scale, initial_state=h0,
-                              output_final_state=opt.output_final_state,
-                              backend=opt.backend, kernel_config=opt.kernel_config,
-                              overlap_pieces=opt.overlap_pieces, segment_ids=ids)
-    if not opt.output_final_state:
-      return o
-    return o, _from_last_rank(after, seq_axis)
-
-  # Pallas calls (and the Pallas interpreter on CPU) do not carry shard_map's varying-axes
-  # types through their bodies, so that check is off around them; JAX then inserts the
-  # psums for replicated inputs itself.
-  run = jax.shard_map(body, mesh=mesh, in_specs=(seq4, seq4, seq4, g_spec, h0_spec, ids_spec),
-                      out_specs=(seq4, state_spec) if opt.output_final_state else seq4,
-                      axis_names=set(manual), check_vma=(opt.backend != "pallas"))
-  if opt.output_final_state:
-    return run(q, k, v, g, initial_state, segment_ids)
-  return run(q, k, v, g, initial_state, segment_ids), None
-
-
-def _explicit(mesh, axes) -> bool:
-  types_ = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ())))
-  return any(types_.get(a) == jax.sharding.AxisType.Explicit for a in axes)
-
-
-def _from_last_rank(after, axis_name):
-  """The last rank's state on every rank of ``axis_name``: the final state, replicated.
-
-  One all-reduce of one state in the forward (only the last rank contributes), so the
-  shard_map's output needs no slicing of a seq-sharded array, which Explicit mesh axes
-  refuse; its transpose sends nothing (the cotangent of a replicated output is already
-  on every rank), so the backward's communication is the All-Scan's alone.
-  """
-  last = lax.axis_index(axis_name) == lax.axis_size(axis_name) - 1
-  return lax.psum(jnp.where(last, after, jnp.zeros_like(after)), axis_name)
-
-
-def _on(mesh, spec):
-  """``spec`` on ``mesh``: a NamedSharding for a concrete mesh (it needs no context mesh),
-  the bare spec for the abstract context mesh."""
-  return NamedSharding(mesh, spec) if isinstance(mesh, Mesh) else spec
+  return zeco_gla_local(q, k, v, g, axis_name=axis_name, method=opt.method,
+                        num_blocks=opt.num_blocks, chunk_size=opt.chunk_size, scale=opt.scale,
+                        initial_state=h0, output_final_state=opt.output_final_state,
+                        backend=opt.backend, kernel_config=opt.kernel_config,
+                        overlap_pieces=opt.overlap_pieces, segment_ids=ids)

@@ -5,13 +5,13 @@ Same mesh contract as :func:`zeco_jax.zeco_gla` (global arrays whose T axis is s
 segment of the sequence (docs/design.md §9):
 
 1. the local pass from a zero state, widened by K columns that start as the identity
-   (:func:`zeco_jax.gated_delta.chunk_recurrence` with ``augment=True``). It gives the
+   (:func:`zeco_jax.ops.gated_delta.chunked.chunk_recurrence` with ``augment=True``). It gives the
    local outputs, the segment's own state ``S_p`` and, from the identity columns, the
    segment transition ``M_p`` (the product of its chunk transitions, ``K x K``) and one
    fix-up row per token, ``R_t = Qeff_n (M_{n-1} ... M_0)``: how token t's output depends
    on the state entering the segment. None of it waits for another rank;
 2. the scan of ``(S_p, DenseTransition(M_p))`` over ``seq_axis`` (any method of
-   :data:`zeco_jax.scan.SCAN_METHODS`; the All-Scan sends one K x V state per rank and
+   :data:`zeco_jax.SCAN_METHODS`; the All-Scan sends one K x V state per rank and
    ``M_p`` never leaves its rank) -> ``X_p``, the state entering the segment;
 3. the fix-up, one GEMM as in GLA: ``o_t += R_t X_p``.
 
@@ -27,24 +27,18 @@ the chunked op from the received state after the scan.
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Optional
 
-import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
-from zeco_jax import scan as _scan
 from zeco_jax import segments
-from zeco_jax import transitions
-from zeco_jax.gated_delta import (check_inputs, chunk_gated_delta_rule, chunk_recurrence,
-                                  l2norm)
-from zeco_jax.parallel import (_axes_in, _explicit_batch_head, _first_token_starts,
-                               _from_last_rank, _mesh_or_context, _on, _resolve_num_blocks,
-                               seq_axis_size)
-
-_HI = lax.Precision.HIGHEST
+from zeco_jax._linalg import HI as _HI
+from zeco_jax.ops.gated_delta.chunked import chunk_recurrence
+from zeco_jax.ops.gated_delta.op import check_inputs, chunk_gated_delta_rule, l2norm
+from zeco_jax.sp import scan as _scan
+from zeco_jax.sp import shard
+from zeco_jax.sp import transitions
 
 
 def _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, *, name):
@@ -90,9 +84,9 @@ def zeco_gated_delta_rule_local(q, k, v, g, beta, *, axis_name, method="all_scan
     # the previous rank's last id) only zeroes the transition and the fix-up rows.
     segments.check_segment_ids(segment_ids, B, args.T, name=name)
     q, k, g = segments.apply(q, k, g, segment_ids)
-    first_starts = _first_token_starts(segment_ids, axis_name)
-  nb = _resolve_num_blocks(num_blocks, method, lax.axis_size(axis_name), B, H, K, V,
-                           name=name)
+    first_starts = shard.first_token_starts(segment_ids, axis_name)
+  nb = _scan.resolve_num_blocks(num_blocks, method, lax.axis_size(axis_name),
+                                4 * B * H * K * V, V, name=name)
   o_local, seg_state, seg_matrix, rows = segment_pass(q, k, v, g, beta, scale=scale,
                                                       chunk_size=chunk_size)
   if first_starts is not None:
@@ -136,7 +130,7 @@ def zeco_gated_delta_rule(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method
       sends one K x V state per rank; ``"all_gather"`` gathers every (S_p, M_p) pair;
       ``"tree"`` runs ceil(log2 P) rounds of pairs; ``"ring"`` waits for the state.
     chunk_size, scale, initial_state, output_final_state, use_qk_l2norm: as in
-      :func:`zeco_jax.gated_delta.chunk_gated_delta_rule`.
+      :func:`zeco_jax.chunk_gated_delta_rule`.
     segment_ids: None or integer ``[B, T]`` (split over ``seq_axis`` like q): packed
       documents (docs/design.md §10); a rank holding a document start has transition 0.
 
@@ -146,53 +140,25 @@ def zeco_gated_delta_rule(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method
   """
   name = "zeco_gated_delta_rule"
   args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, name=name)
-  mesh = _mesh_or_context(mesh, name=name)
-  P_size = seq_axis_size(mesh, seq_axis, args.T, name=name)
-  _resolve_num_blocks(num_blocks, method, P_size, args.B, args.H, args.K, args.V, name=name)
+  spec = shard.shard_spec(q, mesh=mesh, seq_axis=seq_axis, name=name)
+  _scan.resolve_num_blocks(num_blocks, method, spec.seq_axis_size,
+                           4 * args.B * args.H * args.K * args.V, args.V, name=name)
   if segment_ids is not None:
     segments.check_segment_ids(segment_ids, args.B, args.T, name=name)
-  batch_spec, head_spec = _explicit_batch_head(q, mesh, seq_axis)
   options = _Options(method, num_blocks, chunk_size, args.scale, output_final_state,
                      use_qk_l2norm)
-  return _sharded(q, k, v, g, beta, initial_state, segment_ids, mesh=mesh,
-                  seq_axis=seq_axis, batch_spec=batch_spec, head_spec=head_spec,
-                  options=options)
+  arrays = (q, k, v, g, beta, segment_ids, initial_state)
+  in_specs = tuple(None if x is None else spec.tokens(x.ndim) for x in arrays[:6]) + (
+      None if initial_state is None else spec.state(),)
+  return shard.sharded(_local, spec, arrays, in_specs, options=options,
+                       out_spec=spec.tokens(4), final_state=output_final_state)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "seq_axis", "batch_spec", "head_spec",
-                                             "options"))
-def _sharded(q, k, v, g, beta, initial_state, segment_ids, *, mesh, seq_axis, batch_spec,
-             head_spec, options):
-  """The shard_map over ``seq_axis`` (and the Explicit axes B and H are split over)."""
+def _local(q, k, v, g, beta, ids, h0, *, axis_name, options):
+  """:func:`zeco_gated_delta_rule_local` with the op's options (``shard.sharded``'s body)."""
   opt = options
-  manual = {seq_axis} | _axes_in(batch_spec) | _axes_in(head_spec)
-  seq4 = P(batch_spec, seq_axis, head_spec, None)
-  seq3 = P(batch_spec, seq_axis, head_spec)
-  state_spec = P(batch_spec, head_spec, None, None)
-  h0_spec = None if initial_state is None else state_spec
-  ids_spec = None if segment_ids is None else P(batch_spec, seq_axis)
-  if manual != {seq_axis}:
-    place = lambda x, spec: jax.sharding.reshard(x, _on(mesh, spec))
-    q, k, v = (place(x, seq4) for x in (q, k, v))
-    g, beta = place(g, seq3), place(beta, seq3)
-    if initial_state is not None:
-      initial_state = place(initial_state, h0_spec)
-    if segment_ids is not None:
-      segment_ids = place(segment_ids, ids_spec)
-
-  def body(q, k, v, g, beta, h0, ids):
-    o, after = zeco_gated_delta_rule_local(
-        q, k, v, g, beta, axis_name=seq_axis, method=opt.method, num_blocks=opt.num_blocks,
-        chunk_size=opt.chunk_size, scale=opt.scale, initial_state=h0,
-        output_final_state=opt.output_final_state, use_qk_l2norm=opt.use_qk_l2norm,
-        segment_ids=ids)
-    if not opt.output_final_state:
-      return o
-    return o, _from_last_rank(after, seq_axis)
-
-  run = jax.shard_map(body, mesh=mesh, in_specs=(seq4, seq4, seq4, seq3, seq3, h0_spec, ids_spec),
-                      out_specs=(seq4, state_spec) if opt.output_final_state else seq4,
-                      axis_names=manual, check_vma=True)
-  if opt.output_final_state:
-    return run(q, k, v, g, beta, initial_state, segment_ids)
-  return run(q, k, v, g, beta, initial_state, segment_ids), None
+  return zeco_gated_delta_rule_local(
+      q, k, v, g, beta, axis_name=axis_name, method=opt.method, num_blocks=opt.num_blocks,
+      chunk_size=opt.chunk_size, scale=opt.scale, initial_state=h0,
+      output_final_state=opt.output_final_state, use_qk_l2norm=opt.use_qk_l2norm,
+      segment_ids=ids)

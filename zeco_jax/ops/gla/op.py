@@ -1,7 +1,8 @@
 """``chunk_gla``: the single-device chunked GLA op, with a custom_vjp and backend dispatch.
 
 Backends implement two functions on padded, validated inputs (T a multiple of
-``chunk_size``; initial_state float32 ``[B, H, K, V]``)::
+``chunk_size``; initial_state float32 ``[B, H, K, V]``; the jnp path also takes None for
+no initial state, and ``dht`` None for a final state nobody used)::
 
     fwd(q, k, v, g, *, scale, initial_state, chunk_size) -> (o, final_state)
     bwd(q, k, v, g, do, dht, *, scale, initial_state, chunk_size)
@@ -10,85 +11,51 @@ Backends implement two functions on padded, validated inputs (T a multiple of
 g reaches a backend as the caller gave it, in float32: per-dim ``[B, T, H, K]``, per-head
 scalar ``[B, T, H]``, or None (no decay); dg comes back in g's shape (None for None). A
 backend without a scalar-decay path broadcasts g over K itself and sums dg over K.
-A backend may also offer ``fwd_res`` (returning ``(out, residual)``) and ``bwd_res``
-(taking that residual first) to keep intermediates for its backward.
+Every backend also has ``fwd_res`` (returning ``(out, residual)``; the residual may be
+None) and ``bwd_res`` (taking that residual first), to keep intermediates for its backward
+(``pallas_kernels.ChunkKernels`` is the protocol).
 
-``"jax"`` is :mod:`zeco_jax.chunked` (plain jnp, any platform). ``"pallas"`` is
-:mod:`pallas_kernels`, whose functions also take ``config=`` (a
+``"jax"`` is :mod:`zeco_jax.ops.gla.chunked` (plain jnp, any platform). ``"pallas"`` is
+``pallas_kernels.backend("gla", platform)``, whose functions also take ``config=`` (a
 ``pallas_kernels.KernelConfig``): Triton-lowered kernels on GPU, Mosaic TPU kernels on
 TPU, the GPU kernels in the Pallas interpreter on CPU. ``"auto"`` picks by the platform the
-computation is compiled for (:func:`zeco_jax.target.platform_of`, ``docs/design.md`` §8):
+computation is compiled for (:mod:`zeco_jax.ops._dispatch`, ``docs/design.md`` §8):
 Pallas on GPU and TPU; the jnp path on CPU. The Mosaic TPU kernels are compiled by libtpu
 ahead of time and checked in the Pallas interpreter; they have not run on a TPU chip here.
 """
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
-import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 from zeco_jax import _checks
-from zeco_jax import chunked
 from zeco_jax import segments
-from zeco_jax import target
 from zeco_jax._vma import match_varying
+from zeco_jax.ops import _dispatch
+from zeco_jax.ops._dispatch import BACKENDS  # noqa: F401  (re-exported)
+from zeco_jax.ops.gla import chunked
+from zeco_jax.runtime import target
 
-BACKENDS = ("auto", "jax", "pallas")
-_KERNELS = "pallas_kernels"
-
-
-def _kernels_installed() -> bool:
-  return importlib.util.find_spec(_KERNELS) is not None
-
-
-def _kernel_package():
-  """pallas_kernels; any error inside it (a broken install) propagates."""
-  return importlib.import_module(_KERNELS)
-
-
-@functools.lru_cache(maxsize=None)
-def _say_jax_fallback(platform: str, reason: str) -> None:
-  """Warns once per process, platform and reason that "auto" runs the jnp path."""
-  warnings.warn(f"zeco_jax: backend='auto' on {platform} runs the jnp path: {reason}. Pass "
-                "backend='jax' to choose it explicitly (and silence this), or "
-                "backend='pallas' to use the kernels anyway.", stacklevel=3)
+FAMILY = "gla"
 
 
 def resolve_backend(backend: str, *, name: str = "chunk_gla", platform=None) -> str:
-  """Maps ``backend`` to ``"jax"`` or ``"pallas"`` for the target ``platform``.
-
-  ``platform``: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (``zeco_jax.target.platform_of(...)`` of
-  the inputs or the mesh); None: :func:`zeco_jax.target.platform_of` of the context.
-  ``"auto"`` is Pallas on GPU and TPU (Mosaic kernels, compiled ahead of time for v5e, v5p
-  and v6e and checked in the interpreter: ``docs/design.md`` §8), the jnp path on CPU
-  (silently) and without the kernel package (said once per process). ``"pallas"`` imports the platform's kernels
-  here, so a broken kernel package raises instead of falling back.
-  """
-  _checks.check_choice(backend, BACKENDS, arg="backend", name=name)
-  if platform is None:
-    platform = target.platform_of()
-  _checks.check_choice(platform, target.PLATFORMS, arg="platform", name=name)
-  if backend == "jax" or (backend == "auto" and platform == "cpu"):
-    return "jax"
-  if not _kernels_installed():
-    if backend == "auto":
-      _say_jax_fallback(platform, f"the kernel package `{_KERNELS}` is not installed")
-      return "jax"
-    raise ValueError(f"{name}: backend='pallas' needs the kernel package `{_KERNELS}`, which "
-                     "is not installed; reinstall zeco-jax, or use backend='jax'.")
-  _kernel_package().backend(platform)
-  return "pallas"
+  """``"jax"`` or ``"pallas"`` for GLA on ``platform`` (:func:`zeco_jax.ops._dispatch.
+  resolve_backend`): Pallas on GPU and TPU (Mosaic kernels compiled ahead of time for v5e,
+  v5p and v6e and checked in the interpreter: ``docs/design.md`` §8), the jnp path on CPU."""
+  return _dispatch.resolve_backend(backend, family=FAMILY, name=name, platform=platform)
 
 
 def _impl(backend: str, config):
-  return chunked if backend == "jax" else _kernel_package().backend(config.platform)
+  return chunked if backend == "jax" else _dispatch.kernels(FAMILY, config.platform)
 
 
 def _options(h0, scale, chunk_size, config):
+  if config is not None and h0 is None:     # the kernels take an initial state always
+    raise AssertionError("the Pallas backends get a zero initial state from chunk_gla")
   kw = dict(scale=scale, initial_state=h0, chunk_size=chunk_size)
   return kw if config is None else dict(kw, config=config)
 
@@ -99,36 +66,39 @@ def _chunk_gla_core(q, k, v, g, h0, scale, chunk_size, backend, config):
 
 
 def _core_fwd(q, k, v, g, h0, scale, chunk_size, backend, config):
+  # symbolic_zeros=True: the primals come wrapped (value, perturbed).
+  q, k, v, g, h0 = (None if x is None else x.value for x in (q, k, v, g, h0))
   impl = _impl(backend, config)
   kw = _options(h0, scale, chunk_size, config)
-  if hasattr(impl, "fwd_res"):      # a backend may keep intermediates for its backward
-    out, extra = impl.fwd_res(q, k, v, g, **kw)
-  else:
-    out, extra = impl.fwd(q, k, v, g, **kw), None
+  out, extra = impl.fwd_res(q, k, v, g, **kw)   # what it keeps for its backward, or None
   return out, (q, k, v, g, h0, extra)
 
 
 def _core_bwd(scale, chunk_size, backend, config, res, cotangents):
+  """A cotangent that is a symbolic zero (an output nobody used) reaches the jnp path as
+  None for the final state, so it computes nothing from it (one chunk: ``chunked.
+  _known_zero``), and as zeros elsewhere."""
   q, k, v, g, h0, extra = res
   do, dht = cotangents
+  if isinstance(do, SymbolicZero):
+    do = jnp.zeros(do.shape, do.dtype)
+  if isinstance(dht, SymbolicZero):
+    dht = None if config is None else jnp.zeros(dht.shape, dht.dtype)
   impl = _impl(backend, config)
   kw = _options(h0, scale, chunk_size, config)
-  if hasattr(impl, "bwd_res"):
-    dq, dk, dv, dg, dh0 = impl.bwd_res(extra, q, k, v, g, do, dht, **kw)
-  else:
-    dq, dk, dv, dg, dh0 = impl.bwd(q, k, v, g, do, dht, **kw)
+  dq, dk, dv, dg, dh0 = impl.bwd_res(extra, q, k, v, g, do, dht, **kw)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-          None if g is None else dg.astype(g.dtype), dh0.astype(h0.dtype))
+          None if g is None else dg.astype(g.dtype), None if h0 is None else dh0.astype(h0.dtype))
 
 
-_chunk_gla_core.defvjp(_core_fwd, _core_bwd)
+_chunk_gla_core.defvjp(_core_fwd, _core_bwd, symbolic_zeros=True)
 
 
 def _check_kernel_config(kernel_config, *, name):
   if kernel_config is None:
     return
-  if not _kernels_installed() or not isinstance(kernel_config,
-                                                _kernel_package().KernelConfig):
+  if not _dispatch.kernels_installed() or not isinstance(
+      kernel_config, _dispatch.kernel_package().KernelConfig):
     raise ValueError(f"{name}: `kernel_config` must be a pallas_kernels.KernelConfig or None "
                      f"(the default for the target and shape), got {kernel_config!r}. Build "
                      "one with pallas_kernels.default_config(platform, B, T, H, K, V, dtype) "
@@ -187,10 +157,13 @@ def chunk_gla(q, k, v, g=None, *, scale=None, initial_state=None, output_final_s
   B, H, K, V = args.B, args.H, args.K, args.V
   config = None
   if backend == "pallas":
-    config = kernel_config or _kernel_package().default_config(
+    config = kernel_config or _dispatch.kernel_package().default_config(
         found.platform, B, args.T, H, K, V, q.dtype, sm_count=found.num_cores)
-  h0 = (jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None
-        else initial_state.astype(jnp.float32))
+  # No initial state: None on the jnp path (which then computes nothing from it), zeros
+  # for the kernels.
+  h0 = None if initial_state is None else initial_state.astype(jnp.float32)
+  if h0 is None and backend == "pallas":
+    h0 = jnp.zeros((B, H, K, V), jnp.float32)
   g = None if g is None else g.astype(jnp.float32)
   padded = [None if x is None else _checks.pad_time(x, chunk_size) for x in (q, k, v, g)]
   # Inside shard_map, give every operand the same varying axes, so the custom_vjp's

@@ -1,20 +1,9 @@
-"""Gated DeltaNet on one device: the token recurrence (the spec) and the chunked op.
+"""Gated DeltaNet's chunked form (WY / UT representation, as in the Gated DeltaNet paper
+and FLA) in plain jnp, with a custom_vjp that keeps the inputs and one state per chunk,
+never a state per token.
 
-Per token and head (docs/design.md §9; FLA's ``gated_delta_rule`` conventions)::
-
-    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = scale S_t^T q_t
-
-with q, k ``[B, T, H, K]``, v ``[B, T, H, V]``, the log-decay g ``[B, T, H]`` (<= 0), the
-write strength beta ``[B, T, H]`` in (0, 1) and float32 states ``[B, H, K, V]``.
-
-* :func:`recurrent_gated_delta_rule` walks the tokens with ``lax.scan`` in float32: the
-  definition, slow, and it keeps a state per token for autodiff (short sequences only).
-* :func:`chunk_gated_delta_rule` is the chunked form (WY / UT representation, as in the
-  Gated DeltaNet paper and FLA), with a custom_vjp that keeps the inputs and one state per
-  chunk, never a state per token.
-
-The chunked form, per chunk of C tokens (docs/design.md §9): with b the within-chunk
-cumulative log-decay, every chunk reduces to four arrays computed chunk-parallel by
+Per chunk of C tokens (``docs/design.md`` §9): with b the within-chunk cumulative
+log-decay, every chunk reduces to four arrays computed chunk-parallel by
 :func:`chunk_terms`: ``Qeff [C, K]``, the chunk transition ``M [K, K]``, the chunk's own
 state ``Sc [K, V]`` and its own outputs ``Oc [C, V]``, such that a chunk entered with
 state ``Y`` leaves with ``M Y + Sc`` and outputs ``Oc + Qeff Y``. The only sequential part
@@ -26,10 +15,7 @@ exact to float32 rounding.
 :func:`chunk_recurrence` with ``augment=True`` also carries the prefix products of the
 chunk transitions (the state widened by K columns that start as the identity): that gives
 the segment's transition and the per-token fix-up rows the sequence-parallel op needs
-(:mod:`zeco_jax.parallel_delta`).
-
-Packed documents: ``segment_ids`` as for GLA (docs/design.md §10; FLA's ``cu_seqlens`` via
-``zeco_jax.segments.cu_seqlens_to_segment_ids``). What it does not do: Pallas kernels.
+(:mod:`zeco_jax.ops.gated_delta.parallel`).
 """
 from __future__ import annotations
 
@@ -39,108 +25,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zeco_jax import _checks
-from zeco_jax import segments
+from zeco_jax._linalg import HI as _HI
 from zeco_jax._linalg import opaque
 from zeco_jax._vma import match_varying
 
-_HI = lax.Precision.HIGHEST
-L2NORM_EPS = 1e-6      # FLA's l2norm: x / sqrt(sum x^2 + eps)
-
-
-def l2norm(x):
-  """FLA's ``l2norm`` over the last axis, in float32, returned in x's dtype."""
-  x32 = x.astype(jnp.float32)
-  return (x32 * lax.rsqrt(jnp.sum(x32 * x32, -1, keepdims=True) + L2NORM_EPS)).astype(x.dtype)
-
-
-def check_inputs(q, k, v, g, beta, initial_state, scale, *, name, chunk_size=None):
-  """Validates the Gated DeltaNet signature; returns the sizes and the resolved scale."""
-  if g is None or getattr(g, "ndim", None) != 3:
-    raise ValueError(f"{name}: `g` (log-decay per head, <= 0) must be [B, T, H], got "
-                     f"{getattr(g, 'shape', g)}. Gated DeltaNet has one decay per head.")
-  args = _checks.check_gla_inputs(q, k, v, g, initial_state, scale, name=name,
-                                  chunk_size=chunk_size)
-  if tuple(getattr(beta, "shape", ())) != (args.B, args.T, args.H):
-    raise ValueError(f"{name}: `beta` must be [B, T, H] = {(args.B, args.T, args.H)} "
-                     f"(write strength in (0, 1)), got {getattr(beta, 'shape', beta)}.")
-  if not jnp.issubdtype(beta.dtype, jnp.floating):
-    raise ValueError(f"{name}: `beta` must be floating point, got {beta.dtype}.")
-  return args
-
-
-def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
-                               output_final_state=False, use_qk_l2norm=False,
-                               segment_ids=None):
-  """Token-by-token Gated DeltaNet in float32 (the spec; FLA's ``fused_recurrent`` form).
-
-  ``segment_ids``: None or integer ``[B, T]`` packed documents, as for GLA
-  (docs/design.md §10): the state is zero before every document start at t > 0; a
-  negative id is padding (no write, zero output).
-
-  Returns ``(o, final_state)``: o ``[B, T, H, V]`` in v's dtype; the float32 state after
-  the last token ``[B, H, K, V]`` if ``output_final_state``, else None.
-  """
-  args = check_inputs(q, k, v, g, beta, initial_state, scale,
-                      name="recurrent_gated_delta_rule")
-  B, H, K, V, scale = args.B, args.H, args.K, args.V, args.scale
-  if use_qk_l2norm:
-    q, k = l2norm(q), l2norm(k)
-  if segment_ids is not None:
-    segments.check_segment_ids(segment_ids, B, args.T, name="recurrent_gated_delta_rule")
-    q, k, g = segments.apply(q, k, g, segment_ids)
-  f32 = jnp.float32
-  h0 = jnp.zeros((B, H, K, V), f32) if initial_state is None else initial_state.astype(f32)
-
-  def step(S_BxHxKxV, xs):
-    q_t, k_t, v_t, g_t, b_t = xs
-    S_BxHxKxV = jnp.exp(g_t)[..., None, None] * S_BxHxKxV
-    kS = jnp.einsum("bhk,bhkv->bhv", k_t, S_BxHxKxV, precision=_HI)
-    u = b_t[..., None] * (v_t - kS)
-    S_BxHxKxV = S_BxHxKxV + k_t[..., :, None] * u[..., None, :]
-    o_t = scale * jnp.einsum("bhk,bhkv->bhv", q_t, S_BxHxKxV, precision=_HI)
-    return S_BxHxKxV, o_t
-
-  xs = tuple(jnp.moveaxis(x.astype(f32), 1, 0) for x in (q, k, v, g, beta))
-  S, o_TxBxHxV = lax.scan(step, h0, xs)
-  return jnp.moveaxis(o_TxBxHxV, 0, 1).astype(v.dtype), (S if output_final_state else None)
-
-
-def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
-                           output_final_state=False, use_qk_l2norm=False, chunk_size=64,
-                           segment_ids=None):
-  """Chunked Gated DeltaNet (WY / UT form), FLA's ``chunk_gated_delta_rule`` in jnp.
-
-  Args:
-    q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]`` (one floating dtype, e.g. bfloat16).
-    g: ``[B, T, H]`` log-decay per head (<= 0); beta: ``[B, T, H]`` in (0, 1).
-    scale: defaults to ``K ** -0.5``.
-    initial_state: ``[B, H, K, V]`` or None (zeros).
-    output_final_state: also return the float32 state after the last token.
-    use_qk_l2norm: l2-normalise q and k over K first (FLA's ``use_qk_l2norm_in_kernel``).
-    chunk_size: tokens per chunk; T need not be a multiple (the tail is padded with
-      tokens that change nothing: k = 0, beta = 0, g = 0).
-    segment_ids: None or integer ``[B, T]`` packed documents (docs/design.md §10): a
-      document start gets the log-decay ``segments.RESET_LOG_DECAY``, exact here because
-      every exponent is a sum over the tokens it spans; negative ids are padding.
-
-  Returns:
-    ``(o, final_state)``: o ``[B, T, H, V]`` in v's dtype; final_state float32 or None.
-  """
-  name = "chunk_gated_delta_rule"
-  args = check_inputs(q, k, v, g, beta, initial_state, scale, name=name,
-                      chunk_size=chunk_size)
-  if use_qk_l2norm:
-    q, k = l2norm(q), l2norm(k)
-  if segment_ids is not None:
-    segments.check_segment_ids(segment_ids, args.B, args.T, name=name)
-    q, k, g = segments.apply(q, k, g, segment_ids)
-  h0 = None if initial_state is None else initial_state.astype(jnp.float32)
-  o, final = chunk_recurrence(q, k, v, g, beta, h0, args.scale, chunk_size, False)
-  return o.astype(v.dtype), (final if output_final_state else None)
-
-
-# --- the chunked form -------------------------------------------------------------------
 
 def _to_chunks(x, C):
   """``[B, T, H, ...]`` -> float32 ``[B, H, N, C, ...]``, the tail zero-padded to N C."""

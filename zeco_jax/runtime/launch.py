@@ -1,12 +1,12 @@
 """Local multi-process launcher: N JAX processes on 127.0.0.1 with simulated CPU devices.
 
-    python -m zeco_jax.launch --processes 2 --devices-per-process 4 [--timeout S] \\
+    python -m zeco_jax.runtime.launch --processes 2 --devices-per-process 4 [--timeout S] \\
         -- train.py --config.mesh=data=1,seq=8
-    python -m zeco_jax.launch --processes 2 --devices-per-process 4 -- -m my.module ARGS
+    python -m zeco_jax.runtime.launch --processes 2 --devices-per-process 4 -- -m my.module ARGS
 
 Each process gets ``JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>``, ``JAX_NUM_PROCESSES``,
 ``JAX_PROCESS_ID``, ``ZECO_LOCAL_DEVICE_COUNT``, ``JAX_PLATFORMS=cpu`` and an ``XLA_FLAGS``
-device count, which :func:`zeco_jax.distributed.initialize` reads (the program must call
+device count, which :func:`zeco_jax.runtime.distributed.initialize` reads (the program must call
 it, or ``jax.distributed.initialize`` itself, before touching the backend). Cross-process
 collectives then run over gloo, exactly as they would across hosts.
 
@@ -51,22 +51,22 @@ def python_command(script: Sequence[str]) -> list[str]:
   """``-m module ARGS`` or ``path.py ARGS`` -> a command run by this Python; else as given."""
   script = list(script)
   if not script:
-    raise ValueError("zeco_jax.launch: no program given; usage: ... -- SCRIPT.py ARGS "
+    raise ValueError("zeco_jax.runtime.launch: no program given; usage: ... -- SCRIPT.py ARGS "
                      "or -- -m MODULE ARGS")
   if script[0] == "-m":
     if len(script) < 2:
-      raise ValueError("zeco_jax.launch: `-m` needs a module name")
+      raise ValueError("zeco_jax.runtime.launch: `-m` needs a module name")
     return [sys.executable, "-u", *script]
   if script[0].endswith(".py"):
     if not os.path.isfile(script[0]):
-      raise ValueError(f"zeco_jax.launch: script {script[0]!r} does not exist")
+      raise ValueError(f"zeco_jax.runtime.launch: script {script[0]!r} does not exist")
     return [sys.executable, "-u", *script]
   return script
 
 
 def process_env(base: dict, process_id: int, processes: int, devices: int,
                 coordinator: str) -> dict:
-  """The environment of process ``process_id``: what zeco_jax.distributed.initialize reads."""
+  """The environment of process ``process_id``: what ``distributed.initialize`` reads."""
   env = dict(base)
   flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", ""))
   env.update({
@@ -109,9 +109,9 @@ class Launcher:
                env: Optional[dict] = None, host: str = "127.0.0.1",
                port: Optional[int] = None, stdout=None, stderr=None):
     if processes < 1:
-      raise ValueError(f"zeco_jax.launch: --processes must be >= 1, got {processes}")
+      raise ValueError(f"zeco_jax.runtime.launch: --processes must be >= 1, got {processes}")
     if devices_per_process < 1:
-      raise ValueError(f"zeco_jax.launch: --devices-per-process must be >= 1, got "
+      raise ValueError(f"zeco_jax.runtime.launch: --devices-per-process must be >= 1, got "
                        f"{devices_per_process}")
     self.command = python_command(command)
     self.processes, self.devices = processes, devices_per_process
@@ -284,8 +284,8 @@ class Launcher:
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(
-      prog="python -m zeco_jax.launch", description=__doc__.split("\n\n")[0],
-      usage="python -m zeco_jax.launch --processes N --devices-per-process D [--timeout S] "
+      prog="python -m zeco_jax.runtime.launch", description=__doc__.split("\n\n")[0],
+      usage="python -m zeco_jax.runtime.launch --processes N --devices-per-process D [--timeout S] "
             "-- SCRIPT.py ARGS... | -- -m MODULE ARGS...")
   p.add_argument("--processes", type=int, required=True, help="number of processes")
   p.add_argument("--devices-per-process", type=int, required=True,

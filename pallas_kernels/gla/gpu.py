@@ -1,6 +1,6 @@
 """The GPU backend: Pallas kernels lowered through Triton, composed into fwd / bwd.
 
-Same contract as :mod:`zeco_jax.chunked` (padded, validated inputs; layout [B, T, H, D];
+Same contract as :mod:`zeco_jax.ops.gla.chunked` (padded, validated inputs; layout [B, T, H, D];
 g per-dim ``[B, T, H, K]``, per-head scalar ``[B, T, H]`` or None), plus the launch
 configuration ``config`` (:class:`pallas_kernels.KernelConfig`; with ``interpret`` the
 same kernels run in the Pallas interpreter, on any platform):
@@ -20,7 +20,7 @@ Exponents are formed from the sub-chunk-local cumulative log-decays ``p`` (inclu
 prefix) and ``s`` (exclusive suffix) of :func:`pallas_kernels.state.chunk_cumsum`, and
 from g itself in the 16 x 16 diagonal blocks: sums of same-sign terms, never differences
 of chunk-cumulative sums, so any mix of per-token log-decays in [-1e4, 0] keeps float32
-accuracy (issue 16; ``docs/kernels.md``).
+accuracy (``docs/kernels.md``).
 
 The kernels have no scalar-decay path yet: a scalar g is broadcast over K at entry and
 its gradient summed over K at exit (no decay: zeros, and no gradient).
@@ -36,10 +36,10 @@ from typing import NamedTuple, Optional
 
 import jax
 
-from pallas_kernels import _common as cm
-from pallas_kernels import grads
-from pallas_kernels import intra
-from pallas_kernels import state
+from pallas_kernels.gla import _common as cm
+from pallas_kernels.gla import grads
+from pallas_kernels.gla import intra
+from pallas_kernels.gla import state
 
 
 class Residual(NamedTuple):

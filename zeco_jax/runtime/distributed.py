@@ -7,7 +7,7 @@ address, the number of processes and this process's id from, in order:
 1. the arguments (``train.py --coordinator --num-processes --process-id``, see
    :func:`add_cli_args` / :func:`from_cli`);
 2. the environment: ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``
-   (what ``python -m zeco_jax.launch`` sets, with ``ZECO_LOCAL_DEVICE_COUNT`` for the
+   (what ``python -m zeco_jax.runtime.launch`` sets, with ``ZECO_LOCAL_DEVICE_COUNT`` for the
    number of simulated CPU devices per process);
 3. jax's own cluster detection (SLURM, Open MPI, Cloud TPU pods, Kubernetes), by calling
    ``jax.distributed.initialize()`` with whatever is still unset.
@@ -20,7 +20,7 @@ Then :func:`global_batch` turns this process's part of a batch into a global ``j
 (``jax.make_array_from_process_local_data``), :func:`process_local_index` says which part
 that is, and :func:`is_main_process` gates logging.
 
-What it does not do: start processes (``zeco_jax.launch`` does, for one machine; SLURM,
+What it does not do: start processes (``zeco_jax.runtime.launch`` does, for one machine; SLURM,
 ``mpirun`` or the TPU runtime do on clusters), or anything the XLA collectives do not.
 """
 from __future__ import annotations
@@ -53,6 +53,8 @@ class ProcessInfo:
   coordinator_address: Optional[str]
   local_device_count: Optional[int]
   source: str
+
+_NAME = "zeco_jax.runtime.distributed.initialize"   # errors name the function
 
 
 def _backend_started() -> bool:
@@ -89,22 +91,19 @@ def _int_setting(value, env_name, what, *, minimum):
     try:
       value = int(raw)
     except ValueError:
-      raise ValueError(f"zeco_jax.distributed.initialize: {source} = {raw!r} is not an "
-                       f"integer ({what}).") from None
+      raise ValueError(f"{_NAME}: {source} = {raw!r} is not an integer ({what}).") from None
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise ValueError(f"zeco_jax.distributed.initialize: {what} must be an int, got {value!r} "
-                     f"(from {source}).")
+    raise ValueError(f"{_NAME}: {what} must be an int, got {value!r} (from {source}).")
   if value < minimum:
-    raise ValueError(f"zeco_jax.distributed.initialize: {what} must be >= {minimum}, got "
-                     f"{value} (from {source}).")
+    raise ValueError(f"{_NAME}: {what} must be >= {minimum}, got {value} (from {source}).")
   return int(value)
 
 
 def _check_address(address):
   if not re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[^\s:\[\]]+):\d{1,5}", address):
-    raise ValueError(f"zeco_jax.distributed.initialize: coordinator address {address!r} must "
-                     f"be HOST:PORT (e.g. 10.0.0.1:1234 or [::1]:1234); every process passes "
-                     f"the same one, the address of process 0.")
+    raise ValueError(f"{_NAME}: coordinator address {address!r} must be HOST:PORT (e.g. "
+                     "10.0.0.1:1234 or [::1]:1234); every process passes the same one, the "
+                     "address of process 0.")
 
 
 def _set_cpu_device_count(count: int) -> None:
@@ -144,7 +143,7 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
       id without a process count), malformed values.
     RuntimeError: called after the backend started, or again with different settings.
   """
-  name = "zeco_jax.distributed.initialize"
+  name = _NAME
   num = _int_setting(num_processes, ENV_NUM_PROCESSES, "num_processes", minimum=1)
   pid = _int_setting(process_id, ENV_PROCESS_ID, "process_id", minimum=0)
   local = _int_setting(local_device_count, ENV_LOCAL_DEVICE_COUNT, "local_device_count",

@@ -1,8 +1,61 @@
-"""Float64 numpy truth for Gated DeltaNet tests: the token loop and its hand-written vjp.
+"""Gated DeltaNet's references: the float32 token loop (the spec) and the float64 truth.
 
-No jax x64 needed: the forward and the reverse pass are written out in numpy float64.
+Per token and head (``docs/design.md`` §9; FLA's ``gated_delta_rule`` conventions)::
+
+    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = scale S_t^T q_t
+
+* :func:`recurrent_gated_delta_rule` walks the tokens with ``lax.scan`` in float32: the
+  definition, slow, and it keeps a state per token for autodiff (short sequences only).
+* :func:`gdn_float64` / :func:`gdn_float64_documents`: the same loop and its hand-written
+  reverse pass in numpy float64 (no jax x64 mode), the truth tests and benchmarks measure
+  every path against.
 """
+from __future__ import annotations
+
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
+
+from zeco_jax import segments
+from zeco_jax._linalg import HI as _HI
+from zeco_jax.ops.gated_delta.op import check_inputs, l2norm
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
+                               output_final_state=False, use_qk_l2norm=False,
+                               segment_ids=None):
+  """Token-by-token Gated DeltaNet in float32 (the spec; FLA's ``fused_recurrent`` form).
+
+  ``segment_ids``: None or integer ``[B, T]`` packed documents, as for GLA
+  (docs/design.md §10): the state is zero before every document start at t > 0; a
+  negative id is padding (no write, zero output).
+
+  Returns ``(o, final_state)``: o ``[B, T, H, V]`` in v's dtype; the float32 state after
+  the last token ``[B, H, K, V]`` if ``output_final_state``, else None.
+  """
+  args = check_inputs(q, k, v, g, beta, initial_state, scale,
+                      name="recurrent_gated_delta_rule")
+  B, H, K, V, scale = args.B, args.H, args.K, args.V, args.scale
+  if use_qk_l2norm:
+    q, k = l2norm(q), l2norm(k)
+  if segment_ids is not None:
+    segments.check_segment_ids(segment_ids, B, args.T, name="recurrent_gated_delta_rule")
+    q, k, g = segments.apply(q, k, g, segment_ids)
+  f32 = jnp.float32
+  h0 = jnp.zeros((B, H, K, V), f32) if initial_state is None else initial_state.astype(f32)
+
+  def step(S_BxHxKxV, xs):
+    q_t, k_t, v_t, g_t, b_t = xs
+    S_BxHxKxV = jnp.exp(g_t)[..., None, None] * S_BxHxKxV
+    kS = jnp.einsum("bhk,bhkv->bhv", k_t, S_BxHxKxV, precision=_HI)
+    u = b_t[..., None] * (v_t - kS)
+    S_BxHxKxV = S_BxHxKxV + k_t[..., :, None] * u[..., None, :]
+    o_t = scale * jnp.einsum("bhk,bhkv->bhv", q_t, S_BxHxKxV, precision=_HI)
+    return S_BxHxKxV, o_t
+
+  xs = tuple(jnp.moveaxis(x.astype(f32), 1, 0) for x in (q, k, v, g, beta))
+  S, o_TxBxHxV = lax.scan(step, h0, xs)
+  return jnp.moveaxis(o_TxBxHxV, 0, 1).astype(v.dtype), (S if output_final_state else None)
 
 
 def gdn_float64(q, k, v, g, beta, h0, do, dht, scale=None):

@@ -1,7 +1,7 @@
 """The exclusive scan of linear-attention states over a mesh axis, and its methods.
 
 Call :func:`all_scan` inside ``shard_map``. Rank p holds a state ``S_p`` ``[..., K, V]``
-and a transition ``A_p`` (:mod:`zeco_jax.transitions`: a decay per dimension or per head,
+and a transition ``A_p`` (:mod:`zeco_jax.sp.transitions`: a decay per dimension or per head,
 none, or a dense ``K x K`` matrix); the result is the state entering rank p,
 
     X_0 = initial (zeros by default),   X_{p+1} = A_p(X_p) + S_p,
@@ -47,7 +47,7 @@ from jax import lax
 
 from zeco_jax._linalg import opaque
 from zeco_jax._vma import make_varying, match_varying
-from zeco_jax.transitions import as_transition
+from zeco_jax.sp.transitions import as_transition
 
 # Alpha-beta model defaults (docs/design.md §6): a point-to-point hop's latency and the
 # inverse link bandwidth. Rough GPU figures (NVLink-class link, ~10 us per collective
@@ -195,6 +195,18 @@ def check_num_blocks(num_blocks, V, *, name: str, none_ok: bool = False) -> None
                      f"V = {V} (the state is split along V), got {num_blocks!r}. Try one of "
                      f"{[d for d in range(1, V + 1) if V % d == 0]}"
                      + (" or None for the default." if none_ok else "."))
+
+
+def resolve_num_blocks(num_blocks, method, P: int, state_bytes: float, V: int, *,
+                       name: str) -> int:
+  """``num_blocks`` for ``method`` over ``P`` ranks: 1 for an unblocked method, the
+  alpha-beta optimum (:func:`default_num_blocks`) for None, else ``num_blocks`` checked."""
+  if not SCAN_METHODS[method].blocked:
+    return 1
+  if num_blocks is None:
+    return default_num_blocks(P, state_bytes, V, method=method)
+  check_num_blocks(num_blocks, V, name=name, none_ok=True)
+  return num_blocks
 
 
 def all_scan(state, decay, axis_name, *, num_blocks=1, method="all_scan", initial=None,

@@ -2,7 +2,7 @@
 
 A segment of the sequence maps the state entering it to the state leaving it as
 ``X -> A(X) + S``: ``S`` is the segment's own state (its local pass from zero), ``A`` its
-transition. The All-Scan (:mod:`zeco_jax.scan`) is written against the few operations
+transition. The All-Scan (:mod:`zeco_jax.sp.scan`) is written against the few operations
 below, so a new family brings its transition here and leaves the collective alone:
 
 * :class:`Identity`: no decay (``A(X) = X``);
@@ -18,7 +18,7 @@ along V. Transitions are pytrees (their arrays are the leaves), so they pass thr
 ``ppermute``, ``all_gather``, ``jnp.where`` (via ``jax.tree.map``) and custom_vjp.
 
 This module holds the algebra only; what a family's local pass and output correction do
-with the received state lives with the family (:mod:`zeco_jax.parallel` for GLA).
+with the received state lives with the family (``zeco_jax/ops/<family>/parallel.py``).
 """
 from __future__ import annotations
 
@@ -26,9 +26,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-
-_HI = lax.Precision.HIGHEST
+from zeco_jax._linalg import HI as _HI
 
 
 class Transition:

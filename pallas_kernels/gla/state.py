@@ -10,7 +10,7 @@ sequential passes over chunks.
 so the sub-chunk totals ``T_u`` are ``p`` at each sub-chunk's last row. Every exponent in
 every kernel is a sum of these same-sign (<= 0) parts, never the difference of two
 chunk-cumulative sums (``bc_r - bc_i`` loses ``eps * |bc|`` in the exponent: 5e-3 with
-one -1e4 token in a chunk, issue 16): ``bc_r = sum_{u < blk(r)} T_u + p_r``,
+one -1e4 token in a chunk): ``bc_r = sum_{u < blk(r)} T_u + p_r``,
 ``b_last - bc_i = s_i + sum_{u > blk(i)} T_u``, ``b_last = sum_u T_u`` (``_common``'s
 ``chunk_prefix`` / ``chunk_suffix`` / ``chunk_total``). ``p`` is a forward cumsum of each
 ``[16, KD]`` sub-chunk tile; ``s`` is accumulated row by row from the sub-chunk's last
@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _common as cm
+from pallas_kernels.gla import _common as cm
 
 
 class Decays(NamedTuple):
@@ -141,29 +141,29 @@ def chunk_cumsum(g, *, chunk_size, config):
   within each 16-row sub-chunk (module docstring); ``chunk_size`` a multiple of 16."""
   B, T, H, K = g.shape
   C = chunk_size
-  KD = cm.block(K, config.cumsum_kd)
+  KD = cm.block(K, config.cumsum.kd)
   kern = functools.partial(_cumsum_kernel, C=C, KD=KD, fold=False)
   out = jax.ShapeDtypeStruct(g.shape, cm.F32)
   return cm.call(kern, (out, out), (B, H, T // C, K // KD), config=config,
-                 num_warps=config.cumsum_warps, num_stages=1, name="gla_chunk_cumsum")(g)
+                 num_warps=config.cumsum.warps, num_stages=1, name="gla_chunk_cumsum")(g)
 
 
 def chunk_decays(g, q, k, *, chunk_size, config):
   """:class:`Decays`: the forward's operands with the decay folded in (module docstring),
-  in one launch (tile ``config.decays_kd``): ``qp = q e^{p}``, ``ks = k e^{s}``, ``kn = k
+  in one launch (tile ``config.decays.kd``): ``qp = q e^{p}``, ``ks = k e^{s}``, ``kn = k
   e^{-max(p, -16)}`` (exact where the diagonal dots use it), ``kd = k e^{b_last - bc}``
   in the input dtype, ``dl = e^{b_last}`` and the sub-chunk totals in float32; p and s
   themselves are not written."""
   B, T, H, K = g.shape
   C = chunk_size
   N = T // C
-  KD = cm.block(K, config.decays_kd)
+  KD = cm.block(K, config.decays.kd)
   kern = functools.partial(_cumsum_kernel, C=C, KD=KD, fold=True)
   qs, kss = jax.ShapeDtypeStruct(g.shape, q.dtype), jax.ShapeDtypeStruct(g.shape, k.dtype)
   out = (qs, kss, kss, kss, jax.ShapeDtypeStruct((B, H, N, K), cm.F32),
          jax.ShapeDtypeStruct((B, H, N, C // cm.SUB, K), cm.F32))
   return Decays(*cm.call(kern, out, (B, H, N, K // KD), config=config,
-                         num_warps=config.cumsum_warps, num_stages=1,
+                         num_warps=config.cumsum.warps, num_stages=1,
                          name="gla_chunk_decays")(g, q, k))
 
 
@@ -176,25 +176,25 @@ def chunk_cumsum_folded(g, q, *, scale, chunk_size, config):
   B, T, H, K = g.shape
   C = chunk_size
   N = T // C
-  KD = cm.block(K, config.cumsum_kd)
+  KD = cm.block(K, config.cumsum.kd)
   kern = functools.partial(_cumsum_kernel, C=C, KD=KD, fold=False, grad_fold=True,
                            scale=scale)
   f32 = jax.ShapeDtypeStruct(g.shape, cm.F32)
   out = (f32, f32, jax.ShapeDtypeStruct(g.shape, q.dtype),
          jax.ShapeDtypeStruct((B, H, N, K), cm.F32))
   return cm.call(kern, out, (B, H, N, K // KD), config=config,
-                 num_warps=config.cumsum_warps, num_stages=1,
+                 num_warps=config.cumsum.warps, num_stages=1,
                  name="gla_chunk_cumsum_fold")(g, q)
 
 
 def walk_params(k, v, *, chunk_size, config, both=False):
   """(grid, kernel keywords) of a state walk: one program per [BK, BV] state tile, BV
-  ``config.state_both_bv`` when both walks share the launch (``both``), else
-  ``config.state_bv`` (:func:`pallas_kernels.default_config` picks them per shape)."""
+  ``config.state.both_bv`` when both walks share the launch (``both``), else
+  ``config.state.bv`` (:func:`pallas_kernels.default_config` picks them per shape)."""
   B, T, H, K = k.shape
   V = v.shape[-1]
-  BK = cm.block(K, config.state_bk)
-  BV = cm.block(V, config.state_both_bv if both else config.state_bv)
+  BK = cm.block(K, config.state.bk)
+  BV = cm.block(V, config.state.both_bv if both else config.state.bv)
   return (B, H, K // BK, V // BV), dict(C=chunk_size, N=T // chunk_size, BK=BK, BV=BV,
                                         dt=k.dtype)
 
@@ -212,8 +212,8 @@ def walk_outputs(k, v, *, chunk_size, config, states, grads):
 
 
 def walk_call(kernel, out, grid, name, config):
-  return cm.call(kernel, out, grid, config=config, num_warps=config.state_warps,
-                 num_stages=config.state_stages, name=name)
+  return cm.call(kernel, out, grid, config=config, num_warps=config.state.warps,
+                 num_stages=config.state.stages, name=name)
 
 
 def _state_walk(keys, v_ref, h0_ref, h_ref, ht_ref, b, hd, ik, iv, *, C, N, BK, BV, dt):

@@ -1,27 +1,20 @@
-"""Shared helpers for the GLA Pallas kernels: dots, decay masks, the launch.
+"""What the GLA kernels share: the decay bookkeeping of a chunk (sub-chunk totals,
+prefixes and suffixes, the dot-form tests), the stored states' dtype, the kernels' view
+of g. The launch and the dots are in :mod:`pallas_kernels._launch`.
 
-Every kernel here takes whole-array refs (no BlockSpecs) and indexes them itself with
-``program_id``: the public layout ``[B, T, H, D]`` is read in place (strided tiles of
-``[C, D]`` rows), so no transpose of q, k, v, g or do is ever materialised.
-
-Triton-lowering constraints this code respects (see /work/shared/jax_notes.md): tile
-sizes are powers of two and at least 16 where they feed a dot; a loaded value is never
-sliced (sub-chunks are loaded from the ref); no reverse cumsum (``rev = total - cumsum
-+ x``); float32 dots ask for ``precision=HIGHEST`` (IEEE, not TF32).
+Every kernel reads the public layout ``[B, T, H, D]`` in place (strided tiles of ``[C, D]``
+rows), so no transpose of q, k, v, g or do is ever materialised. Triton has no reverse
+cumsum: ``rev = total - cumsum + x`` (:func:`rev_cumsum`).
 """
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.experimental import pallas as pl
 
-from zeco_jax._jax_private import check_vma_enabled
+# The launch helpers, re-exported so that the GLA kernels read everything as ``cm.``.
+from pallas_kernels._launch import (F32, block, call, compiler_params, dot, iota,  # noqa: F401
+                                    masked_exp, unrolled)
 
 SUB = 16                     # sub-chunk rows: the unit of the exact log-space diagonal
-F32 = jnp.float32
 
 
 def state_store_dtype(config, input_dtype):
@@ -45,70 +38,6 @@ def decay_grad(dg, g):
   if g is None:
     return None
   return jnp.sum(dg, axis=-1) if g.ndim == 3 else dg
-
-
-def compiler_params(config, num_warps: int, num_stages: int):
-  if config.interpret:
-    return None
-  from jax.experimental.pallas import triton as pltriton
-  return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
-def _varying_axes(x):
-  mat = getattr(jax.typeof(x), "manual_axis_type", None)
-  return frozenset(getattr(mat, "varying", ()) or ())
-
-
-def call(kernel, out_shape, grid, *, config, num_warps, num_stages, name, aliases=None):
-  """pallas_call over whole-array refs, launched as ``config`` says (the interpreter, or
-  Triton with ``num_warps`` / ``num_stages``).
-
-  Inside ``shard_map(check_vma=True)`` (zeco_gla's local pass) pallas_call needs to know
-  how its outputs vary over the manual mesh axes: every input is cast to the union of
-  the inputs' varying axes, and the outputs are declared varying over the same axes.
-  """
-  fn = functools.partial(pl.pallas_call, kernel, grid=grid, interpret=config.interpret,
-                         compiler_params=compiler_params(config, num_warps, num_stages),
-                         name=name, input_output_aliases=aliases or {})
-
-  def run(*args):
-    if not check_vma_enabled():
-      return fn(out_shape=out_shape)(*args)
-    axes = frozenset().union(*(_varying_axes(a) for a in args))
-    if axes:
-      args = [a if _varying_axes(a) == axes else
-              jax.lax.pcast(a, tuple(sorted(axes - _varying_axes(a))), to="varying")
-              for a in args]
-    mat = jax.typeof(args[0]).manual_axis_type
-    outs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat),
-                        out_shape)
-    # Note: the Pallas *interpreter* still fails here (its dynamic_slice mixes varying refs
-    # with invariant constants); call zeco_gla with check_vma=False to interpret on CPU.
-    return fn(out_shape=outs)(*args)
-
-  return run
-
-
-def dot(a, b, dtype, *, ta=False, tb=False):
-  """a @ b (a^T when ``ta``, b^T when ``tb``) with float32 accumulation.
-
-  ``dtype`` is the operand dtype: bfloat16/float16 operands use the tensor cores at full
-  rate; float32 operands use IEEE float32 (precision HIGHEST), never silent TF32.
-  """
-  dims = (((0,) if ta else (1,), (1,) if tb else (0,)), ((), ()))
-  if dtype == F32:
-    return lax.dot_general(a.astype(F32), b.astype(F32), dims, precision=lax.Precision.HIGHEST,
-                           preferred_element_type=F32)
-  return lax.dot_general(a.astype(dtype), b.astype(dtype), dims, preferred_element_type=F32)
-
-
-def iota(shape, axis):
-  return lax.broadcasted_iota(jnp.int32, shape, axis)
-
-
-def masked_exp(mask, x):
-  """exp(x) where mask, 0 elsewhere; the exponent is masked first, so no inf * 0."""
-  return jnp.exp(jnp.where(mask, x, -jnp.inf))
 
 
 def sub_totals(p_ref, b, t0, hd, ks, L):
@@ -192,34 +121,9 @@ def sub_rows(ref, b, t0, hd, ks, j, blk, L):
   return out
 
 
-def unrolled(n, unroll, body, carry):
-  """``carry = body(i, carry)`` for i in range(n), ``unroll`` steps per iteration of a
-  fori_loop; ``unroll >= n``: a plain Python loop (i a Python int, unrolled at trace
-  time, so Triton can issue loads that do not depend on the carry ahead of the chain)."""
-  if unroll >= n:
-    for i in range(n):
-      carry = body(i, carry)
-    return carry
-
-  def outer(o, c):
-    for u in range(unroll):
-      c = body(o * unroll + u, c)
-    return c
-
-  return jax.lax.fori_loop(0, n // unroll, outer, carry)
-
-
 def rev_cumsum(x):
   """Reverse cumulative sum along axis 0 (Triton has only the forward scan)."""
   return jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x
-
-
-def block(n: int, cap: int) -> int:
-  """Largest power of two <= cap dividing n (n itself if n <= cap and a power of two)."""
-  b = 1
-  while b * 2 <= min(n, cap) and n % (b * 2) == 0:
-    b *= 2
-  return b
 
 
 def check_dims(K: int, V: int, C: int) -> None:

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _common as cm
+from pallas_kernels.gla import _common as cm
 
 S = cm.SUB
 DIAG_UNROLL = 4              # gla_dqdk_diag: steps per fori_loop iteration (see the kernel)
@@ -68,10 +68,10 @@ def dv(k, p, s, do, A, dH, *, scale, chunk_size, config):
   B, T, H, K = k.shape
   V = do.shape[-1]
   C = chunk_size
-  BK, BV = cm.block(K, config.dv_bk), cm.block(V, config.dv_bv)
+  BK, BV = cm.block(K, config.dv.bk), cm.block(V, config.dv.bv)
   kern = functools.partial(_dv_kernel, C=C, K=K, BK=BK, BV=BV, dt=k.dtype, scale=scale)
   return cm.call(kern, jax.ShapeDtypeStruct(do.shape, do.dtype), (B, H, T // C, V // BV),
-                 config=config, num_warps=config.dv_warps, num_stages=config.dv_stages,
+                 config=config, num_warps=config.dv.warps, num_stages=config.dv.stages,
                  name="gla_dv")(k, p, s, do, A, dH)
 
 
@@ -268,11 +268,11 @@ def diag_grads(q, k, g, do, v, p, *, scale, chunk_size, config):
   chunk_cumsum's; the blocks' dA is formed from ``do``, ``v`` and ``scale``."""
   B, T, H, K = q.shape
   C = chunk_size
-  BK = cm.block(K, config.dqdk_diag_bk)      # any tile: gla_dqdk reads rejected columns only
+  BK = cm.block(K, config.dqdk_diag.bk)      # any tile: gla_dqdk reads rejected columns only
   part = jax.ShapeDtypeStruct(q.shape, cm.F32)
   kern = functools.partial(_diag_grad_kernel, C=C, BK=BK, dt=q.dtype, scale=scale)
   return cm.call(kern, (part, part), (B, H, T // C, C // S, K // BK), config=config,
-                 num_warps=config.dqdk_diag_warps, num_stages=config.dqdk_diag_stages,
+                 num_warps=config.dqdk_diag.warps, num_stages=config.dqdk_diag.stages,
                  name="gla_dqdk_diag")(q, k, g, do, v, p)
 
 
@@ -288,9 +288,9 @@ def dqdk(q, k, v, g, p, s, do, h, dH, *, scale, chunk_size, config, diag=None):
   f32 = jax.ShapeDtypeStruct(q.shape, cm.F32)
   dq_d, dk_d = (diag_grads(q, k, g, do, v, p, scale=scale, chunk_size=C, config=config)
                 if diag is None else diag)
-  BK, BV = cm.block(K, config.dqdk_bk), cm.block(V, config.dqdk_bv)
+  BK, BV = cm.block(K, config.dqdk.bk), cm.block(V, config.dqdk.bv)
   kern = functools.partial(_dqdk_kernel, C=C, V=V, BK=BK, BV=BV, dt=q.dtype, scale=scale)
   out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype), f32)
   return cm.call(kern, out, (B, H, N, K // BK), config=config,
-                 num_warps=config.dqdk_warps, num_stages=config.dqdk_stages,
+                 num_warps=config.dqdk.warps, num_stages=config.dqdk.stages,
                  name="gla_dqdk")(q, k, v, p, s, do, h, dH, dq_d, dk_d)

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _common as cm
+from pallas_kernels.gla import _common as cm
 
 S = cm.SUB
 
@@ -177,11 +177,11 @@ def _scores_call(d, loop_operands, *, chunk_size, config):
   ``diag``), else they are left zero."""
   B, T, H, K = d.qp.shape
   C = chunk_size
-  kern = functools.partial(_scores_off_kernel, C=C, K=K, KD=cm.block(K, config.scores_kd),
+  kern = functools.partial(_scores_off_kernel, C=C, K=K, KD=cm.block(K, config.scores.kd),
                            dt=d.qp.dtype, diag=bool(loop_operands))
   return cm.call(kern, jax.ShapeDtypeStruct((B, H, T // C, C, C), cm.F32), (B, H, T // C),
-                 config=config, num_warps=config.scores_warps,
-                 num_stages=config.scores_stages, name="gla_scores")(
+                 config=config, num_warps=config.scores.warps,
+                 num_stages=config.scores.stages, name="gla_scores")(
                      d.qp, d.ks, d.kn, d.kd, d.tots, *loop_operands)
 
 
@@ -196,9 +196,9 @@ def scores_diag(q, k, g, A, *, chunk_size, config):
   """``A`` with its 16 x 16 diagonal blocks written in place (``gla_scores_diag``)."""
   B, T, H, K = q.shape
   C = chunk_size
-  diag = functools.partial(_diag_kernel, C=C, K=K, KD=cm.block(K, config.diag_kd))
+  diag = functools.partial(_diag_kernel, C=C, K=K, KD=cm.block(K, config.diag.kd))
   return cm.call(diag, jax.ShapeDtypeStruct(A.shape, cm.F32), (B, H, T // C, C // S),
-                 config=config, num_warps=config.diag_warps, num_stages=config.diag_stages,
+                 config=config, num_warps=config.diag.warps, num_stages=config.diag.stages,
                  name="gla_scores_diag", aliases={3: 0})(q, k, g, A)
 
 
@@ -237,8 +237,8 @@ def output(qp, v, h, A, tots, *, scale, chunk_size, config):
   V = v.shape[-1]
   C = chunk_size
   N = T // C
-  BK, BV = cm.block(K, config.out_bk), cm.block(V, config.out_bv)
+  BK, BV = cm.block(K, config.out.bk), cm.block(V, config.out.bv)
   kern = functools.partial(_output_kernel, C=C, K=K, BK=BK, BV=BV, dt=qp.dtype, scale=scale)
   return cm.call(kern, jax.ShapeDtypeStruct(v.shape, v.dtype), (B, H, N, V // BV),
-                 config=config, num_warps=config.out_warps, num_stages=config.out_stages,
+                 config=config, num_warps=config.out.warps, num_stages=config.out.stages,
                  name="gla_output")(qp, v, h, A, tots)

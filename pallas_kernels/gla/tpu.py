@@ -6,7 +6,7 @@ tested in the Pallas interpreter against the reference; **never run on TPU hardw
 stays on the jnp path until this has been measured on a chip; ``backend="pallas"`` uses it
 (``pallas_kernels.backend("tpu")``).
 
-Same contract as :mod:`zeco_jax.chunked`, plus ``config`` (a
+Same contract as :mod:`zeco_jax.ops.gla.chunked`, plus ``config`` (a
 :class:`pallas_kernels.KernelConfig`; only its ``interpret`` is read here). No scalar-decay
 path yet: a per-head scalar g is broadcast over K at entry, its gradient summed at exit.
 
@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import _common as cm
+from pallas_kernels.gla import _common as cm
 
 S = cm.SUB
 F32 = jnp.float32
@@ -66,7 +66,7 @@ class _Chunk:
 
   No exponent is a difference of two cumulative sums (in float32 ``b_r - b_i`` loses
   ~eps * |b|, 1e-3 once a chunk holds a -1e4 log-decay): each is a sum of same-sign g's
-  over the interval it spans (``zeco_jax.chunked._ChunkDecay`` has the same scheme):
+  over the interval it spans (``zeco_jax.ops.gla.chunked._ChunkDecay`` has the same scheme):
   ``p`` g over [sub-chunk start, r], ``s`` g over (i, sub-chunk end] (triangular matmuls
   within each 16-row sub-chunk), the sub-chunk totals ``tots[a]`` ([1, K]), and sums of
   totals accumulated term by term: ``b`` = g over [chunk start, r], ``to_end`` = g over
@@ -315,3 +315,14 @@ def bwd(q, k, v, g, do, dht, *, scale, initial_state, chunk_size, config):
   back = lambda x: _from_head_major(x, B, H)
   return (back(dq), back(dk), back(dv), cm.decay_grad(back(dg), g),
           dh0.reshape(B, H, K, V))
+
+
+def fwd_res(q, k, v, g, **kwargs):
+  """:func:`fwd` and no residual of its own (the backward recomputes the states)."""
+  return fwd(q, k, v, g, **kwargs), None
+
+
+def bwd_res(residual, q, k, v, g, do, dht, **kwargs):
+  """:func:`bwd` (``residual`` is :func:`fwd_res`'s None)."""
+  del residual
+  return bwd(q, k, v, g, do, dht, **kwargs)

@@ -1,6 +1,6 @@
 """Flax NNX Gated DeltaNet layer: flash-linear-attention's ``GatedDeltaNet`` (chunk mode).
 
-    from zeco_jax.nn_delta import GatedDeltaNet
+    from zeco_jax.nn import GatedDeltaNet
     attn = GatedDeltaNet(hidden_size=256, num_heads=2, head_dim=64, rngs=nnx.Rngs(0))
     y_BxTxD = attn(x_BxTxD)                  # [B, T, 256] -> [B, T, 256]
 
@@ -11,10 +11,10 @@ k l2-normalised, the write strength ``beta = sigmoid(x W_b)``, the log-decay
 uniform in (0, 16), ``dt`` log-uniform in [0.001, 0.1]), then per-head RMSNorm of the output
 times a swish output gate (``use_gate``) and an output projection.
 
-Sequence parallelism: :func:`zeco_jax.parallel_delta.zeco_gated_delta_rule` over the mesh
+Sequence parallelism: :func:`zeco_jax.zeco_gated_delta_rule` over the mesh
 axis ``seq_axis`` when it has size > 1, else
-:func:`zeco_jax.gated_delta.chunk_gated_delta_rule`. The norms and short convolution are
-:mod:`zeco_jax.nn`'s.
+:func:`zeco_jax.chunk_gated_delta_rule`. The norms and short convolution are
+:mod:`zeco_jax.nn.common`'s.
 
 What it does not do: decoding with a recurrent cache, grouped value heads
 (``num_v_heads``), negative eigenvalues (``allow_neg_eigval``). Packed documents:
@@ -30,14 +30,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zeco_jax.gated_delta import chunk_gated_delta_rule
-from zeco_jax.nn import (LOGICAL_AXES_KEY, RMSNorm, ShortConvolution, _seq_size, normal_param)
-from zeco_jax.parallel_delta import zeco_gated_delta_rule
-from zeco_jax.scan import SCAN_METHODS
-
-
-def _dot(x, w):
-  return jnp.einsum("...i,io->...o", x, w.astype(x.dtype))
+from zeco_jax.nn.common import (LOGICAL_AXES_KEY, RMSNorm, dot, gated_output, init_qkv,
+                                init_short_convs, normal_param, project_qkv)
+from zeco_jax.ops.gated_delta.op import chunk_gated_delta_rule
+from zeco_jax.ops.gated_delta.parallel import zeco_gated_delta_rule
+from zeco_jax.sp import shard
+from zeco_jax.sp.scan import SCAN_METHODS
 
 
 def gated_delta_op(q, k, v, g, beta, *, mesh=None, seq_axis: str = "seq",
@@ -45,7 +43,7 @@ def gated_delta_op(q, k, v, g, beta, *, mesh=None, seq_axis: str = "seq",
                    chunk_size: int = 64, segment_ids=None):
   """Gated DeltaNet with l2-normalised q, k: ``zeco_gated_delta_rule`` over ``seq_axis``
   when that mesh axis has size > 1, else ``chunk_gated_delta_rule``. Returns o."""
-  if _seq_size(mesh, seq_axis) > 1:
+  if shard.seq_size(mesh, seq_axis) > 1:
     o, _ = zeco_gated_delta_rule(q, k, v, g, beta, mesh=mesh, seq_axis=seq_axis,
                                  method=seq_method, num_blocks=num_blocks,
                                  chunk_size=chunk_size, use_qk_l2norm=True,
@@ -93,9 +91,7 @@ class GatedDeltaNet(nnx.Module):
     self.num_heads, self.use_gate, self.use_short_conv = H, use_gate, use_short_conv
     self.chunk_size, self.seq_axis = chunk_size, seq_axis
     self.seq_method, self.num_blocks = seq_method, num_blocks
-    self.q_proj = normal_param(rngs, (D, Kd), init_std, ("embed", "heads"))
-    self.k_proj = normal_param(rngs, (D, Kd), init_std, ("embed", "heads"))
-    self.v_proj = normal_param(rngs, (D, Vd), init_std, ("embed", "heads"))
+    init_qkv(self, rngs, D, Kd, Vd, init_std)
     self.a_proj = normal_param(rngs, (D, H), init_std, ("embed", None))
     self.b_proj = normal_param(rngs, (D, H), init_std, ("embed", None))
     A = jax.random.uniform(rngs.params(), (H,), jnp.float32, 1e-4, 16.0)
@@ -106,9 +102,7 @@ class GatedDeltaNet(nnx.Module):
     # softplus(dt_bias) = dt at initialisation.
     self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)), **{LOGICAL_AXES_KEY: (None,)})
     if use_short_conv:
-      self.q_conv = ShortConvolution(Kd, conv_size, rngs=rngs)
-      self.k_conv = ShortConvolution(Kd, conv_size, rngs=rngs)
-      self.v_conv = ShortConvolution(Vd, conv_size, rngs=rngs)
+      init_short_convs(self, rngs, Kd, Vd, conv_size)
     if use_gate:
       self.g_proj = normal_param(rngs, (D, Vd), init_std, ("embed", "heads"))
     self.o_norm = RMSNorm(Vd // H, norm_eps, logical_axes=("head_dim",))
@@ -118,25 +112,17 @@ class GatedDeltaNet(nnx.Module):
     """``[B, T, hidden_size]`` -> same; ``segment_ids``: None or int ``[B, T]`` documents."""
     B, T, _ = x_BxTxD.shape
     H = self.num_heads
-    q = _dot(x_BxTxD, self.q_proj[...])
-    k = _dot(x_BxTxD, self.k_proj[...])
-    v = _dot(x_BxTxD, self.v_proj[...])
-    if self.use_short_conv:
-      q, k, v = (conv(x, segment_ids, mesh=mesh, seq_axis=self.seq_axis)
-                 for conv, x in ((self.q_conv, q), (self.k_conv, k), (self.v_conv, v)))
-    q, k, v = (x.reshape(B, T, H, -1) for x in (q, k, v))
-    beta = jax.nn.sigmoid(_dot(x_BxTxD, self.b_proj[...]).astype(jnp.float32))
-    a = _dot(x_BxTxD, self.a_proj[...]).astype(jnp.float32)
+    q, k, v = project_qkv(self, x_BxTxD, H, short_conv=self.use_short_conv,
+                          segment_ids=segment_ids, mesh=mesh, seq_axis=self.seq_axis)
+    beta = jax.nn.sigmoid(dot(x_BxTxD, self.b_proj[...]).astype(jnp.float32))
+    a = dot(x_BxTxD, self.a_proj[...]).astype(jnp.float32)
     g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])
     o_BxTxHxV = gated_delta_op(q, k, v, g, beta.astype(v.dtype), mesh=mesh,
                                seq_axis=self.seq_axis, seq_method=self.seq_method,
                                num_blocks=self.num_blocks, chunk_size=self.chunk_size,
                                segment_ids=segment_ids)
-    o = self.o_norm(o_BxTxHxV).astype(jnp.float32)
-    if self.use_gate:
-      gate = _dot(x_BxTxD, self.g_proj[...]).reshape(B, T, H, -1)
-      o = o * jax.nn.silu(gate.astype(jnp.float32))
-    return _dot(o.reshape(B, T, -1).astype(x_BxTxD.dtype), self.o_proj[...])
+    gate = (dot(x_BxTxD, self.g_proj[...]).reshape(B, T, H, -1) if self.use_gate else None)
+    return gated_output(self.o_norm, self.o_proj, o_BxTxHxV, gate, x_BxTxD)
 
 
 __all__ = ["GatedDeltaNet", "gated_delta_op"]

@@ -11,17 +11,18 @@ Two forms of the same function (docs/design.md §1 and §2):
   difference of cumsums), between chunks a ``lax.scan`` carries the state.
   It is stable under any decay, and slow and memory-hungry on purpose.
 
-Neither is meant to be fast; :func:`zeco_jax.chunk_gla` is.
+Neither is meant to be fast; :func:`zeco_jax.chunk_gla` is. :func:`gla_float64` is the
+float64 truth (numpy, forward and vjp) the tests and benchmarks measure every path against.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from zeco_jax import _checks
 from zeco_jax import segments
-
-_HI = lax.Precision.HIGHEST
+from zeco_jax._linalg import HI as _HI
 
 
 def recurrent_gla(q, k, v, g=None, *, scale=None, initial_state=None,
@@ -121,3 +122,36 @@ def chunk_gla_reference(q, k, v, g=None, *, scale=None, initial_state=None,
   S, oc = lax.scan(chunk, h0, (qc, kc, vc, gc, bc, to_end))
   o = oc.transpose(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T].astype(v.dtype)
   return o, (S if output_final_state else None)
+
+
+def gla_float64(q, k, v, g, h0, do, dht, scale):
+  """The float64 truth, in numpy (no jax x64 mode): ``(o, final state, grads)`` with
+  ``grads`` the vjp of ``(do, dht)`` for q, k, v, g (``[B, T, H, K]`` or ``[B, T, H]``)
+  and h0, from the token loop and its hand-written reverse pass.
+
+  S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T, o_t = scale S_t^T q_t (docs/design.md §1).
+  ``dht`` None: no final-state cotangent. Tests and benchmarks share it."""
+  f = lambda x: np.asarray(x, np.float64)
+  q, k, v, g, h0, do = map(f, (q, k, v, g, h0, do))
+  dS = np.zeros(h0.shape) if dht is None else f(dht)
+  B, T, H, K = q.shape
+  gk = np.broadcast_to(g[..., None], q.shape) if g.ndim == 3 else g
+  S = h0
+  states = [S]
+  o = np.zeros(v.shape)
+  for t in range(T):
+    S = np.exp(gk[:, t])[..., None] * S + k[:, t, :, :, None] * v[:, t, :, None, :]
+    states.append(S)
+    o[:, t] = scale * np.einsum("bhk,bhkv->bhv", q[:, t], S)
+  dq, dk, dv, dg = (np.zeros(x.shape) for x in (q, k, v, gk))
+  for t in reversed(range(T)):
+    dS = dS + scale * q[:, t, :, :, None] * do[:, t, :, None, :]
+    dq[:, t] = scale * np.einsum("bhkv,bhv->bhk", states[t + 1], do[:, t])
+    dk[:, t] = np.einsum("bhkv,bhv->bhk", dS, v[:, t])
+    dv[:, t] = np.einsum("bhkv,bhk->bhv", dS, k[:, t])
+    decay = np.exp(gk[:, t])
+    dg[:, t] = decay * np.sum(states[t] * dS, -1)
+    dS = decay[..., None] * dS
+  if g.ndim == 3:
+    dg = dg.sum(-1)
+  return o, S, dict(q=dq, k=dk, v=dv, g=dg, h0=dS)

@@ -1,7 +1,8 @@
 """The chunked GLA algorithm in plain jnp: forward and explicit backward (``docs/design.md`` §2).
 
-This is the ``backend="jax"`` path of :func:`zeco_jax.chunk_gla` and the template the
-Pallas kernels follow stage by stage:
+This is the ``backend="jax"`` path of :func:`zeco_jax.chunk_gla` (``fwd`` / ``bwd``, and
+``fwd_res`` / ``bwd_res`` with no residual of their own) and the template the Pallas
+kernels follow stage by stage:
 
   forward:  state pass (chunk states h[n], final state)  ->  output (inter + intra chunk)
   backward: state-gradient pass (reverse over chunks)    ->  dq, dk, dv, dg
@@ -170,17 +171,19 @@ def state_pass(kc, vc, dec, h0):
   """States entering each chunk and the final state.
 
   Args: kc [B,H,N,C,K], vc [B,H,N,C,V], dec the chunks' :class:`_ChunkDecay`,
-    h0 [B,H,K,V]. Returns (h [B,H,N,K,V] entering each chunk, final [B,H,K,V]).
+    h0 [B,H,K,V] or None (zero). Returns (h [B,H,N,K,V] entering each chunk, final
+    [B,H,K,V]); h is None when nothing enters any chunk (one chunk, no h0): the callers
+    then drop the terms it would multiply (:func:`_known_zero` says why).
   """
   increment = _ein("bhnik,bhniv->bhnkv", kc * dec.to_end, vc)
+  if _known_zero(h0, kc):
+    return None, increment[:, :, 0]
 
   def step(h, xs):
     d, inc = xs
     return d[..., None] * h + inc, h
 
-  # opaque: a zero h0 must not reach the output's dot as a constant (one chunk inlines
-  # the scan; XLA:CPU then miscompiles, see zeco_jax._linalg.opaque).
-  h0 = opaque(match_varying(h0, increment, dec.total))
+  h0 = _initial(h0, increment, dec.total)
   final, h = lax.scan(step, h0, (jnp.moveaxis(dec.total, 2, 0), jnp.moveaxis(increment, 2, 0)))
   return jnp.moveaxis(h, 0, 2), final
 
@@ -188,19 +191,41 @@ def state_pass(kc, vc, dec, h0):
 def state_grad_pass(qc, doc, dec, dht, scale):
   """Cotangents of the states leaving each chunk, and of the initial state (reverse scan).
 
-  dH[N-1] = dht;  dH[n-1] = exp(b_C[n]) * dH[n] + scale * (q e^b)[n]^T do[n].
-  Returns (dH [B,H,N,K,V], dh0 [B,H,K,V]).
+  dH[N-1] = dht;  dH[n-1] = exp(b_C[n]) * dH[n] + scale * (q e^b)[n]^T do[n]. ``dht``
+  None: zero. Returns (dH [B,H,N,K,V] or None when it is zero: one chunk and no dht,
+  dh0 [B,H,K,V]).
   """
   local = scale * _ein("bhnrk,bhnrv->bhnkv", qc * dec.exp_b, doc)
+  if _known_zero(dht, qc):
+    return None, local[:, :, 0]
 
   def step(dh, xs):
     d, loc = xs
     return d[..., None] * dh + loc, dh
 
-  dht = opaque(match_varying(dht, local, dec.total))
+  dht = _initial(dht, local, dec.total)
   dh0, dH = lax.scan(step, dht, (jnp.moveaxis(dec.total, 2, 0), jnp.moveaxis(local, 2, 0)),
                      reverse=True)
   return jnp.moveaxis(dH, 0, 2), dh0
+
+
+def _known_zero(state, chunks) -> bool:
+  """Whether the state at the sequence's open end is absent (zero) with one chunk only.
+
+  Then nothing is computed from it. Not a shortcut but a workaround: XLA:CPU miscompiles a
+  dot whose operand is a broadcast constant when a reduce shares its fusion
+  (``docs/xla_cpu_ynn.md``), and with one chunk the scan is inlined, so a zero state would
+  reach the output's dot as exactly that constant.
+  """
+  return state is None and chunks.shape[2] == 1
+
+
+def _initial(state, like, decay):
+  """The walk's first carry: zeros for None; every state behind an optimization barrier
+  (``zeco_jax._linalg.opaque``: a constant state given by the caller, one chunk)."""
+  if state is None:
+    state = jnp.zeros(like.shape[:2] + like.shape[3:], jnp.float32)
+  return opaque(match_varying(state, like, decay))
 
 
 def _decay_chunks(g, shape, C):
@@ -213,41 +238,55 @@ def _decay_chunks(g, shape, C):
 
 
 def fwd(q, k, v, g, *, scale, initial_state, chunk_size):
-  """Forward. q, k [B,T,H,K]; v [B,T,H,V]; g [B,T,H,K], [B,T,H] or None; T % chunk_size == 0.
+  """Forward. q, k [B,T,H,K]; v [B,T,H,V]; g [B,T,H,K], [B,T,H] or None; T % chunk_size == 0;
+  initial_state float32 [B,H,K,V] or None (zeros).
 
   Returns (o [B,T,H,V] in v's dtype, final_state float32 [B,H,K,V]).
   """
   C = chunk_size
   qc, kc, vc = (to_chunks(x, C) for x in (q, k, v))
   dec = _ChunkDecay(_decay_chunks(g, q.shape, C))
-  h, final = state_pass(kc, vc, dec, initial_state.astype(jnp.float32))
-  o = scale * (_ein("bhnrk,bhnkv->bhnrv", qc * dec.exp_b, h)
-               + _ein("bhnri,bhniv->bhnrv", dec.scores(qc, kc), vc))
-  return from_chunks(o, v.dtype), final
+  h, final = state_pass(kc, vc, dec, _as_f32(initial_state))
+  o = _ein("bhnri,bhniv->bhnrv", dec.scores(qc, kc), vc)
+  if h is not None:
+    o = o + _ein("bhnrk,bhnkv->bhnrv", qc * dec.exp_b, h)
+  return from_chunks(scale * o, v.dtype), final
+
+
+def _as_f32(x):
+  return None if x is None else x.astype(jnp.float32)
 
 
 def bwd(q, k, v, g, do, dht, *, scale, initial_state, chunk_size):
-  """Backward of :func:`fwd`. Returns (dq, dk, dv, dg float32 in g's shape or None,
-  dh0 float32)."""
+  """Backward of :func:`fwd`; ``dht`` (the final state's cotangent) may be None (zero).
+  Returns (dq, dk, dv, dg float32 in g's shape or None, dh0 float32)."""
   C = chunk_size
   qc, kc, vc, doc = (to_chunks(x, C) for x in (q, k, v, do))
   dec = _ChunkDecay(_decay_chunks(g, q.shape, C))
-  h, _ = state_pass(kc, vc, dec, initial_state.astype(jnp.float32))
-  dH, dh0 = state_grad_pass(qc, doc, dec, dht.astype(jnp.float32), scale)
+  h, _ = state_pass(kc, vc, dec, _as_f32(initial_state))
+  dH, dh0 = state_grad_pass(qc, doc, dec, _as_f32(dht), scale)
   causal = jnp.tril(jnp.ones((C, C), bool))
   scores = dec.scores(qc, kc)
   dA = jnp.where(causal, scale * _ein("bhnrv,bhniv->bhnri", doc, vc), 0.0)
-  dq = scale * _ein("bhnrv,bhnkv->bhnrk", doc, h) * dec.exp_b + dec.row_side(dA, kc)
-  dk_state = _ein("bhniv,bhnkv->bhnik", vc, dH) * dec.to_end
-  dk = dec.col_side(dA, qc) + dk_state
-  dv = (scale * _ein("bhnri,bhnrv->bhniv", scores, doc)
-        + _ein("bhnik,bhnkv->bhniv", kc * dec.to_end, dH))
+  dq = dec.row_side(dA, kc)
+  if h is not None:
+    dq = dq + scale * _ein("bhnrv,bhnkv->bhnrk", doc, h) * dec.exp_b
+  dk = dec.col_side(dA, qc)
+  dv = scale * _ein("bhnri,bhnrv->bhniv", scores, doc)
   # d(loss)/d(b) with b the chunk cumsum: +q*dq for every exp(+b_r), -k*dk for every
   # exp(-b_i), and the chunk's total decay b_C (through exp(b_C) h and the state
   # increments) on the last row; dg is its reverse cumsum (a true one: rev_cumsum).
+  d_last = 0.0
+  if dH is not None:
+    dk_state = _ein("bhniv,bhnkv->bhnik", vc, dH) * dec.to_end
+    dk = dk + dk_state
+    dv = dv + _ein("bhnik,bhnkv->bhniv", kc * dec.to_end, dH)
+    d_last = jnp.sum(kc * dk_state, axis=-2)
+    if h is not None:
+      d_last = d_last + dec.total * jnp.sum(h * dH, axis=-1)
   db = qc * dq - kc * dk
-  d_last = dec.total * jnp.sum(h * dH, axis=-1) + jnp.sum(kc * dk_state, axis=-2)
-  db = db.at[..., -1, :].add(d_last)
+  if dH is not None:
+    db = db.at[..., -1, :].add(d_last)
   dg = from_chunks(rev_cumsum(db, -2), jnp.float32)
   if g is None:
     dg = None
@@ -255,3 +294,14 @@ def bwd(q, k, v, g, do, dht, *, scale, initial_state, chunk_size):
     dg = jnp.sum(dg, axis=-1)
   return (from_chunks(dq, q.dtype), from_chunks(dk, k.dtype), from_chunks(dv, v.dtype), dg,
           dh0)
+
+
+def fwd_res(q, k, v, g, **kwargs):
+  """:func:`fwd` and no residual of its own: the backward recomputes from the inputs."""
+  return fwd(q, k, v, g, **kwargs), None
+
+
+def bwd_res(residual, q, k, v, g, do, dht, **kwargs):
+  """:func:`bwd` (``residual`` is :func:`fwd_res`'s None)."""
+  del residual
+  return bwd(q, k, v, g, do, dht, **kwargs)
