@@ -7,7 +7,7 @@
         --config.mesh=data=1,seq=8
     python train.py --config.model.num_layers=4 --config.train.lr=3e-4 --workdir runs/x
     python train.py --config configs/gla_1b3.py --compile_only=v5p:4x4x4 \\
-        --config.mesh=data=1,seq=64     # compile for a TPU topology only (compile_only.py)
+        --config.mesh=data=1,seq=64     # compile for a TPU topology only (trainer/aot.py)
 
 The config is a file of ``configs/`` (ml_collections ``get_config()``); every field can be
 overridden as ``--config.SECTION.FIELD=VALUE`` and an unknown field is an error. Rerunning
@@ -24,10 +24,11 @@ Devices: on a CPU-only host the run gets 8 simulated CPU devices (``--local-devi
 ``$ZECO_LOCAL_DEVICE_COUNT`` or an ``XLA_FLAGS`` device count take precedence); GPU/TPU
 hosts use their real devices. Several processes: ``--coordinator HOST:PORT
 --num-processes N --process-id I``, or the ``JAX_*`` environment variables, or SLURM /
-TPU-pod detection (``zeco_jax.distributed``); locally ``python -m zeco_jax.launch
+TPU-pod detection (``zeco_jax.runtime.distributed``); locally ``python -m zeco_jax.runtime.launch
 --processes 2 --devices-per-process 4 -- train.py ...``.
 
-This file is the command line and the start-up only; the trainer is :mod:`trainer`.
+This file is the command line and the start-up only; the trainer is the package
+:mod:`trainer`.
 """
 from __future__ import annotations
 
@@ -40,9 +41,9 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import configs
-import metrics
 import trainer
-from zeco_jax import distributed
+from trainer import metrics
+from zeco_jax.runtime import distributed
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
                               "tiny_mqar.py")
@@ -58,7 +59,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "checkpoints, metrics.jsonl, ten
                                "and loss.png (default: runs/<config file name>)")
 _PROGRESS = flags.DEFINE_enum("progress", "bar", list(metrics.PROGRESS_MODES),
                               "a tqdm bar, plain log lines, or nothing")
-# Several processes (zeco_jax.distributed.initialize; default: the JAX_* environment
+# Several processes (zeco_jax.runtime.distributed.initialize; default: the JAX_* environment
 # variables, else SLURM / TPU-pod detection, else one process).
 _COORDINATOR = flags.DEFINE_string("coordinator", None,
                                    "HOST:PORT of process 0, the same on every process")
@@ -67,7 +68,7 @@ _PROCESS_ID = flags.DEFINE_integer("process-id", None, "this process, 0 .. N-1")
 _COMPILE_ONLY = flags.DEFINE_string(
     "compile_only", None, "a TPU topology (v5p:2x2x2, v5e:4x4, v6e:8x8, ...): compile the "
     "training step for it ahead of time (needs libtpu, no TPU; nothing runs, no data is read) "
-    "and print per-chip memory, FLOPs and collectives (compile_only.py)")
+    "and print per-chip memory, FLOPs and collectives (trainer/aot.py)")
 _LOCAL_DEVICE_COUNT = flags.DEFINE_integer(
     "local-device-count", None, f"simulated CPU devices of this process (CPU backend only; "
     f"default {DEFAULT_CPU_DEVICES} unless $ZECO_LOCAL_DEVICE_COUNT or an XLA_FLAGS device "
@@ -128,9 +129,9 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)      # orbax logs every save at INFO; -v 0 shows it
   if _COMPILE_ONLY.value:   # ahead-of-time for a TPU topology: no devices, no data
-    import compile_only
+    from trainer import aot
     try:
-      compile_only.run(flags.FLAGS.config, _COMPILE_ONLY.value)
+      aot.run(flags.FLAGS.config, _COMPILE_ONLY.value)
     except ValueError as e:
       sys.exit(f"train.py: {e}")
     return

@@ -10,13 +10,12 @@ silently train the wrong thing). :func:`validate` checks a config against the de
 start-up and raises ValueError naming the field: first every field's type and range
 (``configs/schema.py``, one table), then the rules between fields and the devices.
 
-Sections: ``model`` (the fields of :class:`models.GLAConfig`), ``data``, ``train``, and
-``mesh`` ("auto" or "data=N,seq=M").
+Sections: ``model`` (every family's fields, :func:`models.all_fields`; ``model.family``
+picks one), ``data``, ``train``, and ``mesh`` ("auto" or "data=N,seq=M"). The rules
+between data fields live with the data (:func:`models.data.validate`).
 """
 from __future__ import annotations
 
-import dataclasses
-import os
 import typing
 
 import ml_collections
@@ -24,22 +23,24 @@ from ml_collections.config_dict import placeholder
 
 from configs.schema import MESH_AXES, SCHEMA, parse_mesh  # noqa: F401 (re-exported)
 from configs import schema
-from models import sharding
-from models.gla import GLAConfig
-from models.gdn import model_from_config
+from models import FAMILIES, all_fields, model_from_config, sharding
+from models import data as datamod
 
 
 def _model_defaults() -> dict:
-  """GLAConfig's fields; an Optional field with default None becomes a typed placeholder."""
-  hints = typing.get_type_hints(GLAConfig)
+  """Every family's model fields; an Optional field with default None becomes a typed
+  placeholder."""
+  hints = {}
+  for family in reversed(list(FAMILIES.values())):
+    hints.update(typing.get_type_hints(family.config))
   out = {}
-  for field in dataclasses.fields(GLAConfig):
+  for name, field in all_fields().items():
     if field.default is None:
-      (kind,) = [t for t in typing.get_args(hints[field.name]) if t is not type(None)]
-      out[field.name] = placeholder(kind)
+      (kind,) = [t for t in typing.get_args(hints[name]) if t is not type(None)]
+      out[name] = placeholder(kind)
     else:
-      out[field.name] = field.default
-  out["family"] = "gla"    # "gla" or "gdn" (Gated DeltaNet): models/gdn.model_from_config
+      out[name] = field.default
+  out["family"] = "gla"    # a key of models.FAMILIES
   return out
 
 
@@ -146,55 +147,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict:
                      "; every sequence shard must hold whole chunks.")
   if B % mesh["data"]:
     raise ValueError(f"data.batch_size={B} is not divisible by the data axis ({mesh['data']})")
-  if data["kind"] == "mqar":
-    if model.vocab_size < 1 + 2 * data["num_keys"]:
-      raise ValueError(f"MQAR needs model.vocab_size >= 1 + 2 * data.num_keys = "
-                       f"{1 + 2 * data['num_keys']}, got {model.vocab_size}")
-    if data["layout"] == "start":
-      episodes, region = 1, T - max(2 * data["num_pairs"], int(data["query_from"] * T))
-    elif data["layout"] == "boundaries":
-      S = data["num_segments"]
-      if S < 2 or T % S:
-        raise ValueError(f"data.num_segments={S} must be >= 2 and divide seq_len={T}")
-      if T // S <= 2 * data["num_pairs"]:
-        raise ValueError(f"data: a segment of seq_len / num_segments = {T // S} tokens cannot "
-                         f"hold num_pairs={data['num_pairs']} pairs and queries; use fewer "
-                         "segments or pairs")
-      episodes, region = S - 1, min(data["query_window"], T // S - 2 * data["num_pairs"])
-    else:
-      raise ValueError(f"data.layout must be 'boundaries' or 'start', got {data['layout']!r}")
-    if not 0 < min(episodes, 2) * data["num_pairs"] <= data["num_keys"]:
-      raise ValueError(f"data: two consecutive episodes of num_pairs={data['num_pairs']} "
-                       f"distinct keys do not fit in num_keys={data['num_keys']}")
-    if not 0 < data["num_queries"] <= region:
-      raise ValueError(f"data.num_queries={data['num_queries']} does not fit in a query "
-                       f"region of {region} positions")
-  elif data["kind"] == "mqar_docs":
-    if model.vocab_size < 1 + 2 * data["num_keys"]:
-      raise ValueError(f"MQAR needs model.vocab_size >= 1 + 2 * data.num_keys = "
-                       f"{1 + 2 * data['num_keys']}, got {model.vocab_size}")
-    if data["num_pairs"] > data["num_keys"]:
-      raise ValueError(f"data.num_pairs={data['num_pairs']} distinct keys do not fit in "
-                       f"num_keys={data['num_keys']}")
-    room = data["doc_len_min"] - 2 * data["num_pairs"]
-    if data["doc_len_max"] < data["doc_len_min"] or (
-        data["num_queries"] + data["stale_queries"] > room):
-      raise ValueError(f"data: documents of doc_len_min={data['doc_len_min']} .. doc_len_max="
-                       f"{data['doc_len_max']} tokens cannot hold num_pairs="
-                       f"{data['num_pairs']} pairs and num_queries + stale_queries = "
-                       f"{data['num_queries'] + data['stale_queries']} queries; raise "
-                       "doc_len_min (and doc_len_max >= it)")
-  elif data["kind"] == "text":
-    if not data["path"] or not os.path.exists(data["path"]):
-      raise ValueError(f"data.kind='text' needs data.path (or train.py --text DIR), an "
-                       f"existing file or folder; got {data['path']!r}")
-    need = 257 if data["tokenizer"] == "bytes" else 258
-    if model.vocab_size < need:
-      raise ValueError(f"text with data.tokenizer={data['tokenizer']!r} needs "
-                       f"model.vocab_size >= {need} (256 bytes and the end-of-document "
-                       f"token{', and merges' if need > 257 else ''}), got {model.vocab_size}")
-  else:
-    raise ValueError(f"data.kind must be 'mqar', 'mqar_docs' or 'text', got {data['kind']!r}")
+  datamod.validate(data, model, mesh)
   if train["warmup_steps"] >= train["steps"]:
     raise ValueError(f"train.steps={train['steps']} must be > train.warmup_steps="
                      f"{train['warmup_steps']}")

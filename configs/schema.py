@@ -18,8 +18,8 @@ import math
 from typing import Callable, Optional
 
 from models import sharding
-from zeco_jax.ops import BACKENDS
-from zeco_jax.scan import SCAN_METHODS
+from zeco_jax.ops._dispatch import BACKENDS
+from zeco_jax.sp.scan import SCAN_METHODS
 
 MESH_AXES = ("data", "seq")
 
@@ -36,6 +36,7 @@ class Field:
   optional: bool = False        # None (an unset placeholder) is allowed
   note: str = ""                # what a special value means, e.g. "0: no checkpoints"
   parse: Optional[Callable] = None   # a further check; raises ValueError naming the field
+  doc: str = ""                 # what the field is (every field of SCHEMA has one)
 
   def allowed(self) -> str:
     """What the field accepts, as a phrase: "an integer >= 1 (0: off)"."""
@@ -110,76 +111,95 @@ def parse_mesh(text: str):
   return out
 
 
-SCHEMA: dict[str, Field] = {
-    # model: models.GLAConfig (the GLA layer checks divisibility and chunk sizes itself)
-    "model.vocab_size": integer(1),
-    "model.hidden_size": integer(1),
-    "model.num_layers": integer(1),
-    "model.num_heads": integer(1),
-    "model.expand_k": number(0, lo_open=True),
-    "model.expand_v": number(0, lo_open=True),
-    "model.hidden_ratio": number(0, lo_open=True),
-    "model.intermediate_size": integer(1, optional=True, note="None: from hidden_ratio"),
-    "model.gate_low_rank_dim": integer(1),
-    "model.gate_logit_normalizer": number(0, lo_open=True),
-    "model.gate_bias_init": number(),
-    "model.norm_eps": number(0, lo_open=True),
-    "model.init_std": number(0, lo_open=True),
-    "model.chunk_size": integer(16, note="a multiple of 16"),
-    "model.backend": choice(*BACKENDS),
-    "model.seq_method": choice(*SCAN_METHODS),
-    "model.num_blocks": integer(1, optional=True, note="None: zeco_gla's default"),
-    "model.seq_axis": choice("seq", note="the mesh's sequence axis"),
-    "model.batch_axes": choice("data", optional=True,
-                               note="None: the trainer sets it from the batch sharding"),
-    "model.remat": Field(bool),
-    "model.use_short_conv": Field(bool),
-    "model.conv_size": integer(1),
-    "model.family": choice("gla", "gdn", note="the token mixer: models/gdn.py"),
-    # data: models/data.py
-    "data.kind": choice("mqar", "mqar_docs", "text"),
-    "data.path": Field(str, optional=True, note="a file or folder; data.kind='text'"),
-    "data.tokenizer": Field(str, note="'bpe', 'bytes' or a tokenizer.json file"),
-    "data.document_resets": Field(bool),
-    "data.doc_len_min": integer(1),
-    "data.doc_len_max": integer(1),
-    "data.stale_queries": integer(0),
-    "data.seq_len": integer(1),
-    "data.batch_size": integer(1),
-    "data.seed": integer(0),
-    "data.layout": choice("boundaries", "start"),
-    "data.num_segments": integer(2),
-    "data.query_window": integer(1),
-    "data.num_keys": integer(1),
-    "data.num_pairs": integer(1),
-    "data.num_queries": integer(1),
-    "data.query_from": number(0, 1, hi_open=True),
+def _doc(field: Field, doc: str) -> Field:
+  return dataclasses.replace(field, doc=doc)
+
+
+SCHEMA: dict[str, Field] = {name: _doc(field, doc) for name, (field, doc) in {
+    # model: every family's fields (models.all_fields); model.family picks the family
+    "model.family": (choice("gla", "gdn", note="models.FAMILIES"),
+                     "the token mixer: GLA or Gated DeltaNet"),
+    "model.vocab_size": (integer(1), "tokens in the vocabulary (embedding and tied head)"),
+    "model.hidden_size": (integer(1), "model width"),
+    "model.num_layers": (integer(1), "blocks (mixer + SwiGLU)"),
+    "model.num_heads": (integer(1), "heads of the token mixer"),
+    "model.expand_k": (number(0, lo_open=True), "key dim = hidden_size * expand_k"),
+    "model.expand_v": (number(0, lo_open=True), "value dim = hidden_size * expand_v"),
+    "model.hidden_ratio": (number(0, lo_open=True),
+                           "SwiGLU width / hidden_size when intermediate_size is unset"),
+    "model.intermediate_size": (integer(1, optional=True, note="None: from hidden_ratio"),
+                                "SwiGLU width"),
+    "model.gate_low_rank_dim": (integer(1), "GLA: rank of the decay gate's projection"),
+    "model.gate_logit_normalizer": (number(0, lo_open=True),
+                                    "GLA: g = logsigmoid(...) / this"),
+    "model.gate_bias_init": (number(), "GLA: initial gate bias (> 0: slower decay)"),
+    "model.norm_eps": (number(0, lo_open=True), "RMSNorm epsilon"),
+    "model.init_std": (number(0, lo_open=True), "std of the projections at init"),
+    "model.chunk_size": (integer(16, note="a multiple of 16"), "tokens per chunk of the op"),
+    "model.backend": (choice(*BACKENDS), "GLA: jnp path or Pallas kernels (auto: by target)"),
+    "model.seq_method": (choice(*SCAN_METHODS), "the state scan over the seq axis"),
+    "model.num_blocks": (integer(1, optional=True, note="None: the op's default"),
+                         "All-Scan pipeline blocks along V"),
+    "model.seq_axis": (choice("seq", note="the mesh's sequence axis"),
+                       "mesh axis the sequence is split over"),
+    "model.batch_axes": (choice("data", optional=True,
+                                note="None: the trainer sets it from the batch sharding"),
+                         "mesh axis the batch is split over"),
+    "model.remat": (Field(bool), "recompute each block in the backward"),
+    "model.use_short_conv": (Field(bool), "causal short convolution on q, k, v"),
+    "model.conv_size": (integer(1), "the short convolution's width"),
+    # data: models/data.py (rules between fields: models.data.validate)
+    "data.kind": (choice("mqar", "mqar_docs", "text"),
+                  "generated recall, packed recall documents, or a text corpus"),
+    "data.path": (Field(str, optional=True, note="a file or folder; data.kind='text'"),
+                  "the corpus: .txt files or .jsonl lines"),
+    "data.tokenizer": (Field(str, note="'bpe', 'bytes' or a tokenizer.json file"),
+                       "text: the tokenizer"),
+    "data.document_resets": (Field(bool), "pass segment_ids to the model (state resets)"),
+    "data.doc_len_min": (integer(1), "mqar_docs: shortest document"),
+    "data.doc_len_max": (integer(1), "mqar_docs: longest document"),
+    "data.stale_queries": (integer(0), "mqar_docs: queries of the previous document's keys"),
+    "data.seq_len": (integer(1), "tokens per row"),
+    "data.batch_size": (integer(1), "rows per step (global; split over data)"),
+    "data.seed": (integer(0), "data order and generation"),
+    "data.layout": (choice("boundaries", "start"), "mqar: where pairs and queries sit"),
+    "data.num_segments": (integer(2), "mqar boundaries: segments of a row"),
+    "data.query_window": (integer(1), "mqar boundaries: queries in a segment's first N"),
+    "data.num_keys": (integer(1), "mqar: key alphabet"),
+    "data.num_pairs": (integer(1), "mqar: pairs per episode"),
+    "data.num_queries": (integer(1), "mqar: queried positions per episode"),
+    "data.query_from": (number(0, 1, hi_open=True), "mqar start: first query position / T"),
     # train
-    "train.steps": integer(1),
-    "train.lr": number(0, lo_open=True),
-    "train.min_lr_ratio": number(0, 1),
-    "train.warmup_steps": integer(0),
-    "train.weight_decay": number(0),
-    "train.b1": number(0, 1, hi_open=True),
-    "train.b2": number(0, 1, hi_open=True),
-    "train.grad_clip": number(0, lo_open=True, note="global norm"),
-    "train.loss_chunk_size": integer(0, note="0: dense logits; else tokens per chunk"),
-    "train.compute_dtype": choice("float32", "bfloat16"),
-    "train.seed": integer(0),
-    "train.log_every": integer(1),
-    "train.eval_every": integer(0, note="0: only at the end"),
-    "train.eval_batches": integer(0, note="0: no evaluation"),
-    "train.checkpoint_every": integer(0, note="0: no checkpoints"),
-    "train.keep_checkpoints": integer(1),
-    "train.async_checkpointing": Field(bool),
-    "train.stop_after": integer(1, optional=True, note="None: run to train.steps"),
-    "train.max_bad_steps": integer(1, note="consecutive non-finite steps before the run "
-                                          "stops"),
-    **{f"train.sharding_rules.{name}": choice(*MESH_AXES, optional=True, note="None: "
-                                              "replicated")
+    "train.steps": (integer(1), "optimizer steps"),
+    "train.lr": (number(0, lo_open=True), "peak learning rate"),
+    "train.min_lr_ratio": (number(0, 1), "final / peak learning rate (cosine)"),
+    "train.warmup_steps": (integer(0), "linear warmup steps"),
+    "train.weight_decay": (number(0), "AdamW decay (matrices only)"),
+    "train.b1": (number(0, 1, hi_open=True), "AdamW beta1"),
+    "train.b2": (number(0, 1, hi_open=True), "AdamW beta2"),
+    "train.grad_clip": (number(0, lo_open=True, note="global norm"), "gradient clipping"),
+    "train.loss_chunk_size": (integer(0, note="0: dense logits; else tokens per chunk"),
+                              "cross-entropy without [B, T, vocab] logits"),
+    "train.compute_dtype": (choice("float32", "bfloat16"),
+                            "dtype of the forward (params stay float32)"),
+    "train.seed": (integer(0), "parameter init"),
+    "train.log_every": (integer(1), "steps per metrics row"),
+    "train.eval_every": (integer(0, note="0: only at the end"), "steps between evaluations"),
+    "train.eval_batches": (integer(0, note="0: no evaluation"), "held-out batches per eval"),
+    "train.checkpoint_every": (integer(0, note="0: no checkpoints"),
+                               "steps between checkpoints"),
+    "train.keep_checkpoints": (integer(1), "newest checkpoints kept"),
+    "train.async_checkpointing": (Field(bool), "write checkpoints in the background"),
+    "train.stop_after": (integer(1, optional=True, note="None: run to train.steps"),
+                         "end this invocation at that step (resumable)"),
+    "train.max_bad_steps": (integer(1, note="consecutive non-finite steps before the run "
+                                            "stops"), "divergence guard"),
+    **{f"train.sharding_rules.{name}": (choice(*MESH_AXES, optional=True,
+                                               note="None: replicated"),
+                                        f"mesh axis of the logical axis {name!r}")
        for name, _ in sharding.DEFAULT_RULES},
-    "mesh": Field(str, parse=parse_mesh, note="'auto' or data=N,seq=M"),
-}
+    "mesh": (Field(str, parse=parse_mesh, note="'auto' or data=N,seq=M"), "the device mesh"),
+}.items()}
 
 
 def allowed(name: str) -> Optional[str]:

@@ -24,6 +24,8 @@ packed documents, ``segment_ids`` (int32 ``[B, T]``).
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 EVAL_SEED_OFFSET = 1_000_003
@@ -185,6 +187,61 @@ def batch_keys(data_cfg) -> tuple:
 def eval_keys(data_cfg) -> tuple:
   return batch_keys(data_cfg) + (("cross", "stale") if data_cfg["kind"] == "mqar_docs"
                                  else ("cross",))
+
+
+def validate(data: dict, model, mesh: dict) -> None:
+  """The rules between the ``data`` fields, the model and the mesh (each field's own type
+  and range are ``configs/schema.py``'s); ValueError naming the field and what would fit."""
+  T = data["seq_len"]
+  if data["kind"] == "mqar":
+    if model.vocab_size < 1 + 2 * data["num_keys"]:
+      raise ValueError(f"MQAR needs model.vocab_size >= 1 + 2 * data.num_keys = "
+                       f"{1 + 2 * data['num_keys']}, got {model.vocab_size}")
+    if data["layout"] == "start":
+      episodes, region = 1, T - max(2 * data["num_pairs"], int(data["query_from"] * T))
+    elif data["layout"] == "boundaries":
+      S = data["num_segments"]
+      if S < 2 or T % S:
+        raise ValueError(f"data.num_segments={S} must be >= 2 and divide seq_len={T}")
+      if T // S <= 2 * data["num_pairs"]:
+        raise ValueError(f"data: a segment of seq_len / num_segments = {T // S} tokens cannot "
+                         f"hold num_pairs={data['num_pairs']} pairs and queries; use fewer "
+                         "segments or pairs")
+      episodes, region = S - 1, min(data["query_window"], T // S - 2 * data["num_pairs"])
+    else:
+      raise ValueError(f"data.layout must be 'boundaries' or 'start', got {data['layout']!r}")
+    if not 0 < min(episodes, 2) * data["num_pairs"] <= data["num_keys"]:
+      raise ValueError(f"data: two consecutive episodes of num_pairs={data['num_pairs']} "
+                       f"distinct keys do not fit in num_keys={data['num_keys']}")
+    if not 0 < data["num_queries"] <= region:
+      raise ValueError(f"data.num_queries={data['num_queries']} does not fit in a query "
+                       f"region of {region} positions")
+  elif data["kind"] == "mqar_docs":
+    if model.vocab_size < 1 + 2 * data["num_keys"]:
+      raise ValueError(f"MQAR needs model.vocab_size >= 1 + 2 * data.num_keys = "
+                       f"{1 + 2 * data['num_keys']}, got {model.vocab_size}")
+    if data["num_pairs"] > data["num_keys"]:
+      raise ValueError(f"data.num_pairs={data['num_pairs']} distinct keys do not fit in "
+                       f"num_keys={data['num_keys']}")
+    room = data["doc_len_min"] - 2 * data["num_pairs"]
+    if data["doc_len_max"] < data["doc_len_min"] or (
+        data["num_queries"] + data["stale_queries"] > room):
+      raise ValueError(f"data: documents of doc_len_min={data['doc_len_min']} .. doc_len_max="
+                       f"{data['doc_len_max']} tokens cannot hold num_pairs="
+                       f"{data['num_pairs']} pairs and num_queries + stale_queries = "
+                       f"{data['num_queries'] + data['stale_queries']} queries; raise "
+                       "doc_len_min (and doc_len_max >= it)")
+  elif data["kind"] == "text":
+    if not data["path"] or not os.path.exists(data["path"]):
+      raise ValueError(f"data.kind='text' needs data.path (or train.py --text DIR), an "
+                       f"existing file or folder; got {data['path']!r}")
+    need = 257 if data["tokenizer"] == "bytes" else 258
+    if model.vocab_size < need:
+      raise ValueError(f"text with data.tokenizer={data['tokenizer']!r} needs "
+                       f"model.vocab_size >= {need} (256 bytes and the end-of-document "
+                       f"token{', and merges' if need > 257 else ''}), got {model.vocab_size}")
+  else:
+    raise ValueError(f"data.kind must be 'mqar', 'mqar_docs' or 'text', got {data['kind']!r}")
 
 
 class Dataset:

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("libtpu", reason="TPU compiler not installed: pip install -e '.[tpu]'")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
-import compile_only  # noqa: E402
+from trainer import aot as compile_only  # noqa: E402
 from configs import tiny_mqar  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

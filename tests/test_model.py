@@ -10,7 +10,7 @@ import configs.tiny_mqar
 import trainer
 from conftest import rel_err
 from helpers import sub_jaxprs
-from models import GLALM, GLAConfig, sharding
+from models import LM, GLAConfig, sharding
 from models.data import Dataset
 from zeco_jax.nn import GatedLinearAttention
 
@@ -46,7 +46,7 @@ def tiny_flags(**train_overrides) -> list:
 
 
 def test_every_param_has_logical_axes_and_a_rule():
-  model = GLALM(SMALL, rngs=nnx.Rngs(0))
+  model = LM(SMALL, rngs=nnx.Rngs(0))
   axes = sharding.logical_axes(model)
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   assert jax.tree.structure(params) == jax.tree.structure(
@@ -72,7 +72,7 @@ def test_gla_layer_errors_name_the_argument():
 
 def test_layer_inside_a_user_jit_and_causal():
   """No mesh: plain chunk_gla. Changing tokens after t leaves logits before t unchanged."""
-  model = GLALM(SMALL, rngs=nnx.Rngs(1))
+  model = LM(SMALL, rngs=nnx.Rngs(1))
   graphdef, params = nnx.split(model)
 
   @jax.jit
@@ -93,7 +93,7 @@ def test_short_conv_and_remat_variants():
 
   def loss_and_grads(remat):
     cfg = GLAConfig(**{**SMALL.__dict__, "use_short_conv": True, "remat": remat})
-    graphdef, params = nnx.split(GLALM(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(LM(cfg, rngs=nnx.Rngs(0)))
     loss = lambda p: jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)
     return jax.jit(jax.value_and_grad(loss))(params)
 
@@ -121,7 +121,7 @@ def test_remat_recomputes_after_the_output_cotangent():
   input's cotangent with every parameter's gradient through another after (so no weight
   gradient is left for later)."""
   cfg = GLAConfig(**{**SMALL.__dict__, "remat": True})
-  model = GLALM(cfg, rngs=nnx.Rngs(0))
+  model = LM(cfg, rngs=nnx.Rngs(0))
   n_params = len(jax.tree.leaves(nnx.state(model.block_0)))
   graphdef, params = nnx.split(model)
   tokens = jax.random.randint(jax.random.key(3), (1, 32), 0, cfg.vocab_size)

@@ -24,7 +24,7 @@ from flax import nnx
 import configs
 import configs.text_tiny
 import configs.tiny_mqar_docs
-from models import GLALM, GLAConfig, corpus, text
+from models import LM, GLAConfig, corpus, text
 from models.data import Dataset, batch_keys, mqar_docs_batch
 
 SEQ, ROWS = 128, 4
@@ -217,7 +217,7 @@ def test_model_resets_at_document_starts():
   """No mesh (chunk_gla): logits of a row's second document equal those of it alone."""
   cfg = GLAConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2,
                   intermediate_size=64, chunk_size=16, use_short_conv=True)
-  model = GLALM(cfg, rngs=nnx.Rngs(0))
+  model = LM(cfg, rngs=nnx.Rngs(0))
   tokens = jax.random.randint(jax.random.key(1), (2, 64), 0, 64)
   seg = jnp.asarray(np.repeat([[1] * 21 + [2] * 43], 2, 0), jnp.int32)
   packed = model(tokens, segment_ids=seg)

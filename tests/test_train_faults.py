@@ -19,7 +19,7 @@ import pytest
 from absl import flags
 
 import configs
-import metrics
+from trainer import metrics
 import train
 import trainer
 from helpers import persistent_cache_env, persistent_compilation_cache

@@ -1,20 +1,21 @@
-"""Compile the trainer's whole training step for a TPU topology, without a TPU (issue 12 item 3).
+"""Compile the trainer's whole training step for a TPU topology, without a TPU.
 
     python train.py --config configs/gla_1b3.py --compile_only=v5p:4x4x4 --config.mesh=data=1,seq=64
 
-With libtpu installed (``pip install -e '.[train,tpu]'``: the trainer's own packages too), JAX compiles for a TPU topology on a
-CPU-only host (/work/shared/jax_notes.md, "TPU without a TPU"): :func:`compile_train_step`
-builds the trainer's :class:`trainer.Experiment` on the topology's abstract devices and
+With libtpu installed (``pip install -e '.[train,tpu]'``: the trainer's own packages too),
+JAX compiles for a TPU topology on a
+CPU-only host (JAX's ``jax.experimental.topologies``): :func:`compile_train_step`
+builds the trainer's :class:`trainer.experiment.Experiment` on the topology's abstract devices and
 lowers its jitted ``train_step`` (forward, backward, AdamW update; ``backend="auto"``, so
 the Mosaic TPU kernels) with ``jax.ShapeDtypeStruct`` arguments carrying the state and
 batch shardings: no array is allocated and no data is read. libtpu compiles it under
 ``use_abstract_mesh`` (Pallas needs it to see a TPU). :func:`analyse` reads the compiled
 program: per-chip memory (``memory_analysis``: arguments, outputs, temporaries, the total
 against the chip's HBM), FLOPs per chip (``cost_analysis``), every collective kind with its
-count and bytes sent per chip per step (:func:`zeco_jax.hlo_stats.collective_bytes` of the
+count and bytes sent per chip per step (:func:`zeco_jax.runtime.hlo_stats.collective_bytes` of the
 compiled HLO) and, from the scheduled HLO, how many collective-permutes (the All-Scan's
 sends) have compute scheduled between their start and done
-(:func:`zeco_jax.hlo_stats.async_overlap`). A program over HBM fails to compile in libtpu
+(:func:`zeco_jax.runtime.hlo_stats.async_overlap`). A program over HBM fails to compile in libtpu
 ("Ran out of memory on HBM"); that is reported as not fitting, with libtpu's figures.
 
 ``benchmarks/scale_aot.py`` sweeps configs, contexts, topologies and scan methods with it.
@@ -48,8 +49,8 @@ import ml_collections
 import numpy as np
 
 import configs
-import trainer
-from zeco_jax import hlo_stats
+from trainer.experiment import Experiment, make_mesh
+from zeco_jax.runtime import hlo_stats
 
 # HBM per chip, GiB: Google Cloud TPU docs (cloud.google.com/tpu/docs/v5e: 16 GiB;
 # /tpu/docs/v5p: 95 GiB; /tpu/docs/v6e: 32 GiB). libtpu's own limit, which decides whether
@@ -87,10 +88,10 @@ def build_mesh(mesh_shape: dict, devices) -> jax.sharding.Mesh:
   if mesh_shape["data"] == 1:
     return jax.make_mesh((mesh_shape["seq"],), ("seq",), devices=devices,
                          axis_types=(jax.sharding.AxisType.Auto,))
-  return trainer.make_mesh(mesh_shape, devices=devices)
+  return make_mesh(mesh_shape, devices=devices)
 
 
-def abstract_batch(exp: trainer.Experiment, config) -> dict:
+def abstract_batch(exp: Experiment, config) -> dict:
   """The train step's batch as ShapeDtypeStructs with the batch sharding (no data)."""
   shape = (config.data.batch_size, config.data.seq_len)
   return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "mask" else jnp.int32,
@@ -115,7 +116,7 @@ def compile_train_step(config: ml_collections.ConfigDict, topology: str):
     config.data.path = os.curdir     # no data is read: the corpus path check does not apply
   mesh_shape = configs.validate(config, len(devices))
   mesh = build_mesh(mesh_shape, devices)
-  exp = trainer.Experiment(config, mesh)
+  exp = Experiment(config, mesh)
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(exp.abstract_state["params"]))
   B, T = config.data.batch_size, config.data.seq_len
   info = {"topology": topology, "generation": generation(topology), "chips": len(devices),

@@ -39,7 +39,7 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from zeco_jax import distributed
+from zeco_jax.runtime import distributed
 
 
 class CheckpointError(RuntimeError):

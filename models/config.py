@@ -1,0 +1,55 @@
+"""The fields every family's model config shares (the LM around the token mixer, and the
+mixer's shape and sequence parallelism), and their checks.
+
+A family's config (:class:`models.gla.GLAConfig`, :class:`models.gdn.GDNConfig`) is a frozen
+dataclass built on :class:`LMConfig` with its own fields and its own ``validate``; families
+never inherit from each other. ``configs/`` writes every family's fields into one
+``model`` section; :func:`models.model_from_config` takes the chosen family's.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+  vocab_size: int = 256
+  hidden_size: int = 128
+  num_layers: int = 2
+  num_heads: int = 2
+  expand_k: float = 0.5                      # key dim = hidden_size * expand_k (all heads)
+  expand_v: float = 1.0                      # value dim = hidden_size * expand_v
+  hidden_ratio: float = 4.0
+  intermediate_size: Optional[int] = None    # default: FLA's rule from hidden_ratio
+  norm_eps: float = 1e-6
+  init_std: float = 0.02
+  chunk_size: int = 64
+  seq_method: str = "all_scan"               # the scan method over the seq axis
+  num_blocks: Optional[int] = None           # All-Scan pipeline blocks (None: the op's)
+  seq_axis: str = "seq"
+  batch_axes: Optional[str] = None           # mesh axis B is split over (the trainer's)
+  remat: bool = False                        # recompute each block in the backward
+  use_short_conv: bool = False               # FLA's ShortConvolution on q, k, v (+ SiLU)
+  conv_size: int = 4
+
+  @property
+  def key_dim(self) -> int:
+    return int(self.hidden_size * self.expand_k)
+
+  @property
+  def value_dim(self) -> int:
+    return int(self.hidden_size * self.expand_v)
+
+  @property
+  def mlp_dim(self) -> int:
+    if self.intermediate_size:
+      return self.intermediate_size
+    size = int(self.hidden_size * self.hidden_ratio * 2 / 3)
+    return 256 * ((size + 255) // 256)      # FLA's GLAMLP rounds up to a multiple of 256
+
+  def validate_lm(self) -> None:
+    """The LM's own checks (the mixer's are the family's ``validate``)."""
+    for name in ("vocab_size", "num_layers"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
