@@ -2,14 +2,15 @@
 
 For each input set, float32 outputs and gradients of ``chunk_gla`` (our jnp path and, on a
 GPU, our Pallas kernels) and of flash-linear-attention's ``chunk_gla`` / ``chunk_simple_gla``
-are compared with a float64 token-by-token recurrence (PyTorch autograd in float64 when
-torch is installed, else only the forward from NumPy). Error = relative norm
-``||x - x64|| / ||x64||`` of o and of the gradients of sum(o * w).
+are compared with the float64 token loop and its vjp (``zeco_jax.ops.gla.reference.
+gla_float64``, numpy). Error = relative norm ``||x - x64|| / ||x64||`` of o and of the
+gradients of sum(o * w). Results: benchmarks/results/decay_range.md.
 
     python -m benchmarks.decay_range                 # CPU: our jnp path
-    python3 -m benchmarks.decay_range --out DIR      # on the H200, with FLA installed
+    python -m benchmarks.decay_range --out DIR       # on the H200, with FLA installed
 
-The inputs are those of issue 16: q, k, v ~ N(0, 1), shape (1, 128, 1, 16); g = -0.05 with
+Writes decay_range.json, decay_range.md and decay_range.env.json to --out when given.
+The inputs: q, k, v ~ N(0, 1), shape (1, 128, 1, 16); g = -0.05 with
 every 7th token a spike (-1e4, -100, -10), and a random mix (10% of tokens at -1e4, the rest
 uniform in [-5, 0]); scalar [B, T, H] and per-dim [B, T, H, K].
 """
@@ -23,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import _harness as harness
+from benchmarks._harness import rel
 from zeco_jax import chunk_gla
 
 
@@ -42,36 +45,12 @@ def inputs(kind: str, decay: str, seed: int = 0, B=1, T=128, H=1, K=16, V=16):
 
 
 def truth(q, k, v, g, w):
-  """o and grads (q, k, v, g) in float64: PyTorch autograd if present, else o only."""
-  K = q.shape[-1]
-  scale = K ** -0.5
-  try:
-    import torch
-  except ImportError:
-    torch = None
-  if torch is None:
-    B, T, H, _ = q.shape
-    gk = g if g.ndim == 4 else np.repeat(g[..., None], K, -1)
-    S = np.zeros((B, H, K, v.shape[-1]))
-    o = np.zeros_like(v)
-    for t in range(T):
-      S = np.exp(gk[:, t])[..., None] * S + np.einsum("bhk,bhv->bhkv", k[:, t], v[:, t])
-      o[:, t] = scale * np.einsum("bhkv,bhk->bhv", S, q[:, t])
-    return {"o": o}
-  dev = "cuda" if torch.cuda.is_available() else "cpu"
-  tq, tk, tv, tg = (torch.tensor(x, dtype=torch.float64, device=dev, requires_grad=True)
-                    for x in (q, k, v, g))
-  gk = tg if tg.ndim == 4 else tg[..., None].expand(*tg.shape, K)
-  B, T, H, _ = q.shape
-  S = torch.zeros(B, H, K, v.shape[-1], dtype=torch.float64, device=dev)
-  outs = []
-  for t in range(T):
-    S = torch.exp(gk[:, t])[..., None] * S + tk[:, t, :, :, None] * tv[:, t, :, None, :]
-    outs.append(scale * torch.einsum("bhkv,bhk->bhv", S, tq[:, t]))
-  o = torch.stack(outs, 1)
-  (o * torch.tensor(w, dtype=torch.float64, device=dev)).sum().backward()
-  return {"o": o.detach().cpu().numpy(),
-          **{n: x.grad.cpu().numpy() for n, x in zip(("dq", "dk", "dv", "dg"), (tq, tk, tv, tg))}}
+  """o and the gradients (q, k, v, g) of sum(o * w) from the float64 token loop
+  (``zeco_jax.ops.gla.reference.gla_float64``)."""
+  B, _, H, K = q.shape
+  h0 = np.zeros((B, H, K, v.shape[-1]))
+  o, _, grads = harness.gla_float64(q, k, v, g, h0, w, None, K ** -0.5)
+  return {"o": o, **{"d" + n: grads[n] for n in "qkvg"}}
 
 
 def ours(q, k, v, g, w, backend):
@@ -97,13 +76,6 @@ def fla(q, k, v, g, w):
   (o * torch.tensor(w, dtype=torch.float32, device="cuda")).sum().backward()
   return {"o": o.detach().cpu().numpy(),
           **{n: x.grad.cpu().numpy() for n, x in zip(("dq", "dk", "dv", "dg"), (tq, tk, tv, tg))}}
-
-
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  if not np.all(np.isfinite(a)):
-    return float("nan")
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def main():
@@ -143,7 +115,7 @@ def main():
     lines.append(f"| {r['decay']} | {r['spikes']} | {r['impl']} | " + " | ".join(cells) + " |")
   print("\n".join(lines))
   if args.out:
-    os.makedirs(args.out, exist_ok=True)
+    harness.write_environment(args.out, "decay_range")
     with open(os.path.join(args.out, "decay_range.json"), "w") as fh:
       json.dump(rows, fh, indent=1)
     with open(os.path.join(args.out, "decay_range.md"), "w") as fh:

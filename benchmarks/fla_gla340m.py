@@ -1,17 +1,17 @@
 """FLA's GLA-340M (PyTorch, flash-linear-attention 0.6.0) trained on a given token stream:
 tokens/s, peak memory, per-step losses, optionally a torch.profiler kernel summary.
 
-Run by ``benchmarks/train_gla340m.py`` in its own process (torch and JAX never share the
-GPU at once), or alone on a batch file it wrote:
+Run by ``benchmarks.train_gla340m`` in its own process (torch and JAX never share the
+GPU at once), or alone on a batch file it wrote (one GPU, torch and FLA installed):
 
-    python3 benchmarks/fla_gla340m.py --batches B.npz --out R.json [--checkpointing]
+    python -m benchmarks.fla_gla340m --batches B.npz --out R.json [--checkpointing]
         [--profile P.txt] [--init-std 0.006]
 
 ``B.npz`` holds ``inputs`` int32 ``[steps, B, T]`` (next-token targets are the inputs
 shifted by one: FLA shifts its ``labels`` itself) and ``lrs`` float ``[steps]``, the
 learning rate of each step (the JAX side's optax schedule, so both follow one schedule).
 
-The model is the issue-15 configuration: ``GLAConfig(hidden_size=1024,
+The model is GLA-340M in FLA's terms: ``GLAConfig(hidden_size=1024,
 num_hidden_layers=24, num_heads=4, expand_k=0.5, expand_v=1.0, hidden_ratio=4,
 vocab_size=32000, attn_mode="chunk", use_gk=True, use_gv=False, tie_word_embeddings=True,
 fuse_cross_entropy=True, fuse_norm=True, use_cache=False)``, plus ``initializer_range``
@@ -20,7 +20,8 @@ projections redrawn from N(0, init_std / sqrt(2 L)) as ours are (FLA's GLA draws
 from N(0, init_std)). float32 parameters under
 ``torch.autocast(bfloat16)``, ``torch.optim.AdamW(fused=True)`` with weight decay on
 matrices only (as the JAX trainer's mask), gradient clipping at 1.0. The first step
-includes Triton's autotuning unless ``TRITON_CACHE_DIR`` holds a filled cache.
+includes Triton's autotuning unless ``TRITON_CACHE_DIR`` holds a filled cache. R.json
+carries the run's environment record (``benchmarks._harness.environment``, no jax device).
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ import math
 import time
 
 import numpy as np
+
+from benchmarks import _harness as harness
 
 
 def build(init_std: float, checkpointing: bool):
@@ -73,7 +76,9 @@ def main():
   inputs, lrs = data["inputs"], data["lrs"]
   steps, B, T = inputs.shape
   result = {"impl": "fla", "seq_len": T, "batch_size": B, "steps": steps,
-            "checkpointing": args.checkpointing, "torch": torch.__version__}
+            "checkpointing": args.checkpointing, "torch": torch.__version__,
+            "environment": {**harness.environment(devices=False),
+                            "device": torch.cuda.get_device_name()}}
   try:
     import fla
     result["fla"] = getattr(fla, "__version__", "?")

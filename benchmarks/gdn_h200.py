@@ -1,14 +1,18 @@
-"""Our jnp chunk_gated_delta_rule beside flash-linear-attention's, on one GPU (issue 14).
+"""Our jnp chunk_gated_delta_rule beside flash-linear-attention's, on one GPU.
 
-    python3 benchmarks/gdn_h200.py [--shapes 1,16384,16,128,128 8,4096,16,128,128]
+    python -m benchmarks.gdn_h200 [--shapes 1,16384,16,128,128 8,4096,16,128,128]
         [--iters 10 --reps 5] [--no-fla] [--json out.json]
+
+Results: benchmarks/results/gdn_h200.md. With --json, the environment record goes beside it
+(``<json>.env.json``).
 
 For each shape (B, T, H, K, V; bf16 q, k, v, beta, float32 g, l2-normalised keys, chunk
 64): times jit(chunk_gated_delta_rule) forward and forward + backward (grad of
 sum(o * do) for q, k, v, g, beta), then FLA 0.6.0's ``fla.ops.gated_delta_rule.
 chunk_gated_delta_rule`` on the same inputs (after its autotuning), and reports the
 relative difference of o and of the gradients between the two (bf16 outputs, so ~1e-2 is
-agreement). Median over ``reps`` of the mean of ``iters`` calls. JAX and torch share the
+agreement). Median over ``reps`` of the mean of ``iters`` calls after one warm-up call
+(``benchmarks._harness.time_loop``). JAX and torch share the
 GPU in one process: XLA_PYTHON_CLIENT_PREALLOCATE=false is set before jax starts.
 """
 from __future__ import annotations
@@ -16,30 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import _harness as harness  # noqa: E402
+from benchmarks._harness import rel  # noqa: E402
 
 
 def time_loop(fn, sync, iters, reps):
-  sync(fn())
-  out = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    for _ in range(iters):
-      r = fn()
-    sync(r)
-    out.append((time.perf_counter() - t) / iters * 1e3)
-  return statistics.median(out)
-
-
-def rel(a, b):
-  import numpy as np
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+  return harness.time_loop(fn, sync, iters, reps, warmup=1)
 
 
 def main():
@@ -53,8 +43,7 @@ def main():
 
   import jax
   import jax.numpy as jnp
-  import numpy as np
-  from zeco_jax.gated_delta import chunk_gated_delta_rule
+  from zeco_jax import chunk_gated_delta_rule
 
   log = lambda *a: print(*a, flush=True)
   log(f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
@@ -69,14 +58,7 @@ def main():
   rows = []
   for shape in args.shapes:
     B, T, H, K, V = map(int, shape.split(","))
-    r = np.random.default_rng(0)
-    qn = r.standard_normal((B, T, H, K)).astype(np.float32)
-    kn = r.standard_normal((B, T, H, K)).astype(np.float32)
-    kn /= np.sqrt((kn * kn).sum(-1, keepdims=True) + 1e-6)
-    vn = r.standard_normal((B, T, H, V)).astype(np.float32)
-    gn = np.log(r.uniform(0.9, 1.0, (B, T, H))).astype(np.float32)
-    bn = (1 / (1 + np.exp(-r.standard_normal((B, T, H))))).astype(np.float32)
-    don = r.standard_normal((B, T, H, V)).astype(np.float32)
+    qn, kn, vn, gn, bn, don = harness.gdn_inputs(0, B, T, H, K, V)
     bf = jnp.bfloat16
     q, k, v, beta, do = (jnp.asarray(x, bf) for x in (qn, kn, vn, bn, don))
     g = jnp.asarray(gn)
@@ -117,7 +99,7 @@ def main():
         o_f = ffwd()
       torch.cuda.synchronize()
       log(f"{name} fla: first forward (autotune) {time.perf_counter() - t0:.1f} s")
-      tsync = lambda _: torch.cuda.synchronize()
+      tsync = harness.torch_sync
       with torch.no_grad():
         row["fla fwd ms"] = time_loop(ffwd, tsync, args.iters, args.reps)
       to_np = lambda x: x.detach().float().cpu().numpy()
@@ -135,12 +117,15 @@ def main():
         for nm, a, b in zip("q k v g beta".split(), grads_j, grads_f):
           row[f"rel d{nm}"] = rel(a.astype(jnp.float32), to_np(b))
         row["jnp / fla fwd+bwd"] = row["jnp fwd+bwd ms"] / row["fla fwd+bwd ms"]
-      log(f"{name} fla: fwd {row['fla fwd ms']:.3f} ms; agreement {json.dumps({k2: round(v2, 5) for k2, v2 in row.items() if k2.startswith('rel')})}")
+      agreement = {k2: round(v2, 5) for k2, v2 in row.items() if k2.startswith("rel")}
+      log(f"{name} fla: fwd {row['fla fwd ms']:.3f} ms; agreement {json.dumps(agreement)}")
     rows.append(row)
   log(json.dumps(rows, indent=1))
   if args.json:
     with open(args.json, "w") as fh:
       json.dump(rows, fh, indent=1)
+    harness.write_environment(os.path.dirname(os.path.abspath(args.json)),
+                              os.path.basename(args.json).rsplit(".", 1)[0])
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The All-Scan's overlap on the GPU path (issue 12): the schedule XLA's GPU compiler gives
-the chain's sends, and what splitting the local pass (``overlap_pieces``) costs on a GPU.
+"""The All-Scan's overlap on the GPU path: the schedule XLA's GPU compiler gives the chain's
+sends, and what splitting the local pass (``overlap_pieces``) costs on a GPU.
 
 Two modes, each its own process (--mock changes the GPU client):
 
@@ -8,14 +8,15 @@ Two modes, each its own process (--mock changes the GPU client):
   # start/done pair can be read from the compiled HLO. On a multi-GPU host without --mock;
   # on ONE GPU --mock 8 mocks 8 processes of one GPU each (jax's mock_num_gpu_processes,
   # mock NCCL; with jax 0.11.2 on an H200 it did not finish compiling: results/gpu_overlap.md).
-  python benchmarks/gpu_overlap.py schedule --mock 8 --pieces 1 2 4 8
+  python -m benchmarks.gpu_overlap schedule --mock 8 --pieces 1 2 4 8
 
   # The cost: the local pass of one GPU (16K tokens, H16, K = V = 128, bf16) whole against
-  # in head groups, forward + backward, timed (median of --iters after warm-up).
-  python benchmarks/gpu_overlap.py local --pieces 1 2 4 8
+  # in head groups, forward + backward, timed (median of --iters single calls after warm-up).
+  python -m benchmarks.gpu_overlap local --pieces 1 2 4 8
 
-Each prints one JSON line per configuration (and writes them to --out). The shapes are
-those of benchmarks/tpu_schedule.py (B1 x 16384 tokens per device, H16, K = V = 128).
+Each prints one JSON line per configuration (and appends them to --out, the environment
+record beside it as ``<out>.env.json``). The shapes are those of benchmarks/tpu_schedule.py
+(B1 x 16384 tokens per device, H16, K = V = 128).
 """
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from zeco_jax import chunk_gla, hlo_stats, zeco_gla  # noqa: E402
+from benchmarks import _harness as harness
+from zeco_jax import chunk_gla, zeco_gla
+from zeco_jax.runtime import hlo_stats
 
 B, H, K, V = 1, 16, 128, 128
 
@@ -50,14 +52,8 @@ def _inputs(T, sharding=None):
 
 
 def _time(f, args, iters):
-  jax.block_until_ready(f(*args))
-  jax.block_until_ready(f(*args))
-  ts = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    ts.append(time.perf_counter() - t0)
-  return float(np.median(ts)) * 1e3
+  """Median ms of ``iters`` single synchronised calls, after two warm-up calls."""
+  return harness.time_loop(lambda: f(*args), iters=1, reps=iters)
 
 
 def schedule(pieces, iters, L):
@@ -134,6 +130,8 @@ def main(argv=None):
   if a.out:
     with open(a.out, "a") as fh:
       fh.writelines(json.dumps(r) + "\n" for r in rows)
+    harness.write_environment(os.path.dirname(os.path.abspath(a.out)),
+                              os.path.basename(a.out).rsplit(".", 1)[0])
 
 
 if __name__ == "__main__":

@@ -1,26 +1,31 @@
 """Pallas chunked-GLA kernels vs the plain-jnp chunk path vs flash-linear-attention.
 
-One script, run on the GPU through the device tool: it checks correctness on the GPU first
+One script, run on one GPU: it checks correctness on the GPU first
 (float32 with strong decay against the jnp path; bf16 against FLA), then times, on
 identical bf16 inputs with per-dim decay logsigmoid(x)/16, for each shape: forward and
 forward+backward of our Pallas path, our jnp chunk path and FLA's ``chunk_gla``.
 
-Timing: each number is the median over ``--reps`` repeats of the mean time of ``--iters``
-back-to-back calls after warm-up (device synchronised at the end of each repeat). FLA is
-also timed with ``triton.testing.do_bench`` (median), the figure the issue quotes.
+Timing (``benchmarks._harness.time_loop``): each number is the median over ``--reps`` repeats
+of the mean time of ``--iters`` back-to-back calls after warm-up (device synchronised at the
+end of each repeat). Forward + backward returns o too, so the forward runs whole. FLA is
+also timed with ``triton.testing.do_bench`` (median).
 Peak memory: for JAX, the compiled program's arguments + outputs + temporaries
 (``memory_analysis``); for FLA, ``torch.cuda.max_memory_allocated`` over the call with the
 same inputs and outputs resident.
 
-    python3 benchmarks/kernels.py --out results_dir        # on the H200
-    python3 benchmarks/kernels.py --check-only              # correctness only
-    python3 benchmarks/kernels.py --smoke --no-fla          # tiny shapes, any machine
+    python -m benchmarks.kernels --out DIR              # on the H200 (results: kernels_h200.md)
+    python -m benchmarks.kernels --check-only           # correctness only
+    python -m benchmarks.kernels --smoke --no-fla       # tiny shapes, any machine
+
+Writes kernels.json, kernels.log and kernels.env.json to --out (default $OUT, else
+runs/benchmarks/kernels).
 
 Kernel configurations are passed explicitly: every Pallas timing and check runs with
 ``pallas_kernels.default_config`` for the device's platform and the shape, changed by the
 JSON overrides of ``--base-tune`` (all of them) and ``--tune`` / ``--stage-tune`` /
-``--stage-sweep`` / ``--check-tune`` (one variant each), whose keys are
-``pallas_kernels.KernelConfig`` fields: e.g. ``--tune '[{"state_bv": 64}]'``.
+``--stage-sweep`` / ``--check-tune`` (one variant each), whose keys are the flat names of
+``pallas_kernels.KernelConfig`` (``cfg.flat()``; ``cfg.replace`` takes them): e.g.
+``--tune '[{"state_bv": 64}]'``.
 
 FLA's first call autotunes its Triton kernels for minutes per shape. To hide that, run FLA
 in a second process (``--no-pallas --ready-file R --go-file G --compare-outputs D``) beside
@@ -31,29 +36,25 @@ autotuning times its kernels, so nothing of ours runs on the GPU beside it.)
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-import sys
 import time
 import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from zeco_jax import chunk_gla  # noqa: E402
-from zeco_jax import chunked  # noqa: E402
-from zeco_jax import target  # noqa: E402
 import pallas_kernels  # noqa: E402
+from benchmarks import _harness as harness  # noqa: E402
+from benchmarks._harness import rel  # noqa: E402
+from zeco_jax import chunk_gla  # noqa: E402
+from zeco_jax.ops.gla import chunked  # noqa: E402
+from zeco_jax.runtime import target  # noqa: E402
 
-SHAPES = [  # (name, B, T, H, K, V)
-    ("paper B1 T16384 H16 K128 V128", 1, 16384, 16, 128, 128),
-    ("GLA-340M B8 T4096 H4 K128 V256", 8, 4096, 4, 128, 256),
-]
+SHAPES = harness.GLA_SHAPES     # (name, B, T, H, K, V)
 
 
 BASE = {}     # --base-tune: KernelConfig overrides applied to every configuration
@@ -65,32 +66,10 @@ def config_for(B, T, H, K, V, overrides=None, dtype=jnp.bfloat16):
   found = target.target_of()
   base = pallas_kernels.default_config(found.platform, B, T, H, K, V, dtype,
                                        sm_count=found.num_cores)
-  changes = {**BASE, **(overrides or {})}
-  unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(base)})
-  if unknown:
-    raise ValueError(f"unknown KernelConfig fields {unknown}; the fields are "
-                     f"{[f.name for f in dataclasses.fields(base)]}")
-  return dataclasses.replace(base, **changes)
+  return base.replace(**{**BASE, **(overrides or {})})   # ValueError naming unknown fields
 
 
-def rel(a, b):
-  a = np.asarray(a, np.float64)
-  b = np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def make_inputs(seed, B, T, H, K, V, *, strong=False):
-  rng = np.random.default_rng(seed)
-  q = rng.standard_normal((B, T, H, K), np.float32)
-  k = rng.standard_normal((B, T, H, K), np.float32)
-  v = rng.standard_normal((B, T, H, V), np.float32)
-  x = rng.standard_normal((B, T, H, K), np.float32)
-  if strong:
-    g = -np.log1p(np.exp(-x)) * 4.0 - rng.uniform(0, 3, x.shape).astype(np.float32)
-  else:
-    g = -np.log1p(np.exp(-x)) / 16.0      # logsigmoid(x) / 16
-  do = rng.standard_normal((B, T, H, V), np.float32)
-  return q, k, v, g.astype(np.float32), do
+make_inputs = harness.gla_inputs
 
 
 def jax_fns(backend, scale, config=None):
@@ -120,19 +99,10 @@ def wait_quiet():
 
 
 def time_loop(fn, sync, iters, reps):
+  """The harness's loop (two warm-up calls, median of ``reps`` means of ``iters`` calls),
+  once the other process is idle (``--wait-file``)."""
   wait_quiet()
-  out = fn()
-  sync(out)
-  out = fn()
-  sync(out)
-  ts = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      out = fn()
-    sync(out)
-    ts.append((time.perf_counter() - t0) / iters * 1e3)
-  return float(np.median(ts))
+  return harness.time_loop(fn, sync, iters, reps)
 
 
 def compiled(jfn, *args):
@@ -170,7 +140,7 @@ def stages_of(tune):
 
 def stage_inputs(q, k, v, g, do, scale, config):
   """The intermediates each stage reads, computed once under ``config``."""
-  from pallas_kernels import grads, intra, state
+  from pallas_kernels.gla import grads, intra, state
   kw = dict(chunk_size=64, config=config)
   B, T, H, K = q.shape
   V = v.shape[-1]
@@ -197,7 +167,7 @@ def stage_times(q, k, v, g, do, scale, iters, reps, config, *, names=None, pre=N
   way) and output; the backward chunk_cumsum_fold and folded_state_grad_pass (with
   ``save_states``; else chunk_cumsum and state_passes, state_pass and state_grad_pass in
   one launch), dv, dqdk_diag and dqdk."""
-  from pallas_kernels import grads, intra, state
+  from pallas_kernels.gla import grads, intra, state
   kw = dict(chunk_size=64, config=config)
   p = pre or stage_inputs(q, k, v, g, do, scale, config)
   h0, g, d, h, dH, A, diag, ps, ss, qd, dl = (
@@ -269,37 +239,22 @@ def fla_stage_times(torch, qn, kn, vn, gn, don, scale, iters, reps):
       "dqkg": lambda: fc.chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=h, g=gc, do=do, dh=dh, dq=dq, dk=dk,
                                             scale=scale, chunk_size=C),
   }
-  sync = lambda _: torch.cuda.synchronize()
-  return {n: time_loop(fn, sync, iters, reps) for n, fn in stages.items()}
+  return {n: time_loop(fn, harness.torch_sync, iters, reps) for n, fn in stages.items()}
 
 
 def check_truth64(log):
-  """float32 strong decay, Pallas and the jnp path each against a float64 truth (CPU)."""
-  cpu = jax.devices("cpu")[0]
+  """float32 strong decay, Pallas and the jnp path each against the float64 truth
+  (``zeco_jax.ops.gla.reference.gla_float64``, numpy on the host)."""
   B, T, H, K, V = 1, 256, 2, 64, 128
   q, k, v, g, do = make_inputs(1, B, T, H, K, V, strong=True)
   dht = np.random.default_rng(3).standard_normal((B, H, K, V)).astype(np.float32)
   h0 = np.zeros((B, H, K, V), np.float32)
-  jax.config.update("jax_enable_x64", True)
-  try:
-    def rec(q, k, v, g):
-      def step(S, xs):
-        qt, kt, vt, gt = xs
-        S = jnp.exp(gt)[..., None] * S + kt[..., :, None] * vt[..., None, :]
-        return S, K ** -0.5 * jnp.einsum("bhk,bhkv->bhv", qt, S)
-      tm = lambda x: jnp.moveaxis(x, 1, 0)
-      S, o = jax.lax.scan(step, jnp.zeros((B, H, K, V), jnp.float64), tuple(map(tm, (q, k, v, g))))
-      return jnp.moveaxis(o, 0, 1), S
-    x64 = [jax.device_put(np.asarray(a, np.float64), cpu) for a in (q, k, v, g)]
-    _, vjp = jax.vjp(rec, *x64)
-    truth = [np.asarray(t) for t in vjp((jax.device_put(np.asarray(do, np.float64), cpu),
-                                         jax.device_put(np.asarray(dht, np.float64), cpu)))]
-  finally:
-    jax.config.update("jax_enable_x64", False)
+  _, _, grads64 = harness.gla_float64(q, k, v, g, h0, do, dht, K ** -0.5)
+  truth = [grads64[n] for n in "qkvg"]
   kw = dict(scale=K ** -0.5, initial_state=jnp.asarray(h0), chunk_size=64)
   a = [jnp.asarray(x) for x in (q, k, v, g, do)]
   config = config_for(B, T, H, K, V, dtype=jnp.float32)
-  for label, mod, extra in (("pallas", pallas_kernels.backend(config.platform),
+  for label, mod, extra in (("pallas", pallas_kernels.backend("gla", config.platform),
                              dict(config=config)), ("jnp", chunked, {})):
     r = jax.jit(lambda *xs: mod.bwd(*xs, **kw, **extra))(*a, jnp.asarray(dht))
     log(f"truth64 check {label}: " + " ".join(
@@ -318,7 +273,7 @@ def check_gpu(log, overrides=None):
   for (B, T, H, K, V), strong in [((2, 256, 2, 64, 128), True), ((1, 512, 2, 128, 256), True),
                                   ((1, 192, 3, 256, 64), True), ((1, 512, 2, 128, 256), False)]:
     config = config_for(B, T, H, K, V, overrides, dtype=jnp.float32)
-    be = pallas_kernels.backend(config.platform)
+    be = pallas_kernels.backend("gla", config.platform)
     q, k, v, g, do = make_inputs(1, B, T, H, K, V, strong=strong)
     rng = np.random.default_rng(2)
     h0 = jnp.asarray(rng.standard_normal((B, H, K, V), np.float32))
@@ -354,7 +309,8 @@ def check_gpu(log, overrides=None):
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  ap.add_argument("--out", default=None, help="results folder (default $OUT, else "
+                  "runs/benchmarks/kernels)")
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--reps", type=int, default=7)
   ap.add_argument("--check-only", action="store_true")
@@ -381,12 +337,15 @@ def main():
   ap.add_argument("--wait-file", default="", help="time nothing until this file exists")
   ap.add_argument("--wait-limit", type=float, default=300, help="seconds --wait-file waits at most")
   ap.add_argument("--save-outputs", default="", help="folder: our bf16 forward outputs (.npy)")
-  ap.add_argument("--compare-outputs", default="", help="folder of --save-outputs to compare FLA with")
+  ap.add_argument("--compare-outputs", default="",
+                  help="folder of --save-outputs to compare FLA with")
   ap.add_argument("--ready-file", default="", help="FLA: touch after the first shape's warm-up")
   ap.add_argument("--go-file", default="", help="FLA: then wait for this file before timing")
   ap.add_argument("--triton-cache", default="",
                   help="Triton cache folder (FLA's compiled kernels and autotune results)")
   args = ap.parse_args()
+  args.out = harness.out_dir(args.out, "kernels")
+  harness.write_environment(args.out, "kernels")
   lines = []
   if args.base_tune:
     BASE.update(json.loads(args.base_tune))
@@ -450,7 +409,7 @@ def main():
     if not args.no_jnp:
       variants.append(("jnp", {}))
     outs = {}
-    configs[name] = dataclasses.asdict(config_for(B, T, H, K, V))
+    configs[name] = config_for(B, T, H, K, V).flat()
     for vname, tune in variants:
       backend = "jax" if vname == "jnp" else "pallas"
       try:
@@ -541,7 +500,7 @@ def main():
 
         with torch.no_grad():
           of = ffwd().float().cpu().numpy()
-        tsync = lambda _: torch.cuda.synchronize()
+        tsync = harness.torch_sync
         row["fla fwd ms"] = time_loop(lambda: ffwd(), tsync, args.iters, args.reps)
         row["fla fwd+bwd ms"] = time_loop(ffb, tsync, args.iters, args.reps)
         row["fla fwd ms (do_bench)"] = triton.testing.do_bench(ffwd, return_mode="median")
@@ -592,7 +551,6 @@ def main():
   log(f"GPU correctness checks: {'not run' if ok is None else 'all OK' if ok else 'FAILED'}")
   if args.wait_file:
     log(f"waited {QUIET.get('waited_s', 0):.0f} s for {args.wait_file} before timing")
-  os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "kernels.json"), "w") as fh:
     json.dump({"results": results, "configs": configs, "base_overrides": BASE, "checks_ok": ok},
               fh, indent=1, default=str)

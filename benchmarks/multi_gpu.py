@@ -1,54 +1,44 @@
 """Multi-GPU measurements: All-Scan against its peers, the operator, and the overlap.
 
-    python benchmarks/multi_gpu.py [--quick] [--out DIR]
+    python -m benchmarks.multi_gpu [--quick] [--out DIR]
 
-Uses every local GPU (P = jax.device_count(); P >= 2). Prints markdown tables and writes
-multi_gpu_P{P}.md (and the compiled schedule of the operator) to --out:
+Needs a host with 2+ GPUs (never run yet: no multi-GPU machine has been lent). Uses every
+local GPU (P = jax.device_count(); P >= 2). Prints markdown tables and writes
+multi_gpu_P{P}.md, the compiled schedule of the operator and multi_gpu_P{P}.env.json to
+--out (default $OUT, else runs/benchmarks/multi_gpu):
 
 1. The collective alone (the paper's setting): exclusive scan of a 1 MiB state per rank
    (H = 16 heads of 128 x 128 float32: the bytes of the paper's H = 32 bf16 state):
    all_scan (ZeCO) for num_blocks in {1, 2, 4, 8, 16}, then every other method of
-   zeco_jax.scan.SCAN_METHODS (all_gather: LASP-2, ring: LASP-1, tree); median ms per call.
+   zeco_jax.sp.scan.SCAN_METHODS (all_gather: LASP-2, ring: LASP-1, tree); median ms per call.
 2. The operator: zeco_gla forward+backward at 16K tokens per GPU, H = 16, K = V = 128,
    bf16, per-dim decay, for every scan method and the no-communication baseline
    (every GPU runs chunk_gla on its own 16K tokens).
-3. The compiled schedule of (2) for all_scan: how many compute ops XLA placed between
-   each collective-permute-start and its done (> 0 means the send overlaps compute).
+3. The compiled schedule of (2) for all_scan: how many compute ops (and kernels) XLA placed
+   between each collective-permute-start and its done (zeco_jax.runtime.hlo_stats.
+   async_overlap; > 0 means the send overlaps compute).
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import os
-import re
-import statistics
 import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import zeco_jax  # noqa: E402
+import zeco_jax
+from benchmarks import _harness as harness
+from zeco_jax.runtime import hlo_stats
 
 
 def bench(fn, *args, iters=50, repeats=7):
   """Median over repeats of the mean time of `iters` back-to-back calls, in ms."""
-  jax.block_until_ready(fn(*args))
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(iters):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / iters * 1e3)
-  return statistics.median(times)
+  return harness.time_loop(lambda: fn(*args), iters=iters, reps=repeats)
 
 
 def collective_table(mesh, n, iters):
@@ -105,50 +95,22 @@ def operator_table(mesh, n, tokens, iters):
   return rows, compiled
 
 
-def overlap_report(hlo_text):
-  """For each async collective-permute: compute ops scheduled between its start and done."""
-  lines = [l.strip() for l in hlo_text.splitlines()]
-  entry = []
-  inside = False
-  for l in lines:                    # the ENTRY computation holds the schedule
-    if l.startswith("ENTRY"):
-      inside = True
-      continue
-    if inside and l == "}":
-      break
-    if inside:
-      entry.append(l)
-  starts = {}
-  report = []
-  for i, l in enumerate(entry):
-    m = re.match(r"(\S+) = .*collective-permute-start\(", l)
-    if m:
-      starts[m.group(1)] = i
-      continue
-    m = re.search(r"collective-permute-done\((\S+?)\)", l)
-    if m and m.group(1) in starts:
-      between = entry[starts[m.group(1)] + 1:i]
-      compute = [b for b in between if re.search(r"\b(fusion|custom-call|dot|convolution)\(", b)]
-      report.append((m.group(1), len(compute)))
-  return report
-
-
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--tokens", type=int, default=16384)
-  ap.add_argument("--out", default=os.environ.get("OUT", os.path.join(
-      os.path.dirname(__file__), "results")))
+  ap.add_argument("--out", default=None)
   args = ap.parse_args()
   n = jax.device_count()
   if n < 2:
-    sys.exit("multi_gpu.py needs at least 2 devices")
+    sys.exit("benchmarks.multi_gpu needs at least 2 devices")
   mesh = Mesh(np.array(jax.devices()), ("seq",))
   iters = 10 if args.quick else 50
   dev = jax.devices()[0]
   head = [f"# Multi-GPU: P = {n} x {dev.device_kind}", "",
-          f"Command: `python benchmarks/multi_gpu.py{' --quick' if args.quick else ''}`; "
-          f"jax {jax.__version__}; medians of 7 repeats of {iters} back-to-back calls.", ""]
+          f"Command: `python -m benchmarks.multi_gpu{' --quick' if args.quick else ''}` "
+          f"({harness.env_line(harness.environment())}); medians of 7 repeats of {iters} "
+          "back-to-back calls.", ""]
   out = list(head)
   out += ["## 1. The collective alone (1 MiB float32 state per rank)", "",
           "| method | num_blocks | ms |", "|---|---|---|"]
@@ -161,13 +123,14 @@ def main():
         "bf16", "", "| method | ms | vs baseline |", "|---|---|---|"]
   for method, ms in rows:
     op.append(f"| {method} | {ms:.3f} | {100 * (ms / base - 1):+.1f}% |")
-  rep = overlap_report(compiled["all_scan"])
+  rep = hlo_stats.async_overlap(compiled["all_scan"])
   op += ["", "## 3. Compiled schedule (all_scan, forward+backward)", "",
-         f"{len(rep)} async collective-permutes; compute ops scheduled between start and "
-         f"done: {[c for _, c in rep]}"]
+         f"{len(rep)} async collective-permutes; (compute ops, kernels) scheduled between "
+         f"start and done: {rep}"]
   print("\n".join(op), flush=True)
   out += op
-  os.makedirs(args.out, exist_ok=True)
+  args.out = harness.out_dir(args.out, "multi_gpu")
+  harness.write_environment(args.out, f"multi_gpu_P{n}")
   with open(os.path.join(args.out, f"multi_gpu_P{n}.md"), "w") as fh:
     fh.write("\n".join(out) + "\n")
   with open(os.path.join(args.out, f"multi_gpu_P{n}_all_scan.hlo.txt"), "w") as fh:

@@ -1,13 +1,15 @@
-"""The training step at scale, compiled for v5p topologies without a TPU (issue 12 item 4).
+"""The training step at scale, compiled for v5p topologies without a TPU.
 
-    python benchmarks/scale_aot.py run [--sweep all|p|context]   # resumable, JSON lines
-    python benchmarks/scale_aot.py run --sweep longest [--configs gla_1b3 ...]
-    python benchmarks/scale_aot.py report     # -> results/scale_aot.md, .json, .png
+    python -m benchmarks.scale_aot run [--sweep all|p|context]   # resumable, JSON lines
+    python -m benchmarks.scale_aot run --sweep longest [--configs gla_1b3 ...]
+    python -m benchmarks.scale_aot report     # -> results/scale_aot.md, .json, .png
 
-Each point is the trainer's whole train step (forward, backward, AdamW; ``backend="auto"``,
-so the Mosaic kernels) compiled by libtpu for a v5p topology through :mod:`compile_only`,
-on a mesh data = 1 x seq = P (every chip on the sequence axis: zeco_gla with the Mosaic
-kernels needs every mesh axis manual, see compile_only's docstring), batch 1 sequence of
+A CPU host with libtpu (``pip install -e '.[train,tpu]'``); 1-27 min and up to 30 GB of host
+memory per point. Each point is the trainer's whole train step (forward, backward, AdamW;
+``backend="auto"``, so the Mosaic kernels) compiled by libtpu for a v5p topology through
+``trainer.aot``, on a mesh data = 1 x seq = P (every chip on the sequence axis: zeco_gla with
+the Mosaic kernels needs every mesh axis manual, see trainer.aot's docstring), batch 1
+sequence of
 ``P x tokens_per_chip`` tokens. Per point: per-chip memory and whether it fits, bytes sent
 per chip per step by collective kind, how many collective-permutes have compute scheduled
 between start and done, and compile seconds. ``run`` appends one JSON line per point to
@@ -36,14 +38,12 @@ import argparse
 import gzip
 import json
 import os
-import subprocess
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from benchmarks import _harness as harness
+
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-RESULTS = os.path.join(ROOT, "benchmarks", "results")
+RESULTS = harness.RESULTS
 JSONL = os.path.join(RESULTS, "scale_aot.jsonl")
 # Compiled HLO of each point (not committed: tens of MB): $SCALE_AOT_HLO_DIR, "" for none.
 HLO_DIR = os.environ.get("SCALE_AOT_HLO_DIR", "/tmp/scale_aot_hlo")
@@ -51,7 +51,8 @@ HLO_DIR = os.environ.get("SCALE_AOT_HLO_DIR", "/tmp/scale_aot_hlo")
 # v5p topologies by chip count (Google Cloud v5p docs' slice shapes).
 # P = 1 (no sequence parallelism): the smallest v5p slice, 4 chips, as data = 4 (config_for).
 TOPOLOGY = {1: "v5p:2x2x1", 4: "v5p:2x2x1", 8: "v5p:2x2x2", 16: "v5p:2x2x4", 32: "v5p:2x4x4",
-            64: "v5p:4x4x4", 128: "v5p:4x4x8", 256: "v5p:4x8x8", 512: "v5p:8x8x8", 1024: "v5p:8x8x16",
+            64: "v5p:4x4x4", 128: "v5p:4x4x8", 256: "v5p:4x8x8", 512: "v5p:8x8x8",
+            1024: "v5p:8x8x16",
             2048: "v5p:8x16x16", 4096: "v5p:16x16x16"}
 METHODS = ("all_scan", "all_gather", "tree")
 # Alpha-beta figures for v5p ICI (docs/design.md §6 model). beta: Google Cloud's v5p page
@@ -61,7 +62,7 @@ METHODS = ("all_scan", "all_gather", "tree")
 # collective's start/done), stated as such in the results.
 TPU_ALPHA_S = 1e-6
 TPU_BETA_S_PER_BYTE = 1 / 100e9
-# The paper's H100 figures (Chou et al. 2025, via /work/shared/zeco_spec.md §6): one scan,
+# The paper's H100 figures (Chou et al., NeurIPS 2025): one scan,
 # 8K tokens per GPU, d = 4096, H = 32: All-Scan / all-gather ms.
 PAPER = {8: (0.226, 0.375), 256: (2.165, 8.514)}
 
@@ -87,7 +88,7 @@ def sweep_points(name: str) -> list:
             + [_p_point(4, m) for m in METHODS] + [_p_point(1, "all_scan")])
   if name == "context":
     return ctx_scan + ctx_gather
-  if name == "all":     # what a short session can afford, most needed first
+  if name == "all":     # what a short run can afford, most needed first
     return ends + ctx_scan + trees + ctx_gather + middle + far
   raise ValueError(f"unknown sweep {name!r}")
 
@@ -128,12 +129,12 @@ def config_for(p: dict):
 
 
 def run_point(p: dict) -> dict:
-  import compile_only
+  from trainer import aot
   t0 = time.time()
   try:
-    compiled, info = compile_only.compile_train_step(config_for(p), TOPOLOGY[p["seq"]])
+    compiled, info = aot.compile_train_step(config_for(p), TOPOLOGY[p["seq"]])
     text = compiled.as_text() if compiled is not None else None
-    report = compile_only.analyse(compiled, info, text)
+    report = aot.analyse(compiled, info, text)
     del compiled
     if text is not None and HLO_DIR:       # kept to read again without compiling again
       os.makedirs(HLO_DIR, exist_ok=True)
@@ -145,16 +146,8 @@ def run_point(p: dict) -> dict:
 
 
 def git_state() -> str:
-  try:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                          capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "zeco_jax", "pallas_kernels",
-                            "models", "trainer.py", "compile_only.py"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.split("\n")
-    dirty = [d[3:] for d in dirty if d.strip() and not d.startswith("??")]
-    return head + (f" + uncommitted {', '.join(dirty)}" if dirty else "")
-  except OSError:
-    return "unknown"
+  """The commit a point was compiled at (uncommitted paths named)."""
+  return harness.commit()
 
 
 def cmd_run(args) -> None:
@@ -237,6 +230,8 @@ def longest_search(config, method, done, state, hbm=95 * 2**30, brackets=None):
 
 
 NOTES = [
+    "- **When**: the points were compiled on 2026-12-01 and 2026-12-02, at the commits named "
+    "above (each row's in `scale_aot.json`).",
     "- **All-Scan bytes are flat in P**: 2.00 MiB per chip per step at every P from 4 to 2048 "
     "(2 layers x one 512 KiB state forward + one reverse; 4 more bytes: the previous rank's "
     "last segment id of the packed-document path), as the model says. At full depth gla_340m "
@@ -296,7 +291,8 @@ NOTES = [
     "line in tokens here: All-Scan's 118784 needs 3.3 GiB more than its 114688. All-Scan at "
     "7B has 7521 collective-permutes per step (235 per layer, as gla_1b3's 5641 for 24), "
     "2302 (114688 tokens per chip) to 2686 with compute between start and done. Its compile "
-    "holds more host memory than this 24 GB host has (a 4096-tokens-per-chip point was OOM-killed at 24.4 GB "
+    "holds more host memory than this 24 GB host has (a 4096-tokens-per-chip point was "
+    "OOM-killed at 24.4 GB "
     "resident): these points were compiled with 62 GB of swap added, 19-27 min each, from "
     "brackets near all_gather's answer (`--methods all_scan --brackets 114688 122880`, "
     "then `118784 122880`) instead of LONGEST_BRACKETS' 4096 and 16384.",
@@ -320,7 +316,7 @@ def model_dims(config_name: str, layers=None) -> dict:
 def predicted_comm_s(p: dict, alpha=TPU_ALPHA_S, beta=TPU_BETA_S_PER_BYTE) -> float:
   """Alpha-beta time of the step's scans: one forward and one reverse per layer, the
   state of one sequence per chip (B = 1), blocks as zeco_gla picks them."""
-  from zeco_jax import scan as scan_lib
+  from zeco_jax.sp import scan as scan_lib
   d = model_dims(p["config"], p["layers"])
   M, m_A = 4 * d["H"] * d["K"] * d["V"], 4 * d["H"] * d["K"]
   nb = scan_lib.default_num_blocks(p["seq"], M, d["V"], method=p["method"])
@@ -366,15 +362,19 @@ def cmd_report(done: dict) -> None:
                   key=lambda r: (r["point"]["config"], r["point"]["seq"], r["point"]["method"],
                                  -r["point"]["tokens_per_chip"]))
   gits = sorted({r.get("git", "?") for r in rows})
-  out = ["# The training step at scale, compiled for v5p without a TPU (issue 12 item 4)", "",
-         f"`python benchmarks/scale_aot.py run --sweep p`, `... run --sweep longest --configs "
+  out = ["# The training step at scale, compiled for v5p without a TPU", "",
+         "Question: what does the whole GLA train step send per chip and need in HBM per chip "
+         "on v5p slices of 1 to 2048 chips, All-Scan against all_gather (LASP-2) and tree, and "
+         "what is the longest context that fits 64 chips? (Compiled by libtpu, not run: no "
+         "TPU time is measured.)", "",
+         f"`python -m benchmarks.scale_aot run --sweep p`, `... run --sweep longest --configs "
          f"gla_340m gla_1b3 gla_7b`, then `... report` (jax "
          f"{jax.__version__}, libtpu 0.0.48.1, a 2-core CPU host shared with other jobs). "
          f"Code: {'; '.join(gits)}. Every row is the trainer's whole train step (forward, "
          "backward, AdamW, bf16 compute, `backend=\"auto\"`: the Mosaic TPU kernels) compiled "
          "by libtpu for the v5p topology of P chips, mesh data = 1 x seq = P, one sequence of "
-         "P x tokens-per-chip tokens (`compile_only.py`). Bytes: sent per chip per step, read "
-         "from the compiled HLO (`zeco_jax.hlo_stats`), the most of any chip. Memory: "
+         "P x tokens-per-chip tokens (`trainer.aot`). Bytes: sent per chip per step, read "
+         "from the compiled HLO (`zeco_jax.runtime.hlo_stats`), the most of any chip. Memory: "
          "`memory_analysis()` per chip (arguments + outputs - aliased + temporaries + code) "
          "against v5p's 95 GiB; libtpu refuses to compile a program over HBM (\"does not "
          "fit\"). Overlap: collective-permutes with compute (a fusion, kernel, dot, loop) "
@@ -456,9 +456,11 @@ def cmd_report(done: dict) -> None:
     total = mem.get("total")
     need = mem.get("required_bytes_libtpu")
     ov = r.get("permute_overlap") or {}
+    memory = (_gib(total) if total else
+              f"> 95 (libtpu: {_gib(need)} needed)" if need else "> 95")
     out.append(
         f"| {q['config']} | {q['seq']} | {q['method']} | {ctx // 1024}K | "
-        f"{q['tokens_per_chip']} | {_gib(total) if total else ('> 95 (libtpu: ' + _gib(need) + ' needed)' if need else '> 95')} | "
+        f"{q['tokens_per_chip']} | {memory} | "
         f"{'yes' if r.get('fits') else 'NO'} | {_mib(_coll(r, 'collective-permute'))} | "
         f"{_mib(_coll(r, 'all-gather'))} | {_mib(_coll(r, 'reduce-scatter'))} | "
         f"{_mib(_coll(r, 'all-reduce'))} | {ov.get('with_compute', '')} of "
@@ -488,12 +490,12 @@ def cmd_report(done: dict) -> None:
     out.append(f"| {config} | {P} | {cell((config, P, 'all_scan'))} | "
                f"{cell((config, P, 'all_gather'))} |")
 
-  from zeco_jax import scan as scan_lib
+  from zeco_jax.sp import scan as scan_lib
   state = 1 << 20
   out += ["", "## Alpha-beta model (v5p ICI figures above) beside the paper's H100 figures",
           "", "One exclusive scan of the paper's 1 MiB state (8K tokens per GPU, d = 4096, "
           "H = 32), ms; the paper's measured All-Scan / all-gather on H100s "
-          "(/work/shared/zeco_spec.md §6).", "",
+          "(Chou et al., NeurIPS 2025).", "",
           "| P | model all_scan (v5p) | model all_gather (v5p) | model tree (v5p) | paper "
           "All-Scan (H100) | paper all-gather (H100) |", "|---|---|---|---|---|---|"]
   for P in (8, 16, 32, 64, 128, 256, 1024, 4096):
@@ -503,8 +505,10 @@ def cmd_report(done: dict) -> None:
     pa = PAPER.get(P, ("", ""))
     out.append(f"| {P} | {t['all_scan']:.3f} | {t['all_gather']:.3f} | {t['tree']:.3f} | "
                f"{pa[0]} | {pa[1]} |")
-  out += ["", "## Notes (read from the compiled programs of this sweep)", "", *NOTES]
+  out += ["", "## What it means (read from the compiled programs of this sweep)", "", *NOTES]
   text = "\n".join(out) + "\n"
+  harness.write_environment(RESULTS, "scale_aot", devices=False,
+                            extra={"point_commits": gits})
   with open(os.path.join(RESULTS, "scale_aot.md"), "w") as fh:
     fh.write(text)
   with open(os.path.join(RESULTS, "scale_aot.json"), "w") as fh:

@@ -1,6 +1,6 @@
 """What ``segment_ids`` (packed documents, docs/design.md §10) cost, and a GPU check of them.
 
-One script for the device tool. First the checks, on the GPU, of the compiled Pallas
+One script for one GPU. First the checks, on the GPU, of the compiled Pallas
 kernels with segments (documents of 1 to ~700 tokens, starts on and off chunk boundaries,
 padding): float32 with strong decay against the jnp path with segments and against a
 float64 per-document numpy loop (forward, final state and every gradient), and bf16
@@ -8,37 +8,31 @@ against the float32 jnp path. Then the timing at the kernel benchmark's first sh
 (B1 T16384 H16 K128 V128, bf16, per-dim decay logsigmoid(x)/16, chunk 64): forward and
 forward + backward of ``chunk_gla(backend="pallas")`` without segments and with about 8
 documents per row, interleaved (none, segments, none, segments, ...) in one run, each the
-median over ``--reps`` repeats of the mean of ``--iters`` calls.
+median over ``--reps`` repeats of the mean of ``--iters`` calls (each repeat after one
+synchronised call: ``benchmarks._harness.mean_ms``).
 
-    python3 benchmarks/segments_cost.py --out $OUT        # on the H200
-    python3 benchmarks/segments_cost.py --smoke           # tiny shapes, any machine
+    python -m benchmarks.segments_cost --out DIR          # on the H200 (results: segments_cost.md)
+    python -m benchmarks.segments_cost --smoke            # tiny shapes, any machine
+
+Writes segments_cost.json, segments_cost.log and segments_cost.env.json to --out (default
+$OUT, else runs/benchmarks/segments_cost).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from test_decay_range import gla64  # noqa: E402  (float64 numpy loop and its vjp)
+from benchmarks import _harness as harness  # noqa: E402
+from benchmarks._harness import rel  # noqa: E402
 from zeco_jax import chunk_gla, segments  # noqa: E402
-
-
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  if not np.all(np.isfinite(a)):
-    return float("inf")
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def random_ids(rng, B, T, docs, pad):
@@ -52,7 +46,8 @@ def random_ids(rng, B, T, docs, pad):
 
 
 def per_document64(q, k, v, g, h0, do, dht, ids, scale):
-  """float64 truth: every document alone through gla64 (tests/test_segments.py's)."""
+  """float64 truth: every document alone through the float64 token loop
+  (``zeco_jax.ops.gla.reference.gla_float64``)."""
   f = lambda x: np.asarray(x, np.float64)
   q, k, v, g, h0, do, dht = map(f, (q, k, v, g, h0, do, dht))
   o, final = np.zeros(v.shape), np.array(h0)
@@ -71,7 +66,7 @@ def per_document64(q, k, v, g, h0, do, dht, ids, scale):
       first, last = s == 0, n == len(docs) - 1
       start = h0[b:b + 1] if first else np.zeros((1,) + h0.shape[1:])
       sl = lambda x: x[b:b + 1, s:e]
-      o_d, S_d, g_d = gla64(sl(q), sl(k), sl(v), sl(g), start, sl(do),
+      o_d, S_d, g_d = harness.gla_float64(sl(q), sl(k), sl(v), sl(g), start, sl(do),
                             dht[b:b + 1] if last else None, scale)
       o[b, s:e] = o_d[0]
       if last:
@@ -175,12 +170,7 @@ def timings(log, smoke, iters, reps, docs):
   sync = lambda out: jax.block_until_ready(out)
 
   def once(fn, *a):
-    sync(fn(*a))
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      out = fn(*a)
-    sync(out)
-    return (time.perf_counter() - t0) / iters * 1e3
+    return harness.mean_ms(lambda: fn(*a), sync, iters, warmup=1)
 
   for name, (f, fb) in variants.items():      # warm-up
     sync(f(q, k, v, g, ids)), sync(fb(q, k, v, g, ids, do))
@@ -203,12 +193,14 @@ def timings(log, smoke, iters, reps, docs):
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  ap.add_argument("--out", default=None)
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--reps", type=int, default=9)
   ap.add_argument("--docs", type=int, default=8)
   ap.add_argument("--smoke", action="store_true")
   a = ap.parse_args()
+  a.out = harness.out_dir(a.out, "segments_cost")
+  harness.write_environment(a.out, "segments_cost")
   lines = []
 
   def log(s):
@@ -219,7 +211,6 @@ def main():
   errs, ok = checks(log, a.smoke)
   result = {"checks": errs, "checks_ok": bool(ok),
             "timing": timings(log, a.smoke, a.iters, a.reps, a.docs)}
-  os.makedirs(a.out, exist_ok=True)
   with open(os.path.join(a.out, "segments_cost.json"), "w") as f:
     json.dump(result, f, indent=1)
   with open(os.path.join(a.out, "segments_cost.log"), "w") as f:

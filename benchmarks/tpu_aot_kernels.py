@@ -1,19 +1,21 @@
-"""Compile the Mosaic TPU kernels (pallas_kernels.tpu_backend) for real TPU generations, no TPU.
+"""Compile the Mosaic TPU kernels (pallas_kernels.gla.tpu) for real TPU generations, no TPU.
 
-Issue 12 item 2 (first half). With libtpu installed (``pip install -e '.[tpu]'``), JAX
-compiles for a TPU topology on a CPU-only host (docs: /work/shared/jax_notes.md, "TPU
-without a TPU"): ``chunk_gla(backend="pallas", kernel_config=KernelConfig(platform="tpu",
-interpret=False))`` forward and forward + backward (``value_and_grad`` over q, k, v, g) are
-lowered with ShapeDtypeStruct arguments on one device of the topology and compiled by libtpu
-(Mosaic for the kernels), under ``use_abstract_mesh`` (else Pallas stops with "Unsupported
-TPU device kind: cpu"). Per (generation, shape, dtype, pass): compile seconds, the number of
-``tpu_custom_call``s in the compiled HLO (forward 1; forward + backward 3: the forward, the
-backward's forward recompute that emits the chunk states, the backward kernel) and
-memory_analysis (HBM arguments / outputs / temporaries; Mosaic checks VMEM itself and fails
-the compile when a kernel's blocks do not fit).
+With libtpu installed (``pip install -e '.[tpu]'``), JAX compiles for a TPU topology on a
+CPU-only host (about 90 s for the whole table on 2 cores): ``chunk_gla(backend="pallas",
+kernel_config=KernelConfig(platform="tpu", interpret=False))`` forward and forward +
+backward (``value_and_grad`` over q, k, v, g) are lowered with ShapeDtypeStruct arguments
+on one device of the topology and compiled by libtpu (Mosaic for the kernels), under
+``use_abstract_mesh`` (else Pallas stops with "Unsupported TPU device kind: cpu"). Per
+(generation, shape, dtype, pass): compile seconds, the number of ``tpu_custom_call``s in the
+compiled HLO (forward 1; forward + backward 3: the forward, the backward's forward
+recompute that emits the chunk states, the backward kernel) and memory_analysis (HBM
+arguments / outputs / temporaries; Mosaic checks VMEM itself and fails the compile when a
+kernel's blocks do not fit).
 
-  python benchmarks/tpu_aot_kernels.py            # all shapes -> benchmarks/results/tpu_aot_kernels.md
-  python benchmarks/tpu_aot_kernels.py --quick    # the test's small shape only, no file
+  python -m benchmarks.tpu_aot_kernels          # all shapes -> results/tpu_aot_kernels.md
+  python -m benchmarks.tpu_aot_kernels --quick  # the test's small shape only, no file
+
+The environment record goes beside the table (``tpu_aot_kernels.env.json``).
 """
 import argparse
 import os
@@ -28,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import pallas_kernels  # noqa: E402
-import zeco_jax  # noqa: E402
+import pallas_kernels
+import zeco_jax
+from benchmarks import _harness as harness
 
 # Topology names accepted by libtpu 0.0.48.1 (the smallest of each generation).
 GENERATIONS = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
@@ -50,7 +52,16 @@ SHAPES = {
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 CUSTOM_CALL = 'custom_call_target="tpu_custom_call"'
 EXPECTED_CALLS = {"fwd": 1, "fwd+bwd": 3}
-NOTES = ("Notes: every kernel compiled for every generation, shape and dtype, with today's whole-chunk blocks (`[C, D]` tiles of q, k, v, g, o and one float32 `[K, V]` state, C = 64): no tile change was needed for VMEM (memory_analysis does not report VMEM; a kernel over the scoped VMEM limit would fail the compile). The HBM rows put the 1.3B config's whole batch (B8, meant to be split over data-parallel chips) on one chip: its backward keeps every chunk state h[n] in float32 between the recompute and the backward kernel, B*H*(T/64)*K*V*4 bytes = 8 GiB at B8 T32K H4 K256 V512, which with the rest exceeds v5e's 16 GiB (it fits v5p and v6e; one sequence per chip, B1, fits all three).")
+NOTES = (
+    "What it means: every kernel compiled for every generation, shape and dtype, with "
+    "whole-chunk blocks (`[C, D]` tiles of q, k, v, g, o and one float32 `[K, V]` state, "
+    "C = 64): no tile change was needed for VMEM (memory_analysis does not report VMEM; a "
+    "kernel over the scoped VMEM limit would fail the compile). The HBM rows put the 1.3B "
+    "config's whole batch (B8, meant to be split over data-parallel chips) on one chip: its "
+    "backward keeps every chunk state h[n] in float32 between the recompute and the backward "
+    "kernel, B*H*(T/64)*K*V*4 bytes = 8 GiB at B8 T32K H4 K256 V512, which with the rest "
+    "exceeds v5e's 16 GiB (it fits v5p and v6e; one sequence per chip, B1, fits all three). "
+    "Compiled is not run: numerics on a chip and speed are unverified.")
 CONFIG = pallas_kernels.KernelConfig(platform="tpu", interpret=False)
 
 
@@ -91,8 +102,7 @@ def mib(n):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true", help="small shape only, no results file")
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                               "results", "tpu_aot_kernels.md"))
+  ap.add_argument("--out", default=os.path.join(harness.RESULTS, "tpu_aot_kernels.md"))
   a = ap.parse_args()
   shapes = {k: v for k, v in SHAPES.items() if not a.quick or k == "small (test)"}
   header = ("| generation | shape (B, T, H, K, V) | dtype | pass | compiled | compile s | "
@@ -127,7 +137,8 @@ def main():
                      f"HBM: {msg} | | | | | | |")
               hbm.append((gen, sname, dname, which, msg))
             else:
-              row = f"| {gen} ({topo_name}) | {sname}: {shape} | {dname} | {which} | NO: {msg} | | | | | | |"
+              row = (f"| {gen} ({topo_name}) | {sname}: {shape} | {dname} | {which} | "
+                     f"NO: {msg} | | | | | | |")
               failures.append((gen, sname, dname, which, str(e)))
               traceback.print_exc()
           rows.append(row)
@@ -136,14 +147,18 @@ def main():
   print(f"total {total:.0f} s; {len(failures)} failures; {len(hbm)} over one chip's HBM",
         flush=True)
   if not a.quick:
-    import libtpu
+    env = harness.environment()
+    harness.write_environment(os.path.dirname(os.path.abspath(a.out)), "tpu_aot_kernels")
     lines = [
-        "# Mosaic TPU kernels compiled for v5e, v5p, v6e without a TPU (issue 12 item 2, first half)",
+        "# Mosaic TPU kernels compiled for v5e, v5p, v6e without a TPU",
         "",
-        f"`python benchmarks/tpu_aot_kernels.py` (jax {jax.__version__}, libtpu "
-        f"{getattr(libtpu, '__version__', '0.0.48.1')}, 2-core CPU host, total {total:.0f} s). "
-        "Each row: `chunk_gla(backend=\"pallas\", kernel_config=KernelConfig(platform=\"tpu\", "
-        "interpret=False))` jitted and compiled by libtpu for one device of the topology; "
+        "Question: do the GLA Mosaic TPU kernels compile for each TPU generation, at the "
+        "benchmark and model shapes, bf16 and float32, and what HBM do they need?",
+        "",
+        f"`python -m benchmarks.tpu_aot_kernels` ({harness.env_line(env)}, CPU host, total "
+        f"{total:.0f} s). Each row: `chunk_gla(backend=\"pallas\", "
+        "kernel_config=KernelConfig(platform=\"tpu\", interpret=False))` jitted and "
+        "compiled by libtpu for one device of the topology; "
         "`fwd` the output, `fwd+bwd` value_and_grad over q, k, v, g (g per-dim, float32; "
         "chunk 64). `tpu_custom_calls`: Mosaic kernels in the compiled HLO (expected fwd 1, "
         "fwd+bwd 3). Memory columns: `memory_analysis()` (HBM; Mosaic checks each kernel's "

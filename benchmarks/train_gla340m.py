@@ -6,11 +6,12 @@ peak memory, MFU, and the per-step losses of both on one token stream.
     python -m benchmarks.train_gla340m --profile                    # + a jax.profiler summary
     python -m benchmarks.train_gla340m --runs ours:16384,ours:16384:dense  # chunked vs dense CE
 
-(Run from the repository root.) Each run is its own process, one after another (peak
-memory is per process; JAX and torch never hold the GPU at once): ``ours[:T][:remat]``
+(Run from the repository root; one GPU, FLA and torch for its runs; results:
+benchmarks/results/train_gla340m_h200.md.) Each run is its own process, one after another
+(peak memory is per process; JAX and torch never hold the GPU at once): ``ours[:T][:remat]``
 trains ``configs/gla_340m.py`` (with ``--config.*`` overrides) through
 ``trainer.Experiment``'s jitted ``train_step``; ``fla[:T][:remat]`` runs
-``benchmarks/fla_gla340m.py`` (FLA's ``GLAForCausalLM``, the issue-15 configuration;
+``benchmarks.fla_gla340m`` (FLA's ``GLAForCausalLM`` in GLA-340M's configuration;
 ``remat``: its gradient checkpointing), skipped when FLA is not importable;
 ``ours:T:dense`` sets ``train.loss_chunk_size=0`` (float32 logits, the old loss). Both train
 on the same tokens (``--steps`` batches of MQAR sequences, models/data.py, with
@@ -25,9 +26,9 @@ SXM (NVIDIA's H200 datasheet: 989 TFLOPS bf16 without sparsity). Attention FLOPs
 chunked form per token, layer and head, forward: 2CK + 2CV (the full C x C intra-chunk
 score and output tiles) + 4KV (the state read and update); forward + backward is 3x that.
 
-Writes ``train_gla340m_<tag>.json`` (every run: figures and losses) and ``.md`` (the
-table) to benchmarks/results/issue15/ and to $OUT when set; with two or more runs that
-have losses, ``loss_<tag>.png``.
+Writes ``train_gla340m_<tag>.json`` (every run: figures, losses, each run's environment),
+``.md`` (the table) and ``.env.json`` to --outdir (default $OUT, else
+runs/benchmarks/train_gla340m); with two or more runs that have losses, ``loss_<tag>.png``.
 """
 from __future__ import annotations
 
@@ -42,12 +43,13 @@ if "--child" not in sys.argv:     # the parent only plans, writes and plots: kee
   os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import _harness as harness  # noqa: E402
+
+ROOT = harness.ROOT
 PEAK_FLOPS = 989e12          # H200 SXM dense bf16 (datasheet)
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(ROOT, "configs", "gla_340m.py"), lock_config=True)
@@ -56,8 +58,8 @@ _STEPS = flags.DEFINE_integer("steps", 50, "training steps per run (the losses o
 _WARMUP = flags.DEFINE_integer("warmup", 3, "steps not timed (the first includes compilation)")
 _TAG = flags.DEFINE_string("tag", "h200", "results file suffix")
 _PROFILE = flags.DEFINE_bool("profile", False, "ours: trace 3 more steps, summarise kernels")
-_OUTDIR = flags.DEFINE_string("outdir", os.path.join(ROOT, "benchmarks", "results", "issue15"),
-                              "results folder")
+_OUTDIR = flags.DEFINE_string("outdir", None,
+                              "results folder (default $OUT, else runs/benchmarks/train_gla340m)")
 _TIMEOUT = flags.DEFINE_float("run_timeout", 900, "seconds one run may take")
 _CHILD = flags.DEFINE_string("child", None, "internal: run one of ours, write JSON here")
 _BATCHES = flags.DEFINE_string("batches", None, "internal: the token stream (.npz)")
@@ -108,7 +110,8 @@ def run_ours(cfg, batches_path: str, out_path: str, profile: bool):
   steps = inputs.shape[0]
   result = {"impl": "ours", "seq_len": int(inputs.shape[2]), "batch_size": int(inputs.shape[1]),
             "steps": steps, "remat": bool(cfg.model.remat), "jax": jax.__version__,
-            "loss_chunk_size": int(cfg.train.get("loss_chunk_size", 0))}
+            "loss_chunk_size": int(cfg.train.get("loss_chunk_size", 0)),
+            "environment": harness.environment()}
   try:
     exp = trainer.Experiment(cfg, trainer.make_mesh({"data": 1, "seq": 1}))
     state = exp.init_state()
@@ -210,13 +213,13 @@ def main(argv):
     run_ours(settings(cfg, seq_len, _STEPS.value, _REMAT.value), _BATCHES.value,
              _CHILD.value, _PROFILE.value)
     return
-  os.makedirs(_OUTDIR.value, exist_ok=True)
+  outdir = harness.out_dir(_OUTDIR.value, "train_gla340m")
   tmp = tempfile.mkdtemp(prefix="bench340m_")
   overrides = [a for a in sys.argv[1:] if a.startswith("--config.")]
   results, streams = [], {}
   out_json = f"train_gla340m_{_TAG.value}"
   cfg0 = settings(_CONFIG.value, 16384, _STEPS.value, False)
-  from models.gdn import model_from_config
+  from models import model_from_config
   model_cfg = model_from_config(cfg0.model.to_dict())[0]
   have_fla = fla_available()
 
@@ -227,7 +230,8 @@ def main(argv):
             "results": results}
     text = (f"`python -m benchmarks.train_gla340m {' '.join(sys.argv[1:])}`\n\n"
             + table(results, model_cfg) + "\n")
-    for folder in (_OUTDIR.value, os.environ.get("OUT")):
+    harness.write_environment(outdir, out_json, devices=False)
+    for folder in dict.fromkeys((outdir, os.environ.get("OUT"))):
       if folder:
         with open(os.path.join(folder, out_json + ".json"), "w") as f:
           json.dump(meta, f, indent=1)
@@ -263,11 +267,11 @@ def main(argv):
              f"--warmup={_WARMUP.value}", f"--remat={remat}", f"--profile={_PROFILE.value}",
              *overrides, *(["--config.train.loss_chunk_size=0"] if dense else [])]
     else:
-      cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "fla_gla340m.py"),
+      cmd = [sys.executable, "-m", "benchmarks.fla_gla340m",
              "--batches", streams[seq_len], "--out", out, f"--warmup={_WARMUP.value}"]
       cmd += ["--checkpointing"] if remat else []
       if _PROFILE.value:
-        cmd += ["--profile", os.path.join(_OUTDIR.value, f"fla_profile_{_TAG.value}.txt")]
+        cmd += ["--profile", os.path.join(outdir, f"fla_profile_{_TAG.value}.txt")]
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     t0 = time.time()
     print(f"== {spec}: {' '.join(cmd)}", flush=True)
@@ -283,8 +287,8 @@ def main(argv):
     results.append(r)
     if r.get("profile"):
       from benchmarks import profile_step
-      with open(os.path.join(_OUTDIR.value, f"profile_{_TAG.value}_{spec.replace(':', '_')}.txt"),
-                "w") as f:
+      name = f"profile_{_TAG.value}_{spec.replace(':', '_')}.txt"
+      with open(os.path.join(outdir, name), "w") as f:
         f.write(profile_step.format_summary(r["profile"]) + "\n")
     write()
   write()
