@@ -20,6 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 F32 = jnp.float32
+HI = lax.Precision.HIGHEST      # float32 dots in IEEE float32, never TF32
 
 
 def check_vma_enabled() -> bool:
@@ -86,7 +87,7 @@ def dot(a, b, dtype, *, ta=False, tb=False):
   """
   dims = (((0,) if ta else (1,), (1,) if tb else (0,)), ((), ()))
   if dtype == F32:
-    return lax.dot_general(a.astype(F32), b.astype(F32), dims, precision=lax.Precision.HIGHEST,
+    return lax.dot_general(a.astype(F32), b.astype(F32), dims, precision=HI,
                            preferred_element_type=F32)
   return lax.dot_general(a.astype(dtype), b.astype(dtype), dims, preferred_element_type=F32)
 

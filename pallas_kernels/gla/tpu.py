@@ -36,7 +36,7 @@ from pallas_kernels.gla import _common as cm
 
 S = cm.SUB
 F32 = jnp.float32
-_HI = lax.Precision.HIGHEST
+_HI = cm.HI
 
 
 def _mm(a, b, dt, ta=False, tb=False):

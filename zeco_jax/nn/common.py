@@ -115,12 +115,11 @@ def _sharded_conv(x_BxTxC, w_WxC, ids_BxT, *, mesh, seq_axis):
                      f"size - 1 = {W - 1}; use at least {(W - 1) * spec.seq_axis_size} tokens "
                      "or a smaller conv_size.")
   in_specs = (spec.tokens(3), P(None, spec.heads), None if ids_BxT is None else spec.tokens(2))
-  return shard.sharded(_conv_shard, spec, (x_BxTxC, w_WxC, ids_BxT), in_specs, options=None,
+  return shard.sharded(_conv_shard, spec, (x_BxTxC, w_WxC, ids_BxT), in_specs, options={},
                        out_spec=spec.tokens(3))[0]
 
 
-def _conv_shard(x, w, ids, *, axis_name, options):
-  del options
+def _conv_shard(x, w, ids, *, axis_name):
   halo = lambda a: shard.previous_shard_tail(a, w.shape[0] - 1, axis_name)
   return _conv_with_halo(x, w, ids, halo(x), None if ids is None else halo(ids)), None
 

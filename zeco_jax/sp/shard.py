@@ -201,21 +201,22 @@ def on(mesh, spec):
   return NamedSharding(mesh, spec) if isinstance(mesh, Mesh) else spec
 
 
-def sharded(local: Callable, spec: ShardSpec, arrays: tuple, in_specs: tuple, *, options,
-            out_spec: P, final_state: bool = False):
+def sharded(local: Callable, spec: ShardSpec, arrays: tuple, in_specs: tuple, *,
+            options: dict, out_spec: P, final_state: bool = False):
   """``local`` per shard of ``spec``: ``(o, final_state or None)``.
 
-  ``local(*arrays, axis_name=, options=)`` runs on this rank's pieces of ``arrays`` (each
+  ``local(*arrays, axis_name=, **options)`` runs on this rank's pieces of ``arrays`` (each
   split by its entry of ``in_specs``, derived from ``spec``: :meth:`ShardSpec.tokens` for
   arrays split like q, :meth:`ShardSpec.state` for states the same on every rank, None
   for a None array) and returns ``(o, state_after_segment)``; ``o`` is split by
-  ``out_spec``. ``local`` must be a module-level function and ``options`` hashable: both
-  are part of the compiled program's identity (one program per shape and options, also
-  for eager calls). With ``final_state`` the last rank's ``state_after_segment`` comes back
-  replicated over ``seq_axis``; else None.
+  ``out_spec``. ``local`` must be a module-level function and ``options`` hashable values
+  (flags, numbers, frozen configs): both are part of the compiled program's identity (one
+  program per shape and options, also for eager calls). With ``final_state`` the last
+  rank's ``state_after_segment`` comes back replicated over ``seq_axis``; else None.
   """
   return _sharded(tuple(arrays), local=local, spec=spec, in_specs=tuple(in_specs),
-                  out_spec=out_spec, options=options, final_state=final_state)
+                  out_spec=out_spec, options=tuple(sorted(options.items())),
+                  final_state=final_state)
 
 
 # Jitted so that an eager call compiles once per shape and options instead of running the
@@ -231,7 +232,7 @@ def _sharded(arrays, *, local, spec, in_specs, out_spec, options, final_state):
                    for x, s in zip(arrays, in_specs))
 
   def body(*pieces):
-    o, after = local(*pieces, axis_name=spec.seq_axis, options=options)
+    o, after = local(*pieces, axis_name=spec.seq_axis, **dict(options))
     return (o, from_last_rank(after, spec.seq_axis)) if final_state else o
 
   run = jax.shard_map(body, mesh=spec.mesh, in_specs=in_specs,

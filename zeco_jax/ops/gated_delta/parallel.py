@@ -27,8 +27,6 @@ the chunked op from the received state after the scan.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
-
 import jax.numpy as jnp
 from jax import lax
 
@@ -107,15 +105,6 @@ def zeco_gated_delta_rule_local(q, k, v, g, beta, *, axis_name, method="all_scan
   return o, (after if output_final_state else None)
 
 
-class _Options(NamedTuple):
-  method: str
-  num_blocks: Optional[int]
-  chunk_size: int
-  scale: float
-  output_final_state: bool
-  use_qk_l2norm: bool
-
-
 def zeco_gated_delta_rule(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method="all_scan",
                           num_blocks=None, chunk_size=64, scale=None, initial_state=None,
                           output_final_state=False, use_qk_l2norm=False, segment_ids=None):
@@ -145,8 +134,9 @@ def zeco_gated_delta_rule(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method
                            4 * args.B * args.H * args.K * args.V, args.V, name=name)
   if segment_ids is not None:
     segments.check_segment_ids(segment_ids, args.B, args.T, name=name)
-  options = _Options(method, num_blocks, chunk_size, args.scale, output_final_state,
-                     use_qk_l2norm)
+  options = dict(method=method, num_blocks=num_blocks, chunk_size=chunk_size,
+                 scale=args.scale, output_final_state=output_final_state,
+                 use_qk_l2norm=use_qk_l2norm)
   arrays = (q, k, v, g, beta, segment_ids, initial_state)
   in_specs = tuple(None if x is None else spec.tokens(x.ndim) for x in arrays[:6]) + (
       None if initial_state is None else spec.state(),)
@@ -154,11 +144,7 @@ def zeco_gated_delta_rule(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method
                        out_spec=spec.tokens(4), final_state=output_final_state)
 
 
-def _local(q, k, v, g, beta, ids, h0, *, axis_name, options):
-  """:func:`zeco_gated_delta_rule_local` with the op's options (``shard.sharded``'s body)."""
-  opt = options
-  return zeco_gated_delta_rule_local(
-      q, k, v, g, beta, axis_name=axis_name, method=opt.method, num_blocks=opt.num_blocks,
-      chunk_size=opt.chunk_size, scale=opt.scale, initial_state=h0,
-      output_final_state=opt.output_final_state, use_qk_l2norm=opt.use_qk_l2norm,
-      segment_ids=ids)
+def _local(q, k, v, g, beta, ids, h0, **options):
+  """:func:`zeco_gated_delta_rule_local` on one shard (``shard.sharded``'s body)."""
+  return zeco_gated_delta_rule_local(q, k, v, g, beta, initial_state=h0, segment_ids=ids,
+                                     **options)

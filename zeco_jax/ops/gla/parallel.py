@@ -27,7 +27,6 @@ with a dense transition (docs/design.md §7) reuses it with its own steps 1 and 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -287,8 +286,9 @@ def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
   # Pallas calls (and the Pallas interpreter on CPU) do not carry shard_map's varying-axes
   # types through their bodies, so that check is off around them (check_vma above); JAX
   # then inserts the psums for replicated inputs itself.
-  options = _Options(method, num_blocks, chunk_size, args.scale, output_final_state, backend,
-                     kernel_config, overlap_pieces)
+  options = dict(method=method, num_blocks=num_blocks, chunk_size=chunk_size,
+                 scale=args.scale, output_final_state=output_final_state, backend=backend,
+                 kernel_config=kernel_config, overlap_pieces=overlap_pieces)
   arrays = (q, k, v, g, segment_ids, initial_state)
   in_specs = tuple(None if x is None else spec.tokens(x.ndim) for x in arrays[:5]) + (
       None if initial_state is None else spec.state(),)
@@ -296,23 +296,6 @@ def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
                        out_spec=spec.tokens(4), final_state=output_final_state)
 
 
-class _Options(NamedTuple):
-  """zeco_gla's static options, hashable: part of the compiled program's identity."""
-  method: str
-  num_blocks: Optional[int]
-  chunk_size: int
-  scale: float
-  output_final_state: bool
-  backend: str
-  kernel_config: object
-  overlap_pieces: Optional[int]
-
-
-def _local(q, k, v, g, ids, h0, *, axis_name, options):
-  """:func:`zeco_gla_local` with zeco_gla's options: the per-shard body of ``shard.sharded``."""
-  opt = options
-  return zeco_gla_local(q, k, v, g, axis_name=axis_name, method=opt.method,
-                        num_blocks=opt.num_blocks, chunk_size=opt.chunk_size, scale=opt.scale,
-                        initial_state=h0, output_final_state=opt.output_final_state,
-                        backend=opt.backend, kernel_config=opt.kernel_config,
-                        overlap_pieces=opt.overlap_pieces, segment_ids=ids)
+def _local(q, k, v, g, ids, h0, **options):
+  """:func:`zeco_gla_local` on one shard (``shard.sharded``'s body)."""
+  return zeco_gla_local(q, k, v, g, initial_state=h0, segment_ids=ids, **options)
