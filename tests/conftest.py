@@ -1,4 +1,8 @@
-"""Test setup: 8 simulated CPU devices, made before jax is imported anywhere."""
+"""Test setup: 8 simulated CPU devices, made before jax is imported anywhere; the fixtures
+every folder uses (the device list, a persistent compilation cache per module).
+
+pytest imports this file first and puts its folder, tests/, on ``sys.path``: the test
+modules of every subfolder import ``helpers`` and ``shape_sweep`` from there."""
 import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -8,7 +12,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 import pytest  # noqa: E402
 
-from helpers import rel_err  # noqa: E402,F401  (also importable from conftest)
+from helpers import persistent_compilation_cache  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -16,3 +20,14 @@ def devices():
   devs = jax.devices()
   assert len(devs) == 8, f"expected 8 simulated CPU devices, got {len(devs)}"
   return devs
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+  """A persistent compilation cache in a temporary folder for one test module (and the
+  subprocesses it starts, through ``helpers.persistent_cache_env``), the settings restored
+  afterwards: a program compiled once in the module (the same HLO: the same training
+  program in a new Experiment, the same Pallas kernel traced again) is loaded instead of
+  compiled again. It changes no program, only skips compiling it twice."""
+  with persistent_compilation_cache(tmp_path_factory.mktemp("compile_cache")) as path:
+    yield path

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import rel_err
+from helpers import rel_err
 from zeco_jax.losses import cross_entropy_reference, embedding_lookup, linear_cross_entropy
 
 N, D, V, C = 96, 16, 50, 32
@@ -68,35 +68,3 @@ def test_embedding_lookup_gradient_is_float32_scatter():
   want = jnp.zeros((V, D), jnp.float32).at[ids.reshape(-1)].add(cot.reshape(-1, D))
   assert got.dtype == jnp.bfloat16
   assert_close(got.astype(jnp.float32), want, 5e-3, "embedding grad")
-
-
-def _tiny_config(chunk, mesh="data=1,seq=1"):
-  import configs
-  cfg = configs.defaults()
-  cfg.model.update(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2)
-  cfg.train.update(compute_dtype="float32", steps=4, warmup_steps=1, loss_chunk_size=chunk)
-  cfg.data.update(kind="mqar", seq_len=128, batch_size=2, num_keys=8, num_pairs=2,
-                  num_queries=4, query_window=16)
-  cfg.mesh = mesh
-  return cfg
-
-
-def test_trainer_chunked_loss_matches_dense_logits_on_a_mesh():
-  """The trainer's loss, accuracy and gradients with train.loss_chunk_size (per shard, under
-  shard_map, on data=2 x seq=4) equal the dense-logits path."""
-  import trainer
-  rng = np.random.default_rng(5)
-  inputs = rng.integers(0, 64, (2, 128)).astype(np.int32)
-  batch = {"inputs": inputs, "targets": np.roll(inputs, -1, axis=1),
-           "mask": rng.uniform(size=(2, 128)).astype(np.float32)}
-  out = []
-  for chunk in (0, 16):
-    exp = trainer.Experiment(_tiny_config(chunk, "data=2,seq=4"),
-                             trainer.make_mesh({"data": 2, "seq": 4}))
-    state = exp.init_state()
-    out.append(exp.loss_and_grad(state["params"], exp.put_batch(batch)))
-  (loss0, aux0, g0), (loss1, aux1, g1) = out
-  assert_close(loss1, loss0, 1e-5, "loss")
-  assert_close(aux1["accuracy"] + 1.0, aux0["accuracy"] + 1.0, 1e-6, "accuracy")
-  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
-    assert_close(a, b, 1e-4, "grads")

@@ -1,0 +1,216 @@
+"""all_scan (zeco_jax.sp.scan) on simulated devices: every method equals a plain Python
+scan, values and grads, for elementwise decays, no decay and a dense K x K transition; a
+per-head decay travels as [B, H]; the compiled forward sends one state per rank; the
+method registry, its cost model and the argument errors."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from helpers import collective_operand_shapes, rel_err, seq_mesh, states_sent_per_rank
+from zeco_jax import all_scan
+from zeco_jax.sp import scan as scan_lib
+from zeco_jax.sp.transitions import DenseTransition, Identity
+
+B, H, K, V = 2, 2, 4, 8
+
+
+def python_scan(S, lam, h0, reverse):
+  """X_0 = h0, X_{p+1} = lam_p * X_p + S_p over the leading (rank) axis."""
+  n = S.shape[0]
+  lam = lam[..., None] if lam.ndim == S.ndim - 1 else lam[..., None, None]
+  X, exclusive, inclusive = h0, [None] * n, [None] * n
+  for p in (range(n - 1, -1, -1) if reverse else range(n)):
+    exclusive[p] = X
+    X = lam[p] * X + S[p]
+    inclusive[p] = X
+  return jnp.stack(exclusive), jnp.stack(inclusive)
+
+
+def scans_on_mesh(n, method, num_blocks):
+  """One compiled function: forward and reverse scans, per-dim and per-head decay."""
+  mesh = seq_mesh(n)
+
+  def body(S, lam_dim, lam_head, h0):
+    outs = []
+    for lam in (lam_dim, lam_head):
+      for reverse in (False, True):
+        outs += all_scan(S[0], lam[0], "seq", num_blocks=num_blocks, method=method,
+                         initial=h0, reverse=reverse)
+    return tuple(x[None] for x in outs)
+
+  return jax.shard_map(body, mesh=mesh, in_specs=(P("seq"),) * 3 + (P(),),
+                       out_specs=(P("seq"),) * 8)
+
+
+def expected(S, lam_dim, lam_head, h0):
+  outs = []
+  for lam in (lam_dim, lam_head):
+    for reverse in (False, True):
+      outs += python_scan(S, lam, h0, reverse)
+  return tuple(outs)
+
+
+@pytest.mark.parametrize("n,method,num_blocks", [
+    (1, "all_scan", 2), (2, "all_scan", 1), (4, "all_scan", 2), (8, "all_scan", V),
+    (8, "all_scan", 2), (3, "tree", 1), (8, "tree", 1), (4, "all_gather", 1),
+    (8, "all_gather", 1), (8, "ring", 1),
+])
+def test_all_scan_matches_python_scan(n, method, num_blocks):
+  r = np.random.default_rng(n * 10 + num_blocks)
+  S = jnp.asarray(r.standard_normal((n, B, H, K, V)), jnp.float32)
+  lam_dim = jnp.asarray(r.uniform(0.3, 1.0, (n, B, H, K)), jnp.float32)
+  lam_head = jnp.asarray(r.uniform(0.3, 1.0, (n, B, H)), jnp.float32)
+  h0 = jnp.asarray(r.standard_normal((B, H, K, V)), jnp.float32)
+  weights = [jnp.asarray(r.standard_normal((n, B, H, K, V)), jnp.float32) for _ in range(8)]
+  loss = lambda f: lambda *a: sum(jnp.sum(w * x) for w, x in zip(weights, f(*a)))
+
+  ours = scans_on_mesh(n, method, num_blocks)
+  outs, grads = jax.jit(lambda *a: (ours(*a), jax.grad(loss(ours), (0, 1, 2, 3))(*a)))(
+      S, lam_dim, lam_head, h0)
+  ref_outs = expected(S, lam_dim, lam_head, h0)
+  ref_grads = jax.grad(loss(expected), (0, 1, 2, 3))(S, lam_dim, lam_head, h0)
+  for ours_x, ref_x in zip(outs, ref_outs):
+    assert rel_err(ours_x, ref_x) <= 1e-5
+  for ours_g, ref_g in zip(grads, ref_grads):
+    assert rel_err(ours_g, ref_g) <= 1e-5
+
+
+def dense_python_scan(S, M, h0, reverse):
+  """X_0 = h0, X_{p+1} = M_p @ X_p + S_p over the leading (rank) axis."""
+  n = S.shape[0]
+  X, exclusive, inclusive = h0, [None] * n, [None] * n
+  for p in (range(n - 1, -1, -1) if reverse else range(n)):
+    exclusive[p] = X
+    X = jnp.einsum("bhij,bhjv->bhiv", M[p], X, precision=jax.lax.Precision.HIGHEST) + S[p]
+    inclusive[p] = X
+  return jnp.stack(exclusive), jnp.stack(inclusive)
+
+
+# The collective knows transitions only through their interface: a dense K x K matrix
+# (the delta-rule family) runs through every method's code unchanged, forward and backward.
+@pytest.mark.parametrize("n,method,num_blocks", [
+    (4, "all_scan", 2), (8, "all_scan", V), (5, "tree", 1), (4, "all_gather", 1),
+    (4, "ring", 1),
+])
+def test_dense_transition_matches_python_scan(n, method, num_blocks):
+  r = np.random.default_rng(100 + n)
+  S = jnp.asarray(r.standard_normal((n, B, H, K, V)), jnp.float32)
+  M = jnp.asarray(0.9 * r.standard_normal((n, B, H, K, K)) / np.sqrt(K), jnp.float32)
+  h0 = jnp.asarray(r.standard_normal((B, H, K, V)), jnp.float32)
+  weights = [jnp.asarray(r.standard_normal((n, B, H, K, V)), jnp.float32) for _ in range(6)]
+  loss = lambda f: lambda *a: sum(jnp.sum(w * x) for w, x in zip(weights, f(*a)))
+  mesh = seq_mesh(n)
+
+  def body(S, M, h0):
+    outs = []
+    for reverse in (False, True):
+      outs += all_scan(S[0], DenseTransition(M[0]), "seq", num_blocks=num_blocks,
+                       method=method, initial=h0, reverse=reverse)
+    outs += all_scan(S[0], Identity(), "seq", num_blocks=num_blocks, method=method,
+                     initial=h0)
+    return tuple(x[None] for x in outs)
+
+  def expected(S, M, h0):
+    eye = jnp.broadcast_to(jnp.eye(K), M.shape)
+    return (*dense_python_scan(S, M, h0, False), *dense_python_scan(S, M, h0, True),
+            *dense_python_scan(S, eye, h0, False))
+
+  ours = jax.shard_map(body, mesh=mesh, in_specs=(P("seq"), P("seq"), P()),
+                       out_specs=(P("seq"),) * 6)
+  outs, grads = jax.jit(lambda *a: (ours(*a), jax.grad(loss(ours), (0, 1, 2))(*a)))(S, M, h0)
+  ref_grads = jax.grad(loss(expected), (0, 1, 2))(S, M, h0)
+  for ours_x, ref_x in zip(outs, expected(S, M, h0)):
+    assert rel_err(ours_x, ref_x) <= 1e-5
+  for ours_g, ref_g in zip(grads, ref_grads):
+    assert rel_err(ours_g, ref_g) <= 1e-5
+
+
+def test_scalar_decay_stays_scalar_in_the_collective():
+  # A per-head decay travels as [B, H], never broadcast to [B, H, K].
+  n = 4
+  mesh = seq_mesh(n)
+  S = jnp.ones((n, B, H, K, V))
+  lam = jnp.full((n, B, H), 0.5)
+  for method in ("tree", "all_gather"):
+    f = jax.shard_map(lambda S, lam: all_scan(S[0], lam[0], "seq", method=method)[0][None],
+                      mesh=mesh, in_specs=(P("seq"), P("seq")), out_specs=P("seq"))
+    moved = collective_operand_shapes(jax.make_jaxpr(f)(S, lam))
+    assert (B, H) in moved and not any(s[-3:] == (B, H, K) for s in moved), (method, moved)
+
+
+def test_registry_is_the_one_vocabulary():
+  assert scan_lib.method_names() == tuple(scan_lib.SCAN_METHODS)
+  assert set(scan_lib.SCAN_METHODS) == {"all_scan", "all_gather", "ring", "tree"}
+  for name, spec in scan_lib.SCAN_METHODS.items():
+    assert spec.name == name and spec.summary
+  assert [m for m, s in scan_lib.SCAN_METHODS.items() if not s.overlaps_local] == ["ring"]
+  assert [m for m, s in scan_lib.SCAN_METHODS.items() if s.blocked] == ["all_scan"]
+  M, m_A = 1 << 20, 1 << 12
+  # All-Scan and ring send one state per rank, and no transition; the peers send it.
+  for P_ in (2, 8, 256):
+    assert scan_lib.bytes_sent_per_rank(P_, M, "all_scan", m_A) == M
+    assert scan_lib.bytes_sent_per_rank(P_, M, "ring", m_A) == M
+    assert scan_lib.bytes_sent_per_rank(P_, M, "all_gather", m_A) == (P_ - 1) * (M + m_A)
+  assert scan_lib.bytes_sent_per_rank(8, M, "tree") == 4 * M
+  assert scan_lib.predicted_time(8, 4, M, method="ring") == scan_lib.predicted_time(
+      8, 1, M, method="all_scan")
+  assert scan_lib.default_num_blocks(64, M, 128, method="tree") == 1
+  with pytest.raises(ValueError, match="unknown `method` 'serial'.*'ring'"):
+    scan_lib.predicted_time(8, 1, M, method="serial")
+
+
+def test_pipeline_sends_one_state_per_rank():
+  # The compiled forward scan: every rank sends exactly one state (the last sends nothing),
+  # whatever num_blocks is, and with a dense K x K transition too (the matrix stays on its
+  # rank); all_gather sends P - 1 states.
+  n = 8
+  mesh = seq_mesh(n)
+  S = jax.ShapeDtypeStruct((n, B, H, K, V), jnp.float32)
+  lam = jax.ShapeDtypeStruct((n, B, H, K), jnp.float32)
+  mat = jax.ShapeDtypeStruct((n, B, H, K, K), jnp.float32)
+  M = B * H * K * V * 4                # one float32 state, bytes
+  for method, nb, A in (("all_scan", 1, lam), ("all_scan", 4, lam), ("all_scan", 4, mat),
+                        ("all_gather", 1, lam)):
+    as_transition = DenseTransition if A is mat else (lambda x: x)
+    f = jax.shard_map(lambda S, A: all_scan(S[0], as_transition(A[0]), "seq", num_blocks=nb,
+                                            method=method)[0][None],
+                      mesh=mesh, in_specs=(P("seq"), P("seq")), out_specs=P("seq"))
+    total = states_sent_per_rank(f, (S, A), n, M)
+    if method == "all_scan":
+      assert list(total) == [1] * (n - 1) + [0]
+    else:
+      assert min(total) >= n - 1
+
+
+def test_default_num_blocks_follows_the_model():
+  M = 1 << 20
+  assert scan_lib.default_num_blocks(2, M, 128) == 1        # no pipeline to fill at P = 2
+  nb8 = scan_lib.default_num_blocks(8, M, 128)
+  nb256 = scan_lib.default_num_blocks(256, M, 128)
+  assert 128 % nb8 == 0 and 128 % nb256 == 0 and nb256 > nb8 >= 1
+  # The model's choice is no worse than its neighbours.
+  t = lambda nb: scan_lib.predicted_time(8, nb, M)
+  assert t(nb8) <= min(t(max(nb8 // 2, 1)), t(min(nb8 * 2, 128)))
+
+
+def test_bad_arguments():
+  mesh = seq_mesh(2)
+  S = jnp.ones((2, B, H, K, V))
+  run = lambda **kw: jax.shard_map(lambda S, lam: all_scan(S[0], lam[0], "seq", **kw)[0][None],
+                                   mesh=mesh, in_specs=(P("seq"), P("seq")),
+                                   out_specs=P("seq"))
+  with pytest.raises(ValueError, match="num_blocks"):
+    run(num_blocks=3)(S, jnp.ones((2, B, H, K)))
+  with pytest.raises(ValueError, match="`method` 'ring_of_fire'; choose one of 'all_scan', "
+                     "'all_gather', 'ring', 'tree'"):
+    run(method="ring_of_fire")(S, jnp.ones((2, B, H, K)))
+  with pytest.raises(ValueError, match="'pipeline' is now 'all_scan'"):
+    run(method="pipeline")(S, jnp.ones((2, B, H, K)))
+  with pytest.raises(ValueError, match=r"DenseTransition for state .* must be \(2, 2, 4, 4\)"):
+    jax.shard_map(
+        lambda S: all_scan(S[0], DenseTransition(jnp.ones((B, H, K, V))), "seq")[0][None],
+        mesh=mesh, in_specs=P("seq"), out_specs=P("seq"))(S)
+  with pytest.raises(ValueError, match="decay"):
+    run()(S, jnp.ones((2, B, H, V)))
