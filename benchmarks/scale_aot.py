@@ -281,7 +281,7 @@ NOTES = [
     "P = 64 (2 layers). zeco_gla alone at seq = 8: a kernel inside 7 of 8 forward and 16 of "
     "16 forward + backward sends (benchmarks/results/tpu_schedule.md).",
     "- **The data axis**: since 96425ab the Mosaic kernels compile on data x seq meshes (the "
-    "trainer passes its batch axis to the GLA layers; tests/test_compile_only.py compiles "
+    "trainer passes its batch axis to the GLA layers; tests/trainer/test_aot.py compiles "
     "v5p:2x2x1 as data = 2 x seq = 2). The sweep keeps data = 1 (P = 1: data = 4).",
     "- **FLOPs**: `cost_analysis` leaves out the Mosaic kernels (no cost estimate), so "
     "the JSON's `flops` is XLA's part only; `model_flops_6nd` is 6 N D.",
