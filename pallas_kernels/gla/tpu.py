@@ -2,9 +2,8 @@
 
 Status: checked for lowering to Mosaic TPU on CPU (``lowering_platforms=("tpu",)``) and
 tested in the Pallas interpreter against the reference; **never run on TPU hardware**
-(no TPU is lent). Not selected automatically: on a TPU target ``chunk_gla(backend="auto")``
-stays on the jnp path until this has been measured on a chip; ``backend="pallas"`` uses it
-(``pallas_kernels.backend("tpu")``).
+(no TPU is lent). On a TPU target ``backend="auto"`` selects it, as ``backend="pallas"``
+does (``pallas_kernels.backend("gla", "tpu")``, by the target's platform).
 
 Same contract as :mod:`zeco_jax.ops.gla.chunked`, plus ``config`` (a
 :class:`pallas_kernels.KernelConfig`; only its ``interpret`` is read here). No scalar-decay

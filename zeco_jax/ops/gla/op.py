@@ -102,7 +102,7 @@ def _check_kernel_config(kernel_config, *, name):
     raise ValueError(f"{name}: `kernel_config` must be a pallas_kernels.KernelConfig or None "
                      f"(the default for the target and shape), got {kernel_config!r}. Build "
                      "one with pallas_kernels.default_config(platform, B, T, H, K, V, dtype) "
-                     "and change fields with dataclasses.replace.")
+                     "and change fields with its .replace(out_bv=..., ...).")
 
 
 def chunk_gla(q, k, v, g=None, *, scale=None, initial_state=None, output_final_state=False,
