@@ -11,7 +11,7 @@ Size:  479.5M parameters here (counted with nnx.eval_shape). FLA names this shap
        with its untied output head it would be 512.3M (32.8M more, computed); here the
        head is tied to the embedding, as in this repository's GLA model.
 Op:    the jnp chunked path (no Pallas kernels for GDN yet: its forward is about 10x
-       FLA's on an H200, benchmarks/results/issue14/).
+       FLA's on an H200, benchmarks/results/gdn_h200.md).
 Time / reach: not measured (no corpus or long GPU run here).
 """
 import configs

@@ -8,10 +8,10 @@ Run:   python train.py --config configs/gla_340m.py --config.data.path=/path/to/
 On:    GPUs/TPUs. Sequence length 16384 split over the ``seq`` axis (ZeCO All-Scan);
        the global batch of 8 sequences over ``data``. bf16 compute, float32 params.
 Time:  one H200, batch 1 x 16384 tokens, bf16, chunked cross-entropy
-       (train.loss_chunk_size=4096): 142k tokens/s, 115 ms/step, 20.7 GiB peak, 50 s
-       compile (benchmarks/results/issue15/; dense logits, loss_chunk_size=0: 138k
-       tokens/s, 25.6 GiB). 20k steps of 8 x 16384 tokens = 2.6B tokens: about 0.7 h on
-       8 H200s if it scaled perfectly (not measured).
+       (train.loss_chunk_size=4096): 164k tokens/s, 100 ms/step, 22.2 GiB peak
+       (benchmarks/results/train_gla340m_h200.md; dense logits, loss_chunk_size=0: 138k
+       tokens/s, 25.6 GiB, at an earlier commit). 20k steps of 8 x 16384 tokens = 2.6B
+       tokens: about 0.7 h on 8 H200s if it scaled perfectly (not measured).
 Reach: not measured here (no corpus or long GPU run in this repo's CI). For reference,
        fla's GLA-340M reaches about 28 wikitext perplexity after 15B SlimPajama tokens
        with a 32k BPE tokenizer (another corpus and tokenizer: not comparable).

@@ -14,7 +14,7 @@ Model: 2 GLA blocks, hidden 64, 2 heads, short convolution, SwiGLU 128; AdamW lr
 Time:  3 min 28 s wall on the 2-core machine under load (193 s in the loop, 43 s compile),
        on python -m models.corpus's 2000 generated documents (2026-12-01).
 Reach: there, eval loss 0.643 nats/token, next-token accuracy 0.763 on held-out documents
-       after 300 steps (benchmarks/results/issue13/text_smoke.log): a smoke run on
+       after 300 steps (benchmarks/results/train_text_cpu.md): a smoke run on
        templated text, not a language-modelling result.
 """
 import configs

@@ -17,8 +17,8 @@ Time:  2 min 57 s wall (173 s in the loop, ~60k tokens/s) on a 2-core CPU, jax 0
        plateau near chance until ~step 200.
 Reach: eval accuracy 0.9996 on 31,744 held-out queries; 1.0000 on the 3,072 whose pair
        is on an earlier seq shard (>= 0.9 by step 300; measured 2026-11-30,
-       benchmarks/results/train_tiny_mqar_cpu.txt). Re-run 2026-12-01 after the exact-decay
-       jnp path (issue 16): 0.9990, cross-shard 0.9993, 3 min 2 s wall.
+       benchmarks/results/train_tiny_mqar_cpu.md). Re-run 2026-12-01 after the exact-decay
+       jnp path: 0.9990, cross-shard 0.9993, 3 min 2 s wall.
 """
 import configs
 

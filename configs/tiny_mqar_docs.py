@@ -17,7 +17,7 @@ Model: as tiny_mqar: 1 GLA block, hidden 64, 1 head, short convolution, SwiGLU 1
 Reach: step 600: eval accuracy 1.0000 on 21,847 scored queries (1.0000 on the 1,092 whose
        pair is on an earlier seq shard), stale recall 0.0277 (chance); without resets
        0.8733 and stale recall 0.1528. 8 min 26 s wall on the 2-core machine under load
-       (measured 2026-12-01, benchmarks/results/issue13/mqar_docs.md).
+       (measured 2026-12-01, benchmarks/results/train_mqar_docs_cpu.md).
 """
 import configs
 
