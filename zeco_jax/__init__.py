@@ -3,6 +3,8 @@
 Public API:
   recurrent_gla, chunk_gla_reference   GLA's plain-jnp references (the spec)
   chunk_gla                            single-device chunked GLA (custom_vjp; jnp or Pallas)
+  fused_recurrent_gla,                 the token recurrences for decoding (FLA's names and
+  fused_recurrent_gated_delta_rule     argument order; a decode step is T = 1)
   zeco_gla, zeco_gla_local             sequence-parallel GLA over a mesh axis
   recurrent_gated_delta_rule,          Gated DeltaNet: the float32 token loop (the spec) and
   chunk_gated_delta_rule               the chunked WY/UT op
@@ -33,9 +35,11 @@ from zeco_jax import segments
 from zeco_jax.ops.gated_delta.op import chunk_gated_delta_rule
 from zeco_jax.ops.gated_delta.parallel import (zeco_gated_delta_rule,
                                                zeco_gated_delta_rule_local)
+from zeco_jax.ops.gated_delta.recurrent import fused_recurrent_gated_delta_rule
 from zeco_jax.ops.gated_delta.reference import recurrent_gated_delta_rule
 from zeco_jax.ops.gla.op import chunk_gla
 from zeco_jax.ops.gla.parallel import zeco_gla, zeco_gla_local
+from zeco_jax.ops.gla.recurrent import fused_recurrent_gla
 from zeco_jax.ops.gla.reference import chunk_gla_reference, recurrent_gla
 from zeco_jax.sp import transitions
 from zeco_jax.sp.scan import SCAN_METHODS, ScanMethod, all_scan
@@ -44,7 +48,8 @@ from zeco_jax.sp.transitions import (DenseTransition, DiagonalDecay, Identity, S
 
 __all__ = ["DenseTransition", "DiagonalDecay", "Identity", "SCAN_METHODS", "ScalarDecay",
            "ScanMethod", "Transition", "all_scan", "chunk_gated_delta_rule", "chunk_gla",
-           "chunk_gla_reference", "debug", "losses", "recurrent_gated_delta_rule", "recurrent_gla",
+           "chunk_gla_reference", "debug", "fused_recurrent_gated_delta_rule",
+           "fused_recurrent_gla", "losses", "recurrent_gated_delta_rule", "recurrent_gla",
            "segments", "transitions", "zeco_gated_delta_rule", "zeco_gated_delta_rule_local",
            "zeco_gla", "zeco_gla_local"]
 __version__ = "0.1.0"

@@ -21,6 +21,18 @@ from zeco_jax._linalg import HI as _HI
 from zeco_jax.ops.gated_delta.op import check_inputs, l2norm
 
 
+def token_step(S_BxHxKxV, q_t, k_t, v_t, g_t, beta_t, scale):
+  """One token of the recurrence (float32): ``(S_t, o_t)`` from ``S_{t-1}``.
+
+  ``S_t = e^{g_t} (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``, written as the delta
+  rule: decay, read ``k_t^T S``, write ``beta_t (v_t - k_t^T S)`` along ``k_t``."""
+  S_BxHxKxV = jnp.exp(g_t)[..., None, None] * S_BxHxKxV
+  kS = jnp.einsum("bhk,bhkv->bhv", k_t, S_BxHxKxV, precision=_HI)
+  u = beta_t[..., None] * (v_t - kS)
+  S_BxHxKxV = S_BxHxKxV + k_t[..., :, None] * u[..., None, :]
+  return S_BxHxKxV, scale * jnp.einsum("bhk,bhkv->bhv", q_t, S_BxHxKxV, precision=_HI)
+
+
 def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
                                output_final_state=False, use_qk_l2norm=False,
                                segment_ids=None):
@@ -44,17 +56,8 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=No
   f32 = jnp.float32
   h0 = jnp.zeros((B, H, K, V), f32) if initial_state is None else initial_state.astype(f32)
 
-  def step(S_BxHxKxV, xs):
-    q_t, k_t, v_t, g_t, b_t = xs
-    S_BxHxKxV = jnp.exp(g_t)[..., None, None] * S_BxHxKxV
-    kS = jnp.einsum("bhk,bhkv->bhv", k_t, S_BxHxKxV, precision=_HI)
-    u = b_t[..., None] * (v_t - kS)
-    S_BxHxKxV = S_BxHxKxV + k_t[..., :, None] * u[..., None, :]
-    o_t = scale * jnp.einsum("bhk,bhkv->bhv", q_t, S_BxHxKxV, precision=_HI)
-    return S_BxHxKxV, o_t
-
   xs = tuple(jnp.moveaxis(x.astype(f32), 1, 0) for x in (q, k, v, g, beta))
-  S, o_TxBxHxV = lax.scan(step, h0, xs)
+  S, o_TxBxHxV = lax.scan(lambda S, x: token_step(S, *x, scale), h0, xs)
   return jnp.moveaxis(o_TxBxHxV, 0, 1).astype(v.dtype), (S if output_final_state else None)
 
 
