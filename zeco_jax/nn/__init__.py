@@ -7,14 +7,16 @@
 Each runs its family's sequence-parallel op over the mesh axis ``seq_axis`` when that axis
 has size > 1 (the mesh from the call or ``jax.set_mesh``), else the one-device chunked op.
 :mod:`zeco_jax.nn.common` holds what they share (RMSNorm, ShortConvolution, parameters
-with logical axes, the q / k / v prologue, ``remat_call``). Needs flax; ``import zeco_jax``
+with logical axes, the q / k / v prologue, ``remat_call``, the decoding cache
+``LayerCache``). Each layer decodes: ``init_cache`` / ``prefill`` (the prompt, over the
+mesh) / ``decode`` (the next tokens, by the family's ``fused_recurrent`` op). Needs flax; ``import zeco_jax``
 does not import this package.
 """
-from zeco_jax.nn.common import (LOGICAL_AXES_KEY, RMSNorm, ShortConvolution, constant_param,
-                                normal_param, remat_call)
+from zeco_jax.nn.common import (LOGICAL_AXES_KEY, LayerCache, RMSNorm, ShortConvolution,
+                                constant_param, normal_param, remat_call)
 from zeco_jax.nn.gated_delta import GatedDeltaNet, gated_delta_op
 from zeco_jax.nn.gla import GatedLinearAttention, check_gla_args, gla_op
 
-__all__ = ["GatedDeltaNet", "GatedLinearAttention", "LOGICAL_AXES_KEY", "RMSNorm",
+__all__ = ["GatedDeltaNet", "GatedLinearAttention", "LOGICAL_AXES_KEY", "LayerCache", "RMSNorm",
            "ShortConvolution", "check_gla_args", "constant_param", "gated_delta_op",
            "gla_op", "normal_param", "remat_call"]

@@ -1,11 +1,13 @@
 """What every token-mixing layer shares: parameters with logical axes, RMSNorm, the causal
-short convolution (sequence-parallel too), the q / k / v prologue, and a remat that waits
-for the output's cotangent.
+short convolution (sequence-parallel too, and one step at a time for decoding), the q / k /
+v prologue, the decoding cache, and a remat that waits for the output's cotangent.
 
 The layers themselves are one file per family (:mod:`zeco_jax.nn.gla`,
 :mod:`zeco_jax.nn.gated_delta`); this module knows none of them.
 """
 from __future__ import annotations
+
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +79,15 @@ class ShortConvolution(nnx.Module):
       y = _conv_with_halo(x_BxTxC, w, segment_ids, None, None)
     return jax.nn.silu(y)
 
+  def step(self, x_BxLxC, tail_BxWxC):
+    """The next ``L`` tokens (decoding) given the ``size - 1`` inputs before them
+    (``tail``, as :func:`last_tokens` or the previous step left it): ``(y, new_tail)``."""
+    w = self.weight[...].astype(x_BxLxC.dtype)
+    tail = tail_BxWxC.astype(x_BxLxC.dtype)
+    y = _conv_with_halo(x_BxLxC, w, None, tail, None)
+    new_tail = jnp.concatenate([tail, x_BxLxC], axis=1)[:, x_BxLxC.shape[1]:]
+    return jax.nn.silu(y), new_tail
+
 
 def _conv_with_halo(x_BxLxC, w_WxC, ids_BxL, halo_x, halo_ids):
   """The depthwise causal convolution of one shard, given the ``W - 1`` tokens before it
@@ -146,12 +157,88 @@ def project_qkv(layer: nnx.Module, x_BxTxD, num_heads: int, *, short_conv: bool,
   """q, k ``[B, T, H, K]`` and v ``[B, T, H, V]`` from ``x``: the projections of
   :func:`init_qkv`, then (``short_conv``) the convolutions of :func:`init_short_convs`,
   which reset at document starts and take their halo over ``seq_axis``."""
+  qkv, _ = project_qkv_with_tails(layer, x_BxTxD, num_heads, short_conv=short_conv,
+                                  segment_ids=segment_ids, mesh=mesh, seq_axis=seq_axis)
+  return qkv
+
+
+def project_qkv_with_tails(layer: nnx.Module, x_BxTxD, num_heads: int, *, short_conv: bool,
+                           segment_ids=None, mesh=None, seq_axis: str = "seq",
+                           tails: bool = False):
+  """:func:`project_qkv` and (``tails`` and ``short_conv``) the convolutions' decoding
+  cache: each one's last ``size - 1`` inputs of each row's last document
+  (:func:`last_tokens`), else None."""
   B, T, _ = x_BxTxD.shape
-  q, k, v = (dot(x_BxTxD, w[...]) for w in (layer.q_proj, layer.k_proj, layer.v_proj))
+  raw = tuple(dot(x_BxTxD, w[...]) for w in (layer.q_proj, layer.k_proj, layer.v_proj))
+  out, conv_tails = raw, None
   if short_conv:
-    q, k, v = (conv(t, segment_ids, mesh=mesh, seq_axis=seq_axis)
-               for conv, t in ((layer.q_conv, q), (layer.k_conv, k), (layer.v_conv, v)))
-  return tuple(t.reshape(B, T, num_heads, -1) for t in (q, k, v))
+    convs = (layer.q_conv, layer.k_conv, layer.v_conv)
+    out = tuple(conv(t, segment_ids, mesh=mesh, seq_axis=seq_axis)
+                for conv, t in zip(convs, raw))
+    if tails:
+      conv_tails = tuple(last_tokens(t, segment_ids, conv.size - 1)
+                         for conv, t in zip(convs, raw))
+  return tuple(t.reshape(B, T, num_heads, -1) for t in out), conv_tails
+
+
+def step_qkv(layer: nnx.Module, x_BxLxD, num_heads: int, conv_tails):
+  """q, k, v of the next ``L`` tokens (decoding) and the new convolution tails (None
+  without short convolutions): :func:`project_qkv` continued from a cache."""
+  B, L, _ = x_BxLxD.shape
+  out = tuple(dot(x_BxLxD, w[...]) for w in (layer.q_proj, layer.k_proj, layer.v_proj))
+  if conv_tails is not None:
+    convs = (layer.q_conv, layer.k_conv, layer.v_conv)
+    stepped = [conv.step(t, tail) for conv, t, tail in zip(convs, out, conv_tails)]
+    out, conv_tails = tuple(y for y, _ in stepped), tuple(tail for _, tail in stepped)
+  return tuple(t.reshape(B, L, num_heads, -1) for t in out), conv_tails
+
+
+def last_positions(segment_ids, B: int, T: int):
+  """int32 ``[B]``: each row's last token that is not padding (T - 1 without ids; -1 for a
+  row that is all padding) and ``[B]`` the first token of the document holding it."""
+  t = jnp.arange(T, dtype=jnp.int32)
+  if segment_ids is None:
+    return jnp.full((B,), T - 1, jnp.int32), jnp.zeros((B,), jnp.int32)
+  ids = jnp.asarray(segment_ids)
+  real = ids >= 0
+  last = jnp.max(jnp.where(real, t, -1), axis=1)
+  starts = real & jnp.concatenate([jnp.ones((B, 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+  first = jnp.max(jnp.where(starts & (t <= last[:, None]), t, 0), axis=1)
+  return last, first
+
+
+def last_tokens(x_BxTxC, segment_ids, n: int):
+  """``[B, n, C]``: the ``n`` tokens of each row that end at its last non-padding token,
+  zeros for those before the start of that token's document (or of the row).
+
+  A one-hot contraction over T (no gather, no slicing of T): on a sequence-split T it is a
+  partial sum per shard and one small all-reduce, and left and right padding are alike."""
+  B, T, _ = x_BxTxC.shape
+  last, first = last_positions(segment_ids, B, T)
+  want = last[:, None] - (n - 1) + jnp.arange(n, dtype=jnp.int32)          # [B, n]
+  ok = want >= first[:, None]
+  onehot = (want[:, :, None] == jnp.arange(T, dtype=jnp.int32)) & ok[:, :, None]
+  return jnp.einsum("bnt,btc->bnc", onehot.astype(x_BxTxC.dtype), x_BxTxC)
+
+
+class LayerCache(NamedTuple):
+  """A token mixer's decoding cache (a pytree): ``state`` the float32 recurrent state
+  ``[B, H, K, V]``; ``conv`` the short convolutions' last ``size - 1`` inputs, one
+  ``[B, size - 1, C]`` per q, k and v, or None without short convolutions."""
+  state: jax.Array
+  conv: Optional[tuple] = None
+
+
+def empty_cache(batch_size: int, num_heads: int, key_dim: int, value_dim: int,
+                conv_size: Optional[int], dtype=jnp.float32) -> LayerCache:
+  """The cache before any token: zeros (``conv_size`` None: no short convolutions)."""
+  state = jnp.zeros((batch_size, num_heads, key_dim // num_heads, value_dim // num_heads),
+                    jnp.float32)
+  conv = None
+  if conv_size is not None:
+    conv = tuple(jnp.zeros((batch_size, conv_size - 1, c), dtype)
+                 for c in (key_dim, key_dim, value_dim))
+  return LayerCache(state, conv)
 
 
 def gated_output(norm: RMSNorm, o_proj, o_BxTxHxV, gate_BxTxHxV, x_BxTxD):
@@ -206,6 +293,7 @@ def remat_call(fn, module: nnx.Module, *args):
   return call(state, *args)
 
 
-__all__ = ["LOGICAL_AXES_KEY", "RMSNorm", "ShortConvolution", "constant_param", "dot",
-           "gated_output", "init_qkv", "init_short_convs", "normal_param", "project_qkv",
-           "remat_call"]
+__all__ = ["LOGICAL_AXES_KEY", "LayerCache", "RMSNorm", "ShortConvolution", "constant_param",
+           "dot", "empty_cache", "gated_output", "init_qkv", "init_short_convs", "last_positions",
+           "last_tokens", "normal_param", "project_qkv", "project_qkv_with_tails", "remat_call",
+           "step_qkv"]

@@ -16,10 +16,12 @@ axis ``seq_axis`` when it has size > 1, else
 :func:`zeco_jax.chunk_gated_delta_rule`. The norms and short convolution are
 :mod:`zeco_jax.nn.common`'s.
 
-What it does not do: decoding with a recurrent cache, grouped value heads
-(``num_v_heads``), negative eigenvalues (``allow_neg_eigval``). Packed documents:
-``segment_ids`` ``[B, T]`` reset the short convolutions and the state at every document
-start (docs/design.md §10).
+Decoding: ``init_cache`` / ``prefill`` / ``decode`` as :class:`zeco_jax.nn.GatedLinearAttention`'s,
+the steps by :func:`zeco_jax.fused_recurrent_gated_delta_rule`.
+
+What it does not do: grouped value heads (``num_v_heads``), negative eigenvalues
+(``allow_neg_eigval``). Packed documents: ``segment_ids`` ``[B, T]`` reset the short
+convolutions and the state at every document start (docs/design.md §10).
 """
 from __future__ import annotations
 
@@ -30,28 +32,33 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zeco_jax.nn.common import (LOGICAL_AXES_KEY, RMSNorm, dot, gated_output, init_qkv,
-                                init_short_convs, normal_param, project_qkv)
+from zeco_jax.nn.common import (LOGICAL_AXES_KEY, LayerCache, RMSNorm, dot, empty_cache,
+                                gated_output, init_qkv, init_short_convs, normal_param,
+                                project_qkv_with_tails, step_qkv)
 from zeco_jax.ops.gated_delta.op import chunk_gated_delta_rule
 from zeco_jax.ops.gated_delta.parallel import zeco_gated_delta_rule
+from zeco_jax.ops.gated_delta.recurrent import fused_recurrent_gated_delta_rule
 from zeco_jax.sp import shard
 from zeco_jax.sp.scan import SCAN_METHODS
 
 
 def gated_delta_op(q, k, v, g, beta, *, mesh=None, seq_axis: str = "seq",
                    seq_method: str = "all_scan", num_blocks: Optional[int] = None,
-                   chunk_size: int = 64, segment_ids=None):
+                   chunk_size: int = 64, segment_ids=None, output_final_state: bool = False):
   """Gated DeltaNet with l2-normalised q, k: ``zeco_gated_delta_rule`` over ``seq_axis``
-  when that mesh axis has size > 1, else ``chunk_gated_delta_rule``. Returns o."""
+  when that mesh axis has size > 1, else ``chunk_gated_delta_rule``. Returns o, and with
+  ``output_final_state`` ``(o, final_state)``."""
   if shard.seq_size(mesh, seq_axis) > 1:
-    o, _ = zeco_gated_delta_rule(q, k, v, g, beta, mesh=mesh, seq_axis=seq_axis,
-                                 method=seq_method, num_blocks=num_blocks,
-                                 chunk_size=chunk_size, use_qk_l2norm=True,
-                                 segment_ids=segment_ids)
+    o, final = zeco_gated_delta_rule(q, k, v, g, beta, mesh=mesh, seq_axis=seq_axis,
+                                     method=seq_method, num_blocks=num_blocks,
+                                     chunk_size=chunk_size, use_qk_l2norm=True,
+                                     segment_ids=segment_ids,
+                                     output_final_state=output_final_state)
   else:
-    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, use_qk_l2norm=True,
-                                  segment_ids=segment_ids)
-  return o
+    o, final = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size,
+                                      use_qk_l2norm=True, segment_ids=segment_ids,
+                                      output_final_state=output_final_state)
+  return (o, final) if output_final_state else o
 
 
 class GatedDeltaNet(nnx.Module):
@@ -89,7 +96,7 @@ class GatedDeltaNet(nnx.Module):
     Kd, Vd = H * head_dim, H * int(round(head_v))
     out_std = init_std if output_init_std is None else output_init_std
     self.num_heads, self.use_gate, self.use_short_conv = H, use_gate, use_short_conv
-    self.chunk_size, self.seq_axis = chunk_size, seq_axis
+    self.chunk_size, self.seq_axis, self.conv_size = chunk_size, seq_axis, conv_size
     self.seq_method, self.num_blocks = seq_method, num_blocks
     init_qkv(self, rngs, D, Kd, Vd, init_std)
     self.a_proj = normal_param(rngs, (D, H), init_std, ("embed", None))
@@ -110,19 +117,52 @@ class GatedDeltaNet(nnx.Module):
 
   def __call__(self, x_BxTxD, mesh=None, segment_ids=None):
     """``[B, T, hidden_size]`` -> same; ``segment_ids``: None or int ``[B, T]`` documents."""
-    B, T, _ = x_BxTxD.shape
-    H = self.num_heads
-    q, k, v = project_qkv(self, x_BxTxD, H, short_conv=self.use_short_conv,
-                          segment_ids=segment_ids, mesh=mesh, seq_axis=self.seq_axis)
+    return self._run(x_BxTxD, mesh, segment_ids, tails=False)[0]
+
+  def init_cache(self, batch_size: int, dtype=jnp.float32) -> LayerCache:
+    """The decoding cache before any token (zeros); ``dtype``: the short convolutions'
+    inputs (the compute dtype)."""
+    return empty_cache(batch_size, self.num_heads, self.q_proj.shape[1],
+                       self.v_proj.shape[1], self.conv_size if self.use_short_conv else None,
+                       dtype)
+
+  def prefill(self, x_BxTxD, mesh=None, segment_ids=None):
+    """``(y, cache)``: the layer over a prompt and the cache after each row's last
+    non-padding token (see :meth:`zeco_jax.nn.GatedLinearAttention.prefill`)."""
+    return self._run(x_BxTxD, mesh, segment_ids, tails=True)
+
+  def decode(self, x_BxLxD, cache: LayerCache):
+    """``(y, cache)`` for the next ``L`` tokens after ``cache`` (the token recurrence)."""
+    (q, k, v), conv = step_qkv(self, x_BxLxD, self.num_heads, cache.conv)
+    g, beta = self._gates(x_BxLxD)
+    o, state = fused_recurrent_gated_delta_rule(q, k, v, g, beta.astype(v.dtype),
+                                                initial_state=cache.state,
+                                                output_final_state=True, use_qk_l2norm=True)
+    return self._output(o, x_BxLxD), LayerCache(state, conv)
+
+  def _gates(self, x_BxTxD):
+    """The log-decay g and the write strength beta, float32 ``[B, T, H]``."""
     beta = jax.nn.sigmoid(dot(x_BxTxD, self.b_proj[...]).astype(jnp.float32))
     a = dot(x_BxTxD, self.a_proj[...]).astype(jnp.float32)
-    g = -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...])
-    o_BxTxHxV = gated_delta_op(q, k, v, g, beta.astype(v.dtype), mesh=mesh,
-                               seq_axis=self.seq_axis, seq_method=self.seq_method,
-                               num_blocks=self.num_blocks, chunk_size=self.chunk_size,
-                               segment_ids=segment_ids)
-    gate = (dot(x_BxTxD, self.g_proj[...]).reshape(B, T, H, -1) if self.use_gate else None)
+    return -jnp.exp(self.A_log[...]) * jax.nn.softplus(a + self.dt_bias[...]), beta
+
+  def _output(self, o_BxTxHxV, x_BxTxD):
+    B, T, _ = x_BxTxD.shape
+    gate = (dot(x_BxTxD, self.g_proj[...]).reshape(B, T, self.num_heads, -1)
+            if self.use_gate else None)
     return gated_output(self.o_norm, self.o_proj, o_BxTxHxV, gate, x_BxTxD)
+
+  def _run(self, x_BxTxD, mesh, segment_ids, *, tails: bool):
+    (q, k, v), conv = project_qkv_with_tails(
+        self, x_BxTxD, self.num_heads, short_conv=self.use_short_conv,
+        segment_ids=segment_ids, mesh=mesh, seq_axis=self.seq_axis, tails=tails)
+    g, beta = self._gates(x_BxTxD)
+    out = gated_delta_op(q, k, v, g, beta.astype(v.dtype), mesh=mesh, seq_axis=self.seq_axis,
+                         seq_method=self.seq_method, num_blocks=self.num_blocks,
+                         chunk_size=self.chunk_size, segment_ids=segment_ids,
+                         output_final_state=tails)
+    o, state = out if tails else (out, None)
+    return self._output(o, x_BxTxD), (LayerCache(state, conv) if tails else None)
 
 
 __all__ = ["GatedDeltaNet", "gated_delta_op"]

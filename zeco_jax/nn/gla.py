@@ -21,8 +21,13 @@ axes (the repository's ``models/sharding.py`` is one). For low-precision compute
 parameters (e.g. to bfloat16) before ``nnx.merge``: norms, gates, the GLA state and its
 accumulation stay float32 inside.
 
-What it does not do: decoding with a recurrent cache, or the rest of a block (MLP,
-residuals, embeddings).
+Decoding: ``cache = attn.init_cache(B)`` or ``y, cache = attn.prefill(x, mesh=mesh,
+segment_ids=ids)`` (the chunked or sequence-parallel op with its final state, and the short
+convolutions' last inputs of each row's last document), then ``y, cache = attn.decode(x_t,
+cache)`` for the next tokens (:func:`zeco_jax.fused_recurrent_gla`, O(1) per token in the
+context length). Prefill then decode equals the layer over the whole sequence.
+
+What it does not do: the rest of a block (MLP, residuals, embeddings).
 """
 from __future__ import annotations
 
@@ -32,20 +37,23 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zeco_jax.nn.common import (RMSNorm, constant_param, dot, gated_output, init_qkv,
-                                init_short_convs, normal_param, project_qkv)
+from zeco_jax.nn.common import (LayerCache, RMSNorm, constant_param, dot, empty_cache,
+                                gated_output, init_qkv, init_short_convs, normal_param,
+                                project_qkv_with_tails, step_qkv)
 from zeco_jax.ops.gla.op import chunk_gla
 from zeco_jax.ops.gla.parallel import zeco_gla
+from zeco_jax.ops.gla.recurrent import fused_recurrent_gla
 from zeco_jax.sp import shard
 from zeco_jax.sp.scan import SCAN_METHODS
 
 
 def gla_op(q, k, v, g, *, mesh=None, seq_axis: str = "seq", seq_method: str = "all_scan",
            num_blocks: Optional[int] = None, chunk_size: int = 64, backend: str = "auto",
-           segment_ids=None, batch_axes=None):
+           segment_ids=None, batch_axes=None, output_final_state: bool = False):
   """GLA over ``[B, T, H, K/V]``: ``zeco_gla`` over ``seq_axis`` when that mesh axis has
   size > 1 (or when ``batch_axes`` names how B is split on a mesh of more than one
-  device), else ``chunk_gla`` (on one seq shard, or with no mesh). Returns the output.
+  device), else ``chunk_gla`` (on one seq shard, or with no mesh). Returns the output, and
+  with ``output_final_state`` ``(o, final_state)``.
   ``segment_ids``: packed documents, as in :func:`zeco_jax.chunk_gla`. ``batch_axes``: the
   mesh axis (or axes) B is split over, as in :func:`zeco_jax.zeco_gla`: the kernels then
   run per shard of B too (the compiler cannot partition a kernel: without it a mesh with a
@@ -55,11 +63,13 @@ def gla_op(q, k, v, g, *, mesh=None, seq_axis: str = "seq", seq_method: str = "a
                                                shard.mesh_size(mesh) > 1):
     kwargs = {} if num_blocks is None else {"num_blocks": num_blocks}
     kwargs.update(seg)
-    o, _ = zeco_gla(q, k, v, g, mesh=mesh, seq_axis=seq_axis, method=seq_method,
-                    chunk_size=chunk_size, backend=backend, batch_axes=batch_axes, **kwargs)
+    o, final = zeco_gla(q, k, v, g, mesh=mesh, seq_axis=seq_axis, method=seq_method,
+                        chunk_size=chunk_size, backend=backend, batch_axes=batch_axes,
+                        output_final_state=output_final_state, **kwargs)
   else:
-    o, _ = chunk_gla(q, k, v, g, chunk_size=chunk_size, backend=backend, **seg)
-  return o
+    o, final = chunk_gla(q, k, v, g, chunk_size=chunk_size, backend=backend,
+                         output_final_state=output_final_state, **seg)
+  return (o, final) if output_final_state else o
 
 
 def check_gla_args(*, hidden_size: int, num_heads: int, expand_k: float = 0.5,
@@ -123,6 +133,7 @@ class GatedLinearAttention(nnx.Module):
     out_std = init_std if output_init_std is None else output_init_std
     self.num_heads, self.gate_logit_normalizer = num_heads, gate_logit_normalizer
     self.use_short_conv, self.chunk_size, self.backend = use_short_conv, chunk_size, backend
+    self.conv_size = conv_size
     self.seq_axis, self.seq_method, self.num_blocks = seq_axis, seq_method, num_blocks
     self.batch_axes = batch_axes
     # Creation order fixes which random draws each parameter gets: keep it.
@@ -140,18 +151,54 @@ class GatedLinearAttention(nnx.Module):
     """``[B, T, hidden_size]`` -> same. ``segment_ids``: None or integer ``[B, T]``, packed
     documents (:mod:`zeco_jax.segments`): the short convolution and the GLA state do not
     cross a document start; padding tokens (negative ids) output zero from the GLA."""
+    return self._run(x_BxTxD, mesh, segment_ids, tails=False)[0]
+
+  def init_cache(self, batch_size: int, dtype=jnp.float32) -> LayerCache:
+    """The decoding cache before any token (zeros); ``dtype``: the short convolutions'
+    inputs (the compute dtype)."""
+    return empty_cache(batch_size, self.num_heads, self.q_proj.shape[1],
+                       self.v_proj.shape[1], self.conv_size if self.use_short_conv else None,
+                       dtype)
+
+  def prefill(self, x_BxTxD, mesh=None, segment_ids=None):
+    """``(y, cache)``: the layer over a prompt (as ``__call__``, sequence-parallel on a mesh)
+    and the cache after each row's last non-padding token (left or right padding, or
+    packed documents: the last document's state and convolution inputs)."""
+    return self._run(x_BxTxD, mesh, segment_ids, tails=True)
+
+  def decode(self, x_BxLxD, cache: LayerCache):
+    """``(y, cache)`` for the next ``L`` tokens (a decode step is L = 1) after ``cache``:
+    the token recurrence, O(1) per token in the context length."""
+    B, L, _ = x_BxLxD.shape
+    (q, k, v), conv = step_qkv(self, x_BxLxD, self.num_heads, cache.conv)
+    g = self._log_decay(x_BxLxD).reshape(B, L, self.num_heads, -1)
+    o, state = fused_recurrent_gla(q, k, v, g, initial_state=cache.state,
+                                   output_final_state=True)
+    return self._output(o, x_BxLxD), LayerCache(state, conv)
+
+  def _log_decay(self, x_BxTxD):
+    gate_logits = dot(dot(x_BxTxD, self.gk_down[...]), self.gk_up[...]).astype(jnp.float32)
+    return jax.nn.log_sigmoid(gate_logits + self.gk_bias[...]) / self.gate_logit_normalizer
+
+  def _output(self, o_BxTxHxV, x_BxTxD):
+    B, T, _ = x_BxTxD.shape
+    gate = dot(x_BxTxD, self.g_proj[...]).reshape(B, T, self.num_heads, -1)
+    return gated_output(self.g_norm, self.o_proj, o_BxTxHxV, gate, x_BxTxD)
+
+  def _run(self, x_BxTxD, mesh, segment_ids, *, tails: bool):
     B, T, _ = x_BxTxD.shape
     H = self.num_heads
-    q, k, v = project_qkv(self, x_BxTxD, H, short_conv=self.use_short_conv,
-                          segment_ids=segment_ids, mesh=mesh, seq_axis=self.seq_axis)
-    gate_logits = dot(dot(x_BxTxD, self.gk_down[...]), self.gk_up[...]).astype(jnp.float32)
-    g = jax.nn.log_sigmoid(gate_logits + self.gk_bias[...]) / self.gate_logit_normalizer
-    o_BxTxHxV = gla_op(q, k, v, g.reshape(B, T, H, -1), mesh=mesh, seq_axis=self.seq_axis,
-                       seq_method=self.seq_method, num_blocks=self.num_blocks,
-                       chunk_size=self.chunk_size, backend=self.backend,
-                       segment_ids=segment_ids, batch_axes=self.batch_axes)
-    gate = dot(x_BxTxD, self.g_proj[...]).reshape(B, T, H, -1)
-    return gated_output(self.g_norm, self.o_proj, o_BxTxHxV, gate, x_BxTxD)
+    (q, k, v), conv = project_qkv_with_tails(
+        self, x_BxTxD, H, short_conv=self.use_short_conv, segment_ids=segment_ids,
+        mesh=mesh, seq_axis=self.seq_axis, tails=tails)
+    g = self._log_decay(x_BxTxD).reshape(B, T, H, -1)
+    out = gla_op(q, k, v, g, mesh=mesh, seq_axis=self.seq_axis, seq_method=self.seq_method,
+                 num_blocks=self.num_blocks, chunk_size=self.chunk_size, backend=self.backend,
+                 segment_ids=segment_ids, batch_axes=self.batch_axes,
+                 output_final_state=tails)
+    o, state = out if tails else (out, None)
+    y = self._output(o, x_BxTxD)
+    return y, (LayerCache(state, conv) if tails else None)
 
 
 __all__ = ["GatedLinearAttention", "check_gla_args", "gla_op"]
