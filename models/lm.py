@@ -8,6 +8,11 @@ final hidden states and the head without the ``[B, T, vocab]`` logits (the chunk
 cross-entropy), for every family. The mesh comes from the call (``model(tokens,
 mesh=mesh)``) or from ``jax.set_mesh``; nothing here holds one.
 
+Decoding (:mod:`models.generation` runs these in one jitted loop): :meth:`LM.prefill` runs
+a prompt (sequence-parallel on a mesh) and returns the next-token logits of each row's last
+prompt token with every layer's cache; :meth:`LM.decode` continues from the caches one
+token (or a few) at a time; :meth:`LM.score` is the log-likelihood of given tokens.
+
 Every parameter carries ``logical_axes`` metadata; :mod:`models.sharding` maps those to
 mesh axes. Parameters are float32; cast the parameter tree (e.g. to bfloat16) before
 ``nnx.merge`` for low-precision compute: norms, gates, the states and the logits stay
@@ -21,9 +26,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zeco_jax.losses import embedding_lookup
+from zeco_jax.losses import embedding_lookup, linear_cross_entropy
 from zeco_jax.nn import RMSNorm, normal_param, remat_call
-from zeco_jax.nn.common import dot
+from zeco_jax.nn.common import dot, last_tokens
 
 
 def residual_out_std(cfg) -> float:
@@ -56,6 +61,18 @@ class Block(nnx.Module):
   def __call__(self, x, mesh=None, segment_ids=None):
     x = x + self.attn(self.attn_norm(x), mesh, segment_ids=segment_ids)
     return x + self.mlp(self.mlp_norm(x))
+
+  def prefill(self, x, mesh=None, segment_ids=None):
+    """``(x, cache)``: the block over a prompt and its token mixer's cache."""
+    y, cache = self.attn.prefill(self.attn_norm(x), mesh, segment_ids=segment_ids)
+    x = x + y
+    return x + self.mlp(self.mlp_norm(x)), cache
+
+  def decode(self, x, cache):
+    """``(x, cache)`` for the next tokens after ``cache``."""
+    y, cache = self.attn.decode(self.attn_norm(x), cache)
+    x = x + y
+    return x + self.mlp(self.mlp_norm(x)), cache
 
 
 class LM(nnx.Module):
@@ -100,9 +117,72 @@ class LM(nnx.Module):
   def __call__(self, tokens_BxT, mesh=None, segment_ids=None):
     """Float32 logits ``[B, T, vocab]`` (see :meth:`hidden`; training uses
     :func:`zeco_jax.losses.linear_cross_entropy` on the hidden states instead)."""
-    x = self.hidden(tokens_BxT, mesh, segment_ids)
-    return jnp.einsum("btd,vd->btv", x, self.embed[...].astype(x.dtype),
+    return self.logits(self.hidden(tokens_BxT, mesh, segment_ids))
+
+  def logits(self, hidden):
+    """Float32 logits ``[..., vocab]`` of final hidden states ``[..., hidden]``."""
+    return jnp.einsum("...d,vd->...v", hidden, self.embed[...].astype(hidden.dtype),
                       preferred_element_type=jnp.float32)
+
+  def init_cache(self, batch_size: int, dtype=jnp.float32) -> tuple:
+    """Every layer's decoding cache before any token (zeros): a tuple, one per block."""
+    return tuple(block.attn.init_cache(batch_size, dtype) for block in self.blocks())
+
+  def prefill(self, tokens_BxT, mesh=None, segment_ids=None):
+    """``(logits [B, vocab], caches)``: the prompt through every layer (sequence-parallel
+    over ``mesh``'s seq axis), the float32 next-token logits of each row's last
+    non-padding token, and every layer's cache after it.
+
+    Rows of different lengths: pad them (left or right) with ``segment_ids`` -1 on the
+    padding and one non-negative id on the prompt; packed documents continue the last
+    one. The last token is picked by a one-hot contraction over T (no gather of a
+    sequence-split T)."""
+    x = embedding_lookup(self.embed[...], tokens_BxT)
+    caches = []
+    for block in self.blocks():
+      x, cache = block.prefill(x, mesh, segment_ids)
+      caches.append(cache)
+    last = last_tokens(x, segment_ids, 1)[:, 0]
+    return self.logits(self.norm(last)), tuple(caches)
+
+  def decode(self, tokens_BxL, caches):
+    """``(logits [B, L, vocab], caches)`` for the next ``L`` tokens (a decode step: L = 1)
+    after ``caches`` (:meth:`prefill`'s or :meth:`init_cache`'s): the token recurrences,
+    O(1) per token in the context length."""
+    x = embedding_lookup(self.embed[...], tokens_BxL)
+    new = []
+    for block, cache in zip(self.blocks(), caches):
+      x, cache = block.decode(x, cache)
+      new.append(cache)
+    return self.logits(self.norm(x)), tuple(new)
+
+  def generate(self, prompt_tokens, **kwargs):
+    """New tokens after a prompt: :func:`models.generation.generate` with this model."""
+    from models.generation import generate
+    return generate(self, prompt_tokens, **kwargs)
+
+  def score(self, tokens_BxT, mesh=None, segment_ids=None, *, chunk_size: int = 0):
+    """Float32 ``[B, T]``: ``log p(tokens[t] | tokens[:t])`` by the chunked forward (one
+    pass, sequence-parallel over ``mesh``), 0 where there is nothing to predict from: t = 0,
+    a document's first token and padding (``segment_ids``). Sum it over a continuation's
+    positions for the continuation's log-likelihood. ``chunk_size`` > 0: the head in
+    chunks of that many tokens (:func:`zeco_jax.losses.linear_cross_entropy`, no
+    ``[B, T, vocab]`` logits; must divide ``B * (T - 1)``)."""
+    B, T = tokens_BxT.shape
+    h = self.hidden(tokens_BxT, mesh, segment_ids)[:, :-1]
+    targets = tokens_BxT[:, 1:]
+    if chunk_size:
+      nll, _ = linear_cross_entropy(h.reshape(B * (T - 1), -1), self.embed[...],
+                                    targets.reshape(-1), chunk_size=chunk_size)
+      logp = -nll.reshape(B, T - 1)
+    else:
+      logp = jnp.take_along_axis(jax.nn.log_softmax(self.logits(h)), targets[..., None],
+                                 axis=-1)[..., 0]
+    if segment_ids is not None:
+      ids = jnp.asarray(segment_ids)
+      same = (ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)
+      logp = jnp.where(same, logp, 0.0)
+    return jnp.pad(logp, ((0, 0), (1, 0)))
 
 
 def num_params(model: nnx.Module) -> int:

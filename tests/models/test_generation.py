@@ -1,0 +1,118 @@
+"""Generation with the LM (models.lm.LM.prefill / decode / generate / score): greedy tokens
+equal the argmax of the model's teacher-forced logits at every step, for both families;
+the same seed draws the same tokens, and top_k = 1 or a tiny top_p is greedy; prompts
+padded left or right continue as the unpadded prompt alone; generation stops per row at
+EOS; the prefill over data=2 x seq=4 gives one device's next-token logits and caches;
+score is the teacher-forced log-likelihood. Bars (relative norm, float32): 1e-5."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from helpers import rel_err
+from models import GDNConfig, GLAConfig, LM
+from models.generation import Sampling
+
+CONFIGS = {
+    "gla": GLAConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2,
+                     use_short_conv=True, expand_k=1.0),
+    "gdn": GDNConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2,
+                     use_short_conv=True, expand_k=1.0, expand_v=1.0),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def model(family):
+  return LM(CONFIGS[family], rngs=nnx.Rngs(0))
+
+
+def prompt(seed, B=3, T=37):
+  return jax.random.randint(jax.random.key(seed), (B, T), 0, 64)
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_greedy_tokens_are_the_teacher_forced_argmax(family):
+  m, p = model(family), prompt(0)
+  tokens, lengths = m.generate(p, max_new_tokens=10)
+  logits = m(jnp.concatenate([p, tokens], 1))
+  assert np.array_equal(np.asarray(jnp.argmax(logits[:, p.shape[1] - 1:-1], -1)),
+                        np.asarray(tokens))
+  assert np.array_equal(np.asarray(lengths), [10, 10, 10])
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_score_is_the_teacher_forced_log_likelihood(family):
+  m, t = model(family), prompt(1, T=48)
+  want = jnp.take_along_axis(jax.nn.log_softmax(m(t)[:, :-1]), t[:, 1:, None], -1)[..., 0]
+  got = m.score(t)
+  assert np.all(np.asarray(got[:, 0]) == 0)
+  assert rel_err(got[:, 1:], want) <= 1e-5
+  assert rel_err(m.score(t, chunk_size=3 * 47)[:, 1:], want) <= 1e-5
+  ids = jnp.asarray(np.repeat([[0] * 20 + [1] * 28], 3, 0).astype(np.int32))
+  scored = m.score(t, segment_ids=ids)
+  assert np.all(np.asarray(scored[:, 20]) == 0)     # a document's first token: no context
+
+
+def test_sampling_is_seeded_and_its_cuts_work():
+  m, p = model("gla"), prompt(2)
+  sample = lambda **kw: np.asarray(m.generate(p, max_new_tokens=8, **kw)[0])
+  a = sample(temperature=1.0, top_k=10, top_p=0.9, seed=3)
+  assert np.array_equal(a, sample(temperature=1.0, top_k=10, top_p=0.9, seed=3))
+  assert not np.array_equal(a, sample(temperature=1.0, top_k=10, top_p=0.9, seed=4))
+  greedy = sample()
+  assert np.array_equal(sample(temperature=1.0, top_k=1, seed=5), greedy)
+  assert np.array_equal(sample(temperature=1.0, top_p=1e-6, seed=5), greedy)
+  logits = jnp.asarray([[0.0, 1.0, 2.0, 3.0]])
+  drawn = {int(Sampling(1.0, top_k=2).sample(logits, jax.random.key(i))[0]) for i in range(64)}
+  assert drawn == {2, 3}
+
+
+def test_padded_prompts_and_eos():
+  m, p = model("gdn"), prompt(3)
+  mask = np.ones(p.shape, bool)
+  mask[1, :10] = False            # left padding
+  mask[2, -5:] = False            # right padding
+  alone = [p[0:1], p[1:2, 10:], p[2:3, :-5]]
+  want = [np.asarray(m.generate(a, max_new_tokens=6)[0][0]) for a in alone]
+  got, _ = m.generate(p, prompt_mask=jnp.asarray(mask), max_new_tokens=6)
+  assert np.array_equal(np.asarray(got), np.stack(want))
+  eos = int(want[0][2])
+  stopped, lengths = m.generate(p, prompt_mask=jnp.asarray(mask), max_new_tokens=6,
+                                eos_id=eos, pad_id=-7)
+  first = [int(np.argmax(w == eos)) + 1 if np.any(w == eos) else 6 for w in want]
+  assert np.array_equal(np.asarray(lengths), first)
+  for row, n in enumerate(first):
+    assert np.array_equal(np.asarray(stopped[row, :n]), want[row][:n])
+    assert np.all(np.asarray(stopped[row, n:]) == -7)
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_prefill_on_a_mesh_equals_one_device(family, devices):
+  m = model(family)
+  mesh = jax.make_mesh((2, 4), ("data", "seq"), devices=devices)
+  p = prompt(4, B=2, T=64)
+  ids = jnp.asarray(np.where(np.arange(64) < 9, -1, 0)[None].repeat(2, 0).astype(np.int32))
+  graphdef, state = nnx.split(m)
+  run = lambda mesh: jax.jit(lambda p, ids: nnx.merge(graphdef, state).prefill(p, mesh, ids))
+  logits, caches = run(None)(p, ids)
+  logits_m, caches_m = run(mesh)(p, ids)
+  assert rel_err(logits_m, logits) <= 1e-5
+  for got, want in zip(jax.tree.leaves(caches_m), jax.tree.leaves(caches)):
+    assert rel_err(got, want) <= 1e-5
+
+
+def test_bad_arguments_name_themselves():
+  m = model("gla")
+  with pytest.raises(ValueError, match="empty"):
+    m.generate(jnp.zeros((1, 0), jnp.int32), max_new_tokens=4)
+  with pytest.raises(ValueError, match="prompt_mask"):
+    m.generate(prompt(0), prompt_mask=jnp.ones((3, 5), bool), max_new_tokens=4)
+  with pytest.raises(ValueError, match="no prompt token"):
+    m.generate(prompt(0), prompt_mask=jnp.zeros((3, 37), bool), max_new_tokens=4)
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    m.generate(prompt(0), max_new_tokens=0)
+  with pytest.raises(ValueError, match="top_p"):
+    m.generate(prompt(0), max_new_tokens=2, temperature=1.0, top_p=0.0)
