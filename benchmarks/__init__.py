@@ -32,6 +32,12 @@ Training step (one GPU):
   (``train_gla340m --profile``; also a command on a trace folder, any machine).
   -> results/profile_gla340m_h200.md
 
+Generation (one GPU):
+
+* ``generate``: GLA-340M prefill time and decode tokens/s at several batch sizes, ours
+  (``models.generation.generate``) beside FLA's model with Hugging Face ``generate``
+  (torch + FLA for its side). -> results/generate_h200.md
+
 Communication and overlap:
 
 * ``comm_volume``: bytes per rank of every scan method, read from the compiled HLO, beside
