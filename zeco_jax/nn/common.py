@@ -229,16 +229,35 @@ class LayerCache(NamedTuple):
   conv: Optional[tuple] = None
 
 
-def empty_cache(batch_size: int, num_heads: int, key_dim: int, value_dim: int,
-                conv_size: Optional[int], dtype=jnp.float32) -> LayerCache:
-  """The cache before any token: zeros (``conv_size`` None: no short convolutions)."""
-  state = jnp.zeros((batch_size, num_heads, key_dim // num_heads, value_dim // num_heads),
-                    jnp.float32)
-  conv = None
-  if conv_size is not None:
-    conv = tuple(jnp.zeros((batch_size, conv_size - 1, c), dtype)
-                 for c in (key_dim, key_dim, value_dim))
-  return LayerCache(state, conv)
+class TokenMixer(nnx.Module):
+  """What every family's layer shares: the training call and the decoding entry points,
+  over the family's ``_run(x, mesh, segment_ids, *, tails) -> (y, cache or None)`` (the
+  chunked or sequence-parallel op) and ``decode(x, cache) -> (y, cache)`` (its recurrent
+  op). A subclass sets ``num_heads``, ``use_short_conv``, ``conv_size`` and the
+  projections of :func:`init_qkv`."""
+
+  def __call__(self, x_BxTxD, mesh=None, segment_ids=None):
+    """``[B, T, hidden_size]`` -> same. ``segment_ids``: None or integer ``[B, T]``, packed
+    documents (:mod:`zeco_jax.segments`): the short convolution and the state do not cross
+    a document start; padding tokens (negative ids) leave the state unchanged."""
+    return self._run(x_BxTxD, mesh, segment_ids, tails=False)[0]
+
+  def init_cache(self, batch_size: int, dtype=jnp.float32) -> LayerCache:
+    """The decoding cache before any token (zeros); ``dtype``: the short convolutions'
+    inputs (the compute dtype)."""
+    H, key_dim, value_dim = self.num_heads, self.q_proj.shape[1], self.v_proj.shape[1]
+    state = jnp.zeros((batch_size, H, key_dim // H, value_dim // H), jnp.float32)
+    conv = None
+    if self.use_short_conv:
+      conv = tuple(jnp.zeros((batch_size, self.conv_size - 1, c), dtype)
+                   for c in (key_dim, key_dim, value_dim))
+    return LayerCache(state, conv)
+
+  def prefill(self, x_BxTxD, mesh=None, segment_ids=None):
+    """``(y, cache)``: the layer over a prompt (as ``__call__``, sequence-parallel on a mesh)
+    and the cache after each row's last non-padding token (left or right padding, or
+    packed documents: the last document's state and convolution inputs)."""
+    return self._run(x_BxTxD, mesh, segment_ids, tails=True)
 
 
 def gated_output(norm: RMSNorm, o_proj, o_BxTxHxV, gate_BxTxHxV, x_BxTxD):
@@ -293,7 +312,7 @@ def remat_call(fn, module: nnx.Module, *args):
   return call(state, *args)
 
 
-__all__ = ["LOGICAL_AXES_KEY", "LayerCache", "RMSNorm", "ShortConvolution", "constant_param",
-           "dot", "empty_cache", "gated_output", "init_qkv", "init_short_convs", "last_positions",
-           "last_tokens", "normal_param", "project_qkv", "project_qkv_with_tails", "remat_call",
-           "step_qkv"]
+__all__ = ["LOGICAL_AXES_KEY", "LayerCache", "RMSNorm", "ShortConvolution", "TokenMixer",
+           "constant_param", "dot", "gated_output", "init_qkv", "init_short_convs",
+           "last_positions", "last_tokens", "normal_param", "project_qkv",
+           "project_qkv_with_tails", "remat_call", "step_qkv"]

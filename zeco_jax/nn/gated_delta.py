@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zeco_jax.nn.common import (LOGICAL_AXES_KEY, LayerCache, RMSNorm, dot, empty_cache,
+from zeco_jax.nn.common import (LOGICAL_AXES_KEY, LayerCache, RMSNorm, TokenMixer, dot,
                                 gated_output, init_qkv, init_short_convs, normal_param,
                                 project_qkv_with_tails, step_qkv)
 from zeco_jax.ops.gated_delta.op import chunk_gated_delta_rule
@@ -61,7 +61,7 @@ def gated_delta_op(q, k, v, g, beta, *, mesh=None, seq_axis: str = "seq",
   return (o, final) if output_final_state else o
 
 
-class GatedDeltaNet(nnx.Module):
+class GatedDeltaNet(TokenMixer):
   """The Gated DeltaNet token mixer: ``[B, T, hidden_size]`` -> ``[B, T, hidden_size]``.
 
   Args:
@@ -114,22 +114,6 @@ class GatedDeltaNet(nnx.Module):
       self.g_proj = normal_param(rngs, (D, Vd), init_std, ("embed", "heads"))
     self.o_norm = RMSNorm(Vd // H, norm_eps, logical_axes=("head_dim",))
     self.o_proj = normal_param(rngs, (Vd, D), out_std, ("heads", "embed"))
-
-  def __call__(self, x_BxTxD, mesh=None, segment_ids=None):
-    """``[B, T, hidden_size]`` -> same; ``segment_ids``: None or int ``[B, T]`` documents."""
-    return self._run(x_BxTxD, mesh, segment_ids, tails=False)[0]
-
-  def init_cache(self, batch_size: int, dtype=jnp.float32) -> LayerCache:
-    """The decoding cache before any token (zeros); ``dtype``: the short convolutions'
-    inputs (the compute dtype)."""
-    return empty_cache(batch_size, self.num_heads, self.q_proj.shape[1],
-                       self.v_proj.shape[1], self.conv_size if self.use_short_conv else None,
-                       dtype)
-
-  def prefill(self, x_BxTxD, mesh=None, segment_ids=None):
-    """``(y, cache)``: the layer over a prompt and the cache after each row's last
-    non-padding token (see :meth:`zeco_jax.nn.GatedLinearAttention.prefill`)."""
-    return self._run(x_BxTxD, mesh, segment_ids, tails=True)
 
   def decode(self, x_BxLxD, cache: LayerCache):
     """``(y, cache)`` for the next ``L`` tokens after ``cache`` (the token recurrence)."""

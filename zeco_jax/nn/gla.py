@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zeco_jax.nn.common import (LayerCache, RMSNorm, constant_param, dot, empty_cache,
+from zeco_jax.nn.common import (LayerCache, RMSNorm, TokenMixer, constant_param, dot,
                                 gated_output, init_qkv, init_short_convs, normal_param,
                                 project_qkv_with_tails, step_qkv)
 from zeco_jax.ops.gla.op import chunk_gla
@@ -93,7 +93,7 @@ def check_gla_args(*, hidden_size: int, num_heads: int, expand_k: float = 0.5,
                      f"SCAN_METHODS), got {seq_method!r}")
 
 
-class GatedLinearAttention(nnx.Module):
+class GatedLinearAttention(TokenMixer):
   """The GLA token mixer: ``[B, T, hidden_size]`` -> ``[B, T, hidden_size]``.
 
   Args:
@@ -146,25 +146,6 @@ class GatedLinearAttention(nnx.Module):
     self.o_proj = normal_param(rngs, (Vd, D), out_std, ("heads", "embed"))
     if use_short_conv:
       init_short_convs(self, rngs, Kd, Vd, conv_size)
-
-  def __call__(self, x_BxTxD, mesh=None, segment_ids=None):
-    """``[B, T, hidden_size]`` -> same. ``segment_ids``: None or integer ``[B, T]``, packed
-    documents (:mod:`zeco_jax.segments`): the short convolution and the GLA state do not
-    cross a document start; padding tokens (negative ids) output zero from the GLA."""
-    return self._run(x_BxTxD, mesh, segment_ids, tails=False)[0]
-
-  def init_cache(self, batch_size: int, dtype=jnp.float32) -> LayerCache:
-    """The decoding cache before any token (zeros); ``dtype``: the short convolutions'
-    inputs (the compute dtype)."""
-    return empty_cache(batch_size, self.num_heads, self.q_proj.shape[1],
-                       self.v_proj.shape[1], self.conv_size if self.use_short_conv else None,
-                       dtype)
-
-  def prefill(self, x_BxTxD, mesh=None, segment_ids=None):
-    """``(y, cache)``: the layer over a prompt (as ``__call__``, sequence-parallel on a mesh)
-    and the cache after each row's last non-padding token (left or right padding, or
-    packed documents: the last document's state and convolution inputs)."""
-    return self._run(x_BxTxD, mesh, segment_ids, tails=True)
 
   def decode(self, x_BxLxD, cache: LayerCache):
     """``(y, cache)`` for the next ``L`` tokens (a decode step is L = 1) after ``cache``:
