@@ -28,6 +28,8 @@ import sys
 
 from absl import app, flags, logging
 
+from trainer import cli
+
 _WORKDIR = flags.DEFINE_string("workdir", None, "the training run's workdir (train.py "
                                "--workdir): config.json, checkpoints/, tokenizer.json")
 _PROMPT = flags.DEFINE_string("prompt", None, "the text to continue")
@@ -42,10 +44,7 @@ _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 1, "continuations of the prom
 _SEED = flags.DEFINE_integer("seed", 0, "the sampling seed")
 _MESH = flags.DEFINE_string("mesh", "data=1,seq=1", "devices: data=N,seq=M (the prompt is "
                             "split over seq; the samples over data)")
-_COORDINATOR = flags.DEFINE_string("coordinator", None,
-                                   "HOST:PORT of process 0, the same on every process")
-_NUM_PROCESSES = flags.DEFINE_integer("num-processes", None, "number of processes")
-_PROCESS_ID = flags.DEFINE_integer("process-id", None, "this process, 0 .. N-1")
+_PROCESSES = cli.define_process_flags()      # several processes (trainer/cli.py)
 _LOCAL_DEVICE_COUNT = flags.DEFINE_integer(
     "local-device-count", None, "simulated CPU devices of this process (CPU backend only; "
     "default: what --mesh needs)")
@@ -100,10 +99,9 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   text = read_prompt()
   mesh_shape = check_flags()
-  from zeco_jax.runtime import distributed
   try:   # before anything starts the jax backend
-    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                           _LOCAL_DEVICE_COUNT.value or mesh_shape["data"] * mesh_shape["seq"])
+    _PROCESSES.initialize(_LOCAL_DEVICE_COUNT.value
+                          or mesh_shape["data"] * mesh_shape["seq"])
   except ValueError as e:
     fail(f"multi-process settings: {e}")
   import jax
@@ -134,7 +132,7 @@ def main(argv):
       top_k=_TOP_K.value, top_p=_TOP_P.value, eos_id=run.tokenizer.eos_id, seed=_SEED.value,
       mesh=mesh)
   tokens, lengths = np.asarray(tokens), np.asarray(lengths)
-  if not distributed.is_main_process():
+  if jax.process_index() != 0:
     return
   for i in range(_NUM_SAMPLES.value):
     if _NUM_SAMPLES.value > 1:

@@ -42,7 +42,7 @@ from ml_collections import config_flags
 
 import configs
 import trainer
-from trainer import metrics
+from trainer import cli, metrics
 from zeco_jax.runtime import distributed
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs",
@@ -59,12 +59,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "checkpoints, metrics.jsonl, ten
                                "and loss.png (default: runs/<config file name>)")
 _PROGRESS = flags.DEFINE_enum("progress", "bar", list(metrics.PROGRESS_MODES),
                               "a tqdm bar, plain log lines, or nothing")
-# Several processes (zeco_jax.runtime.distributed.initialize; default: the JAX_* environment
-# variables, else SLURM / TPU-pod detection, else one process).
-_COORDINATOR = flags.DEFINE_string("coordinator", None,
-                                   "HOST:PORT of process 0, the same on every process")
-_NUM_PROCESSES = flags.DEFINE_integer("num-processes", None, "number of processes")
-_PROCESS_ID = flags.DEFINE_integer("process-id", None, "this process, 0 .. N-1")
+_PROCESSES = cli.define_process_flags()      # several processes (trainer/cli.py)
 _COMPILE_ONLY = flags.DEFINE_string(
     "compile_only", None, "a TPU topology (v5p:2x2x2, v5e:4x4, v6e:8x8, ...): compile the "
     "training step for it ahead of time (needs libtpu, no TPU; nothing runs, no data is read) "
@@ -101,9 +96,9 @@ def define_config_flag(flag_values=flags.FLAGS, sys_argv=None) -> None:
   argv = sys.argv if sys_argv is None else sys_argv
   text = any(a == "--text" or a.startswith("--text=") for a in argv)
   config_flags.DEFINE_config_file(
-      "config", TEXT_CONFIG if text else DEFAULT_CONFIG, "a config file (configs/*.py); override its fields as "
-      "--config.model.num_layers=4", flag_values=flag_values, lock_config=True,
-      sys_argv=sys_argv)
+      "config", TEXT_CONFIG if text else DEFAULT_CONFIG, "a config file (configs/*.py); "
+      "override its fields as --config.model.num_layers=4", flag_values=flag_values,
+      lock_config=True, sys_argv=sys_argv)
 
 
 def parse_flags(argv):
@@ -136,8 +131,7 @@ def main(argv):
       sys.exit(f"train.py: {e}")
     return
   try:   # first: before anything starts the jax backend
-    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                           _cpu_device_count())
+    _PROCESSES.initialize(_cpu_device_count())
   except ValueError as e:
     sys.exit(f"multi-process settings: {e}")
   config = flags.FLAGS.config

@@ -506,6 +506,21 @@ def tiny_cfg(**train_overrides):
   return config
 
 
+def tiny_text_cfg(corpus_dir, **train_overrides):
+  """configs/text_tiny.py made small: 1 block, BPE of 300 tokens, 4 x 128-token rows on
+  data=2 x seq=4, 20 steps checkpointed at 10, with ``train_overrides``."""
+  import configs.text_tiny
+  config = configs.text_tiny.get_config()
+  config.model.update(vocab_size=300, hidden_size=32, num_layers=1, num_heads=2,
+                      intermediate_size=64, chunk_size=16)
+  config.data.update(path=corpus_dir, seq_len=128, batch_size=4)
+  config.mesh = "data=2,seq=4"
+  config.train.update(steps=20, warmup_steps=2, log_every=5, eval_every=0, eval_batches=1,
+                      checkpoint_every=10)
+  config.train.update(train_overrides)
+  return config
+
+
 def tiny_flags(**train_overrides) -> list:
   """The same config as train.py command-line overrides (--config.SECTION.FIELD=VALUE)."""
   fields = {**{f"{s}.{k}": v for s, kv in TINY.items() for k, v in kv.items()},

@@ -11,24 +11,17 @@ import sys
 import pytest
 
 import trainer
-from helpers import ROOT, persistent_cache_env
+from helpers import ROOT, persistent_cache_env, tiny_text_cfg
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory, compile_cache):
-  import configs.text_tiny
   from models import corpus
   folder = corpus.write_corpus(str(tmp_path_factory.mktemp("corpus")), documents=40, seed=3,
                                sentences=(1, 3))
-  config = configs.text_tiny.get_config()
-  config.model.update(vocab_size=300, hidden_size=32, num_layers=1, num_heads=2,
-                      intermediate_size=64, chunk_size=16)
-  config.data.update(path=folder, seq_len=128, batch_size=4)
-  config.mesh = "data=2,seq=4"
-  config.train.update(steps=4, warmup_steps=1, log_every=2, eval_every=0, eval_batches=1,
-                      checkpoint_every=4)
   path = str(tmp_path_factory.mktemp("run"))
-  trainer.train_and_evaluate(config, path, progress="off")
+  trainer.train_and_evaluate(tiny_text_cfg(folder, steps=4, warmup_steps=1, log_every=2,
+                                           checkpoint_every=4), path, progress="off")
   return path
 
 

@@ -22,7 +22,8 @@ import configs.gla_1b3
 import configs.gla_340m
 import configs.tiny_mqar
 import trainer
-from helpers import ROOT, persistent_cache_env, run_train_py, tiny_cfg, tiny_flags
+from helpers import (ROOT, persistent_cache_env, run_train_py, tiny_cfg, tiny_flags,
+                     tiny_text_cfg)
 
 pytestmark = pytest.mark.usefixtures("compile_cache")
 
@@ -158,19 +159,6 @@ def test_sigkill_during_async_save_resumes_from_last_complete(straight_run, tmp_
 
 # --- real text ----------------------------------------------------------------------------
 
-def text_cfg(corpus_dir, **train_overrides):
-  """configs/text_tiny.py made small: 1 block, BPE of 300 tokens, 4 x 128-token rows."""
-  import configs.text_tiny
-  config = configs.text_tiny.get_config()
-  config.model.update(vocab_size=300, hidden_size=32, num_layers=1, num_heads=2,
-                      intermediate_size=64, chunk_size=16)
-  config.data.update(path=corpus_dir, seq_len=128, batch_size=4)
-  config.mesh = "data=2,seq=4"
-  config.train.update(steps=20, warmup_steps=2, log_every=5, eval_every=0, eval_batches=1,
-                      checkpoint_every=10, **train_overrides)
-  return config
-
-
 @pytest.fixture(scope="module")
 def text_corpus(tmp_path_factory):
   from models import corpus
@@ -181,16 +169,16 @@ def text_corpus(tmp_path_factory):
 def test_text_resume_is_exact(text_corpus, tmp_path_factory, devices):
   """Packed documents with segment_ids over seq=4: 20 steps == 10 + resume + 10, bit for bit,
   the second invocation's grain iterators restored from the checkpoint's data item."""
-  straight = trainer.train_and_evaluate(text_cfg(text_corpus),
+  straight = trainer.train_and_evaluate(tiny_text_cfg(text_corpus),
                                         str(tmp_path_factory.mktemp("text_straight")),
                                         progress="off")
   workdir = tmp_path_factory.mktemp("text_resumed")
-  first = trainer.train_and_evaluate(text_cfg(text_corpus, stop_after=10), str(workdir),
+  first = trainer.train_and_evaluate(tiny_text_cfg(text_corpus, stop_after=10), str(workdir),
                                      progress="off")
   assert first["step"] == 10 and "final_eval" not in first
   assert os.listdir(workdir / "checkpoints" / "10" / "data"), "no data item in the checkpoint"
   tokenizer = (workdir / "tokenizer.json").read_text()
-  second = trainer.train_and_evaluate(text_cfg(text_corpus), str(workdir), progress="off")
+  second = trainer.train_and_evaluate(tiny_text_cfg(text_corpus), str(workdir), progress="off")
   assert second["start_step"] == 10 and second["step"] == 20
   assert (workdir / "tokenizer.json").read_text() == tokenizer
   losses = {**first["losses"], **second["losses"]}

@@ -8,9 +8,9 @@ Each runs its family's sequence-parallel op over the mesh axis ``seq_axis`` when
 has size > 1 (the mesh from the call or ``jax.set_mesh``), else the one-device chunked op.
 :mod:`zeco_jax.nn.common` holds what they share (RMSNorm, ShortConvolution, parameters
 with logical axes, the q / k / v prologue, ``remat_call``, the decoding cache
-``LayerCache``). Each layer decodes: ``init_cache`` / ``prefill`` (the prompt, over the
-mesh) / ``decode`` (the next tokens, by the family's ``fused_recurrent`` op). Needs flax; ``import zeco_jax``
-does not import this package.
+``LayerCache`` and ``TokenMixer``, the layers' base). Each layer decodes: ``init_cache`` /
+``prefill`` (the prompt, over the mesh) / ``decode`` (the next tokens, by the family's
+``fused_recurrent`` op). Needs flax; ``import zeco_jax`` does not import this package.
 """
 from zeco_jax.nn.common import (LOGICAL_AXES_KEY, LayerCache, RMSNorm, ShortConvolution,
                                 constant_param, normal_param, remat_call)
