@@ -71,7 +71,9 @@ def collective_bytes(hlo_text: str, num_devices: int) -> dict:
         per_rank = nbytes / group_size * (group_size - 1)
       elif kind == "reduce-scatter":    # result is one shard; ring sends G-1 shards
         per_rank = nbytes * (group_size - 1)
-      else:                             # all-reduce (ring: 2 (G-1)/G of the buffer), all-to-all
+      elif kind == "all-to-all":        # each rank keeps 1/G of its buffer, sends the rest
+        per_rank = nbytes * (group_size - 1) / group_size
+      else:                             # all-reduce (ring: 2 (G-1)/G of the buffer)
         per_rank = nbytes * 2 * (group_size - 1) / group_size
       sent[kind] += per_rank
   return dict(sent)
