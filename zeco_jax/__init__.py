@@ -10,6 +10,8 @@ Public API:
   chunk_gated_delta_rule               the chunked WY/UT op
   zeco_gated_delta_rule,               sequence-parallel Gated DeltaNet (All-Scan over
   zeco_gated_delta_rule_local          matrix transitions)
+  sp_attention, sp_attention_local     softmax attention over the same sequence mesh (hybrid
+  ATTENTION_METHODS                    models): "ulysses", "all_gather" (zigzag), "ring"
   all_scan                             the exclusive state scan over a mesh axis (in shard_map)
   SCAN_METHODS, ScanMethod             the scan methods by name ("all_scan", "all_gather",
                                        "ring", "tree"): the one vocabulary of ``method=``
@@ -32,6 +34,8 @@ distributed, launch, hlo_stats). Kernel configuration: ``pallas_kernels.KernelCo
 from zeco_jax import debug
 from zeco_jax import losses
 from zeco_jax import segments
+from zeco_jax.ops.attention.parallel import (ATTENTION_METHODS, sp_attention,
+                                             sp_attention_local)
 from zeco_jax.ops.gated_delta.op import chunk_gated_delta_rule
 from zeco_jax.ops.gated_delta.parallel import (zeco_gated_delta_rule,
                                                zeco_gated_delta_rule_local)
@@ -46,10 +50,10 @@ from zeco_jax.sp.scan import SCAN_METHODS, ScanMethod, all_scan
 from zeco_jax.sp.transitions import (DenseTransition, DiagonalDecay, Identity, ScalarDecay,
                                      Transition)
 
-__all__ = ["DenseTransition", "DiagonalDecay", "Identity", "SCAN_METHODS", "ScalarDecay",
-           "ScanMethod", "Transition", "all_scan", "chunk_gated_delta_rule", "chunk_gla",
-           "chunk_gla_reference", "debug", "fused_recurrent_gated_delta_rule",
+__all__ = ["ATTENTION_METHODS", "DenseTransition", "DiagonalDecay", "Identity", "SCAN_METHODS",
+           "ScalarDecay", "ScanMethod", "Transition", "all_scan", "chunk_gated_delta_rule",
+           "chunk_gla", "chunk_gla_reference", "debug", "fused_recurrent_gated_delta_rule",
            "fused_recurrent_gla", "losses", "recurrent_gated_delta_rule", "recurrent_gla",
-           "segments", "transitions", "zeco_gated_delta_rule", "zeco_gated_delta_rule_local",
-           "zeco_gla", "zeco_gla_local"]
+           "segments", "sp_attention", "sp_attention_local", "transitions",
+           "zeco_gated_delta_rule", "zeco_gated_delta_rule_local", "zeco_gla", "zeco_gla_local"]
 __version__ = "0.1.0"

@@ -5,7 +5,9 @@ family's local pass and fix-up over the shared sequence-parallel layer, :mod:`ze
 
 * :mod:`zeco_jax.ops.gla`: gated linear attention (GLA, simple GLA / Mamba2, RetNet,
   Lightning: per-dim, per-head or no decay);
-* :mod:`zeco_jax.ops.gated_delta`: Gated DeltaNet (the delta rule with a per-head decay).
+* :mod:`zeco_jax.ops.gated_delta`: Gated DeltaNet (the delta rule with a per-head decay);
+* :mod:`zeco_jax.ops.attention`: softmax attention (reference, the one-device op, and the
+  sequence-parallel methods of hybrid models; no state, so no scan).
 
 A family never imports another family's names; what they share is in ``zeco_jax.sp``,
 ``zeco_jax._linalg``, ``zeco_jax._checks``, ``zeco_jax.segments`` and
