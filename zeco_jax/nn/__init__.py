@@ -1,6 +1,6 @@
 """Flax NNX layers: token mixers another model can drop in, one file per family.
 
-    from zeco_jax.nn import GatedLinearAttention, GatedDeltaNet
+    from zeco_jax.nn import GatedAttention, GatedLinearAttention, GatedDeltaNet
     attn = GatedLinearAttention(hidden_size=256, num_heads=4, rngs=nnx.Rngs(0))
     y_BxTxD = attn(x_BxTxD, mesh=mesh)       # [B, T, 256] -> [B, T, 256]
 
@@ -10,13 +10,16 @@ has size > 1 (the mesh from the call or ``jax.set_mesh``), else the one-device c
 with logical axes, the q / k / v prologue, ``remat_call``, the decoding cache
 ``LayerCache`` and ``TokenMixer``, the layers' base). Each layer decodes: ``init_cache`` /
 ``prefill`` (the prompt, over the mesh) / ``decode`` (the next tokens, by the family's
-``fused_recurrent`` op). Needs flax; ``import zeco_jax`` does not import this package.
+``fused_recurrent`` op). :class:`GatedAttention` is the softmax mixer of hybrid models
+(``zeco_jax.sp_attention`` over the same mesh; no decoding yet). Needs flax; ``import
+zeco_jax`` does not import this package.
 """
 from zeco_jax.nn.common import (LOGICAL_AXES_KEY, LayerCache, RMSNorm, ShortConvolution,
                                 constant_param, normal_param, remat_call)
+from zeco_jax.nn.attention import GatedAttention
 from zeco_jax.nn.gated_delta import GatedDeltaNet, gated_delta_op
 from zeco_jax.nn.gla import GatedLinearAttention, check_gla_args, gla_op
 
-__all__ = ["GatedDeltaNet", "GatedLinearAttention", "LOGICAL_AXES_KEY", "LayerCache", "RMSNorm",
-           "ShortConvolution", "check_gla_args", "constant_param", "gated_delta_op",
-           "gla_op", "normal_param", "remat_call"]
+__all__ = ["GatedAttention", "GatedDeltaNet", "GatedLinearAttention", "LOGICAL_AXES_KEY",
+           "LayerCache", "RMSNorm", "ShortConvolution", "check_gla_args", "constant_param",
+           "gated_delta_op", "gla_op", "normal_param", "remat_call"]
