@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 from models import sharding
 from zeco_jax.ops._dispatch import BACKENDS
+from zeco_jax.ops.attention.parallel import ATTENTION_METHODS
 from zeco_jax.sp.scan import SCAN_METHODS
 
 MESH_AXES = ("data", "seq")
@@ -148,6 +149,18 @@ SCHEMA: dict[str, Field] = {name: _doc(field, doc) for name, (field, doc) in {
     "model.remat": (Field(bool), "recompute each block in the backward"),
     "model.use_short_conv": (Field(bool), "causal short convolution on q, k, v"),
     "model.conv_size": (integer(1), "the short convolution's width"),
+    "model.layer_pattern": (Field(str, note="'': every block linear; letters L and A tiled"),
+                            "hybrid models: linear (L) and softmax attention (A) blocks"),
+    "model.attn_num_heads": (integer(0, note="0: num_heads"), "attention blocks' query heads"),
+    "model.attn_num_kv_heads": (integer(0, note="0: attn_num_heads"),
+                                "attention blocks' key / value heads (dividing the query heads)"),
+    "model.attn_head_dim": (integer(0, note="0: hidden_size / attention heads"),
+                            "attention blocks' dim per head"),
+    "model.attn_seq_method": (choice(*ATTENTION_METHODS),
+                              "attention over the seq axis (zeco_jax.ATTENTION_METHODS)"),
+    "model.attn_window": (integer(1, optional=True, note="None: the whole document"),
+                          "attention blocks' sliding window"),
+    "model.rope_theta": (number(0, lo_open=True), "attention blocks' rotary embedding base"),
     # data: models/data.py (rules between fields: models.data.validate)
     "data.kind": (choice("mqar", "mqar_docs", "text"),
                   "generated recall, packed recall documents, or a text corpus"),

@@ -32,6 +32,16 @@ class LMConfig:
   remat: bool = False                        # recompute each block in the backward
   use_short_conv: bool = False               # FLA's ShortConvolution on q, k, v (+ SiLU)
   conv_size: int = 4
+  # Hybrid models: "" (every block the family's mixer) or a pattern of L (the family's
+  # linear mixer) and A (softmax attention, zeco_jax.nn.GatedAttention) tiled over the
+  # blocks: "LLLA" is Qwen3-Next's 3 : 1.
+  layer_pattern: str = ""
+  attn_num_heads: int = 0                    # 0: num_heads
+  attn_num_kv_heads: int = 0                 # 0: attn_num_heads (no grouping)
+  attn_head_dim: int = 0                     # 0: hidden_size // attn_num_heads
+  attn_seq_method: str = "ulysses"           # zeco_jax.ATTENTION_METHODS
+  attn_window: Optional[int] = None          # None: causal over the whole document
+  rope_theta: float = 10000.0
 
   @property
   def key_dim(self) -> int:
@@ -48,8 +58,35 @@ class LMConfig:
     size = int(self.hidden_size * self.hidden_ratio * 2 / 3)
     return 256 * ((size + 255) // 256)      # FLA's GLAMLP rounds up to a multiple of 256
 
+  @property
+  def attention_shape(self) -> tuple:
+    """``(heads, kv_heads, head_dim)`` of the attention blocks, the zeros resolved."""
+    heads = self.attn_num_heads or self.num_heads
+    return (heads, self.attn_num_kv_heads or heads,
+            self.attn_head_dim or self.hidden_size // heads)
+
+  def block_kinds(self) -> str:
+    """One letter per block: L (the family's linear mixer) or A (softmax attention)."""
+    pattern = self.layer_pattern or "L"
+    return (pattern * (self.num_layers // len(pattern) + 1))[:self.num_layers]
+
   def validate_lm(self) -> None:
     """The LM's own checks (the mixer's are the family's ``validate``)."""
     for name in ("vocab_size", "num_layers"):
       if getattr(self, name) <= 0:
         raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+    if set(self.layer_pattern) - set("LA"):
+      raise ValueError(f"model.layer_pattern={self.layer_pattern!r}: use the letters L (the "
+                       "family's linear mixer) and A (softmax attention), e.g. 'LLLA'")
+    if self.layer_pattern and self.num_layers % len(self.layer_pattern):
+      raise ValueError(f"model.layer_pattern={self.layer_pattern!r} ({len(self.layer_pattern)} "
+                       f"blocks) must tile model.num_layers={self.num_layers}")
+    if "A" in self.layer_pattern:
+      from zeco_jax.nn.attention import check_attention_args
+      heads, kv_heads, head_dim = self.attention_shape
+      try:
+        check_attention_args(hidden_size=self.hidden_size, num_heads=heads,
+                             num_kv_heads=kv_heads, head_dim=head_dim,
+                             seq_method=self.attn_seq_method, window=self.attn_window)
+      except ValueError as e:
+        raise ValueError(f"model (attention blocks): {e}") from None

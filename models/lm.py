@@ -3,9 +3,11 @@ norm and an output head tied to the embedding.
 
 Blocks are ``x + mixer(RMSNorm(x))``, ``x + SwiGLU(RMSNorm(x))``; the token mixer is the
 family's layer (:data:`models.FAMILIES`: GLA, Gated DeltaNet), built from the family's
-config by its entry. :meth:`LM.hidden` and :meth:`LM.head_weight` give the trainer the
-final hidden states and the head without the ``[B, T, vocab]`` logits (the chunked
-cross-entropy), for every family. The mesh comes from the call (``model(tokens,
+config by its entry, or in a hybrid model (``model.layer_pattern``, e.g. "LLLA") softmax
+attention in the A blocks (:class:`zeco_jax.nn.GatedAttention`, over the same sequence
+mesh; hybrids train and score, but do not decode yet). :meth:`LM.hidden` and
+:meth:`LM.head_weight` give the trainer the final hidden states and the head without the
+``[B, T, vocab]`` logits (the chunked cross-entropy), for every family. The mesh comes from the call (``model(tokens,
 mesh=mesh)``) or from ``jax.set_mesh``; nothing here holds one.
 
 Decoding (:mod:`models.generation` runs these in one jitted loop): :meth:`LM.prefill` runs
@@ -28,12 +30,23 @@ from flax import nnx
 
 from zeco_jax.losses import embedding_lookup, linear_cross_entropy
 from zeco_jax.nn import RMSNorm, normal_param, remat_call
+from zeco_jax.nn.attention import GatedAttention
 from zeco_jax.nn.common import dot, last_tokens
 
 
 def residual_out_std(cfg) -> float:
   """GPT-2 / FLA scaling of the projections that end a residual branch."""
   return cfg.init_std / math.sqrt(2 * cfg.num_layers)
+
+
+def attention_layer(cfg, *, rngs: nnx.Rngs) -> GatedAttention:
+  """The softmax attention mixer of a hybrid model's A blocks (``model.layer_pattern``)."""
+  heads, kv_heads, head_dim = cfg.attention_shape
+  return GatedAttention(
+      cfg.hidden_size, heads, num_kv_heads=kv_heads, head_dim=head_dim,
+      rope_theta=cfg.rope_theta, window=cfg.attn_window, norm_eps=cfg.norm_eps,
+      init_std=cfg.init_std, output_init_std=residual_out_std(cfg), seq_axis=cfg.seq_axis,
+      seq_method=cfg.attn_seq_method, batch_axes=cfg.batch_axes, rngs=rngs)
 
 
 class SwiGLU(nnx.Module):
@@ -83,12 +96,12 @@ class LM(nnx.Module):
     from models import family_of          # the registry imports this module
     cfg.validate()
     self.cfg = cfg
-    mixer = family_of(cfg).layer
+    mixers = {"L": family_of(cfg).layer, "A": attention_layer}
     self.embed = normal_param(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.init_std,
                               ("vocab", "embed"))
     # Named attributes (not a list) keep checkpoint keys plain strings.
-    for i in range(cfg.num_layers):
-      setattr(self, f"block_{i}", Block(cfg, mixer, rngs=rngs))
+    for i, kind in enumerate(cfg.block_kinds()):
+      setattr(self, f"block_{i}", Block(cfg, mixers[kind], rngs=rngs))
     self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
   def blocks(self):
