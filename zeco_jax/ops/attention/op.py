@@ -4,7 +4,9 @@ The core keeps flash attention's running statistics per query row (the running m
 the running sum ``l`` of ``exp(s - m)`` and the unnormalised output ``acc``, all float32)
 and folds one block of keys into them (:func:`fold`); :func:`finish` divides. A key block
 that no query of the block can see (above the causal diagonal, outside the window) is
-skipped under ``lax.cond`` (:func:`fold_if_visible`). Scores are XLA dots in float32
+skipped under ``lax.cond`` (:func:`fold_if_visible`), and a folded block is recomputed in
+the backward (``jax.checkpoint``: the residuals are the running statistics, not the
+block's probabilities). Scores are XLA dots in float32
 (``precision=HIGHEST`` for float32 inputs); a query that sees no key outputs zero.
 
 ``attention`` is the one-device op: the keys in blocks of ``block_size`` under one
@@ -14,6 +16,7 @@ are not wired yet: every platform runs this XLA form.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple, Optional
 
 import jax
@@ -122,8 +125,10 @@ def fold_if_visible(stats, qg, k, v, q_doc, q_pos, k_doc, k_pos, *, scale, causa
                       window=window)
   # Inside a shard_map both branches must vary over the same manual axes as the inputs.
   stats = jax.tree.map(lambda x: match_varying(x, qg, k, v, q_doc, k_doc), stats)
-  return lax.cond(run, lambda st: fold(st, qg, k, v, q_doc, q_pos, k_doc, k_pos, scale=scale,
-                                       causal=causal, window=window),
+  # Rematerialised: the backward recomputes the block's scores from the statistics
+  # before it (flash attention's trade), so no [Tq, Tk] probabilities are kept per block.
+  folded = jax.checkpoint(functools.partial(fold, scale=scale, causal=causal, window=window))
+  return lax.cond(run, lambda st: folded(st, qg, k, v, q_doc, q_pos, k_doc, k_pos),
                   lambda st: st, stats)
 
 
