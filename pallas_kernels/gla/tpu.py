@@ -35,25 +35,12 @@ from pallas_kernels.gla import _common as cm
 
 S = cm.SUB
 F32 = jnp.float32
-_HI = cm.HI
-
-
-def _mm(a, b, dt, ta=False, tb=False):
-  dims = (((0,) if ta else (1,), (1,) if tb else (0,)), ((), ()))
-  if dt == F32:
-    return lax.dot_general(a.astype(F32), b.astype(F32), dims, precision=_HI,
-                           preferred_element_type=F32)
-  return lax.dot_general(a.astype(dt), b.astype(dt), dims, preferred_element_type=F32)
 
 
 def _exact(a, b):
   """float32 a @ b at HIGHEST (cumsums and one-hot selections: exact up to rounding)."""
-  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_HI,
+  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=cm.HI,
                          preferred_element_type=F32)
-
-
-def _iota(C, axis):
-  return lax.broadcasted_iota(jnp.int32, (C, C), axis)
 
 
 def _mexp(mask, x):
@@ -77,12 +64,12 @@ class _Chunk:
   def __init__(self, g):
     C, K = g.shape
     self.C, self.K, self.g = C, K, g
-    r, c = _iota(C, 0), _iota(C, 1)
+    r, c = cm.iota((C, C), 0), cm.iota((C, C), 1)
     same = (r // S) == (c // S)
     self.p = _exact((same & (r >= c)).astype(F32), g)
     self.s = _exact((same & (c > r)).astype(F32), g)
     self.exp_p = jnp.exp(self.p)
-    self.row = lax.broadcasted_iota(jnp.int32, (C, K), 0)
+    self.row = cm.iota((C, K), 0)
     self.off = self.row % S
     self.rc, self.cc = r, c
     zero = jnp.zeros((C, K), F32)
@@ -123,7 +110,7 @@ def _scores(ch, q, k, dt):
   C = ch.C
   A = jnp.zeros((C, C), F32)
   for a in range(1, C // S):
-    A = A + _mm(q * ch.q_fac(a), k * ch.k_fac(a), dt, tb=True)
+    A = A + cm.dot(q * ch.q_fac(a), k * ch.k_fac(a), dt, tb=True)
   acc = jnp.zeros((C, ch.K), F32)
   for j in reversed(range(S)):
     P = ch.pick(j)
@@ -139,7 +126,7 @@ def _row_side(ch, dA, k, dt):
   C = ch.C
   out = jnp.zeros((C, ch.K), F32)
   for a in range(1, C // S):
-    out = out + _mm(dA, k * ch.k_fac(a), dt) * ch.q_fac(a)
+    out = out + cm.dot(dA, k * ch.k_fac(a), dt) * ch.q_fac(a)
   acc = jnp.zeros((C, ch.K), F32)
   for j in reversed(range(S)):
     P = ch.pick(j)
@@ -159,7 +146,7 @@ def _col_side(ch, dA, q, dt):
   C = ch.C
   out = jnp.zeros((C, ch.K), F32)
   for a in range(1, C // S):
-    out = out + _mm(dA, q * ch.q_fac(a), dt, ta=True) * ch.k_fac(a)
+    out = out + cm.dot(dA, q * ch.q_fac(a), dt, ta=True) * ch.k_fac(a)
   dA_t = dA.T
   acc = jnp.zeros((C, ch.K), F32)
   for j in range(S):
@@ -193,9 +180,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, h0_ref, o_ref, ht_ref, *h_out, scale
   if h_ref is not None:
     h_ref[...] = h
   A = _scores(ch, q, k, dt)
-  o = _mm(q * jnp.exp(ch.b), h, dt) + _mm(A, v, dt)
+  o = cm.dot(q * jnp.exp(ch.b), h, dt) + cm.dot(A, v, dt)
   o_ref[...] = (scale * o).astype(o_ref.dtype)
-  h = _col(jnp.exp(ch.total)) * h + _mm(k * jnp.exp(ch.to_end), v, dt, ta=True)
+  h = _col(jnp.exp(ch.total)) * h + cm.dot(k * jnp.exp(ch.to_end), v, dt, ta=True)
   state[...] = h
 
   @pl.when(n == N - 1)
@@ -265,13 +252,13 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, do_ref, h_ref, dht_ref,
   h = h_ref[...]
   dH = dstate[...]                         # cotangent of the state leaving this chunk
   A = _scores(ch, q, k, dt)
-  causal = _iota(C, 0) >= _iota(C, 1)
-  dA = jnp.where(causal, scale * _mm(do, v, dt, tb=True), 0.0)
+  causal = cm.iota((C, C), 0) >= cm.iota((C, C), 1)
+  dA = jnp.where(causal, scale * cm.dot(do, v, dt, tb=True), 0.0)
   k_end = jnp.exp(ch.to_end)
-  dq = scale * _mm(do, h, dt, tb=True) * jnp.exp(ch.b) + _row_side(ch, dA, k, dt)
-  dk_state = _mm(v, dH, dt, tb=True) * k_end
+  dq = scale * cm.dot(do, h, dt, tb=True) * jnp.exp(ch.b) + _row_side(ch, dA, k, dt)
+  dk_state = cm.dot(v, dH, dt, tb=True) * k_end
   dk = _col_side(ch, dA, q, dt) + dk_state
-  dv = scale * _mm(A, do, dt, ta=True) + _mm(k * k_end, dH, dt)
+  dv = scale * cm.dot(A, do, dt, ta=True) + cm.dot(k * k_end, dH, dt)
   db = q * dq - k * dk
   d_last = (jnp.exp(ch.total) * jnp.sum(h * dH, axis=1, keepdims=True).T
             + jnp.sum(k * dk_state, axis=0, keepdims=True))
@@ -280,7 +267,7 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, do_ref, h_ref, dht_ref,
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
   dg_ref[...] = dg
-  new = _col(jnp.exp(ch.total)) * dH + scale * _mm(q * jnp.exp(ch.b), do, dt, ta=True)
+  new = _col(jnp.exp(ch.total)) * dH + scale * cm.dot(q * jnp.exp(ch.b), do, dt, ta=True)
   dstate[...] = new
 
   @pl.when(n == N - 1)
