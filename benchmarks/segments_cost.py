@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 from benchmarks import _harness as harness  # noqa: E402
 from benchmarks._harness import rel  # noqa: E402
 from zeco_jax import chunk_gla, segments  # noqa: E402
+from zeco_jax.ops.gla.reference import gla_float64_documents  # noqa: E402
 
 
 def random_ids(rng, B, T, docs, pad):
@@ -43,41 +44,6 @@ def random_ids(rng, B, T, docs, pad):
     cu = np.concatenate([[0], cuts, [T - pad]])
     rows.append(np.asarray(segments.cu_seqlens_to_segment_ids(cu, T))[0])
   return np.stack(rows).astype(np.int32)
-
-
-def per_document64(q, k, v, g, h0, do, dht, ids, scale):
-  """float64 truth: every document alone through the float64 token loop
-  (``zeco_jax.ops.gla.reference.gla_float64``)."""
-  f = lambda x: np.asarray(x, np.float64)
-  q, k, v, g, h0, do, dht = map(f, (q, k, v, g, h0, do, dht))
-  o, final = np.zeros(v.shape), np.array(h0)
-  grads = dict(q=np.zeros(q.shape), k=np.zeros(k.shape), v=np.zeros(v.shape),
-               g=np.zeros(g.shape), h0=np.array(dht))
-  for b in range(q.shape[0]):
-    row, docs, t = ids[b], [], 0
-    while t < len(row):
-      e = t
-      while e < len(row) and row[e] == row[t]:
-        e += 1
-      if row[t] >= 0:
-        docs.append((t, e))
-      t = e
-    for n, (s, e) in enumerate(docs):
-      first, last = s == 0, n == len(docs) - 1
-      start = h0[b:b + 1] if first else np.zeros((1,) + h0.shape[1:])
-      sl = lambda x: x[b:b + 1, s:e]
-      o_d, S_d, g_d = harness.gla_float64(sl(q), sl(k), sl(v), sl(g), start, sl(do),
-                            dht[b:b + 1] if last else None, scale)
-      o[b, s:e] = o_d[0]
-      if last:
-        final[b] = S_d[0]
-      for name in "qkvg":
-        grads[name][b, s:e] = g_d[name][0]
-      if first:
-        grads["h0"][b] = g_d["h0"][0]
-    if docs and docs[0][0] != 0:
-      grads["h0"][b] = 0.0
-  return o, final, grads
 
 
 def vjp_fn(backend, chunk_size):
@@ -111,7 +77,7 @@ def checks(log, smoke):
   o_p, s_p, gr_p = vjp_fn("pallas", 64)(*args, *cots)
   o_j, s_j, gr_j = vjp_fn("jax", 64)(*args, *cots)
   t0 = time.perf_counter()
-  o_t, s_t, gr_t = per_document64(q, k, v, g, h0, do, dht, ids, K ** -0.5)
+  o_t, s_t, gr_t = gla_float64_documents(q, k, v, g, h0, do, dht, ids, K ** -0.5)
   log(f"float64 per-document truth: {time.perf_counter() - t0:.1f} s on the host")
   names = "q k v g h0".split()
   for label, (o, s, gr), ref, tol in (

@@ -260,53 +260,6 @@ shards, longer than a shard (119 and 197 tokens), padding at the start, middle a
 a row, and an id that comes back after padding (a new document)."""
 
 
-def _documents(ids_row):
-  """[(start, end)] of the documents of one row."""
-  out, t = [], 0
-  while t < len(ids_row):
-    e = t
-    while e < len(ids_row) and ids_row[e] == ids_row[t]:
-      e += 1
-    if ids_row[t] >= 0:
-      out.append((t, e))
-    t = e
-  return out
-
-
-def gla_float64_documents(q, k, v, g, h0, do, dht, ids, scale):
-  """The float64 truth of a GLA op on packed rows: (o, final, grads) with every document
-  run alone through ``gla_float64``, from ``h0`` for the one holding token 0 and from zero
-  for every other; padding gets zero outputs and gradients."""
-  from zeco_jax.ops.gla.reference import gla_float64
-  f = lambda x: np.asarray(x, np.float64)
-  q, k, v, do = map(f, (q, k, v, do))
-  Bq, Tq, Hq, Kq = q.shape
-  g = np.zeros((Bq, Tq, Hq)) if g is None else f(g)
-  h0 = np.zeros((Bq, Hq, Kq, v.shape[-1])) if h0 is None else f(h0)
-  dht = np.zeros(h0.shape) if dht is None else f(dht)
-  o, final = np.zeros(v.shape), np.array(h0)
-  grads = dict(q=np.zeros(q.shape), k=np.zeros(k.shape), v=np.zeros(v.shape),
-               g=np.zeros(g.shape), h0=np.array(dht))
-  for b in range(Bq):
-    docs = _documents(np.asarray(ids[b]))
-    for n, (s, e) in enumerate(docs):
-      first, last = s == 0, n == len(docs) - 1
-      start = h0[b:b + 1] if first else np.zeros((1,) + h0.shape[1:])
-      sl = lambda x: x[b:b + 1, s:e]
-      o_d, S_d, g_d = gla_float64(sl(q), sl(k), sl(v), sl(g), start, sl(do),
-                                  dht[b:b + 1] if last else None, scale)
-      o[b, s:e] = o_d[0]
-      if last:
-        final[b] = S_d[0]
-      for name in "qkvg":
-        grads[name][b, s:e] = g_d[name][0]
-      if first:
-        grads["h0"][b] = g_d["h0"][0]
-    if docs and docs[0][0] != 0:       # h0 is dropped at the first document start
-      grads["h0"][b] = 0.0
-  return o, final, grads
-
-
 def document_inputs(seed, decay="dim", dtype=jnp.float32, h0=True):
   """q, k, v, g, h0, do, dht of :func:`gla_inputs` at ``DOC_SHAPE``."""
   return gla_inputs(seed, *DOC_SHAPE, decay=decay, dtype=dtype, initial_state=h0,
@@ -316,6 +269,7 @@ def document_inputs(seed, decay="dim", dtype=jnp.float32, h0=True):
 @functools.lru_cache(maxsize=None)
 def _document_truth(seed, decay, dtype, h0):
   q, k, v, g, state, do, dht = document_inputs(seed, decay, dtype, h0)
+  from zeco_jax.ops.gla.reference import gla_float64_documents
   return gla_float64_documents(q, k, v, g, state, do, dht, DOC_IDS, DOC_SHAPE[3] ** -0.5)
 
 

@@ -21,3 +21,9 @@ def test_cu_seqlens_to_segment_ids():
   for bad in (np.array([1, 3]), np.array([0, 5, 4]), np.array([0, 11])):
     with pytest.raises(ValueError, match="cu_seqlens"):
       segments.cu_seqlens_to_segment_ids(bad, 10)
+
+
+def test_document_spans_are_runs_of_non_negative_ids():
+  assert segments.document_spans([0, 0, 1, -1, -1, 1, 1, 2]) == [(0, 2), (2, 3), (5, 7),
+                                                                   (7, 8)]
+  assert segments.document_spans([-1, -1]) == []

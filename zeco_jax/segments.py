@@ -49,6 +49,21 @@ def check_segment_ids(segment_ids, B, T, *, name: str):
                      ".astype(jnp.int32).")
 
 
+def document_spans(ids_row):
+  """``[(start, end)]`` of the documents of one row of ids, on the host (runs of equal
+  non-negative ids; padding skipped): what the float64 per-document truths loop over."""
+  row = np.asarray(ids_row)
+  out, t = [], 0
+  while t < len(row):
+    e = t
+    while e < len(row) and row[e] == row[t]:
+      e += 1
+    if row[t] >= 0:
+      out.append((t, e))
+    t = e
+  return out
+
+
 def padding_mask(segment_ids):
   """bool ``[B, T]``: True on padding (a negative id)."""
   return jnp.asarray(segment_ids) < 0

@@ -19,10 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import (DOC_IDS, DOC_SHAPE, check_documents, document_inputs,
-                     gla_float64_documents, gla_shapes, local_pass_waits_for_the_state,
-                     output_sum_grad, rel_err64, seq_mesh, states_sent_per_rank)
+from helpers import (DOC_IDS, DOC_SHAPE, check_documents, document_inputs, gla_shapes,
+                     local_pass_waits_for_the_state, output_sum_grad, rel_err64, seq_mesh,
+                     states_sent_per_rank)
 from zeco_jax import chunk_gla, chunk_gla_reference, recurrent_gla, zeco_gla
+from zeco_jax.ops.gla.reference import gla_float64_documents
 
 B, T, H, K, V = DOC_SHAPE
 C = 16

@@ -124,14 +124,7 @@ def gdn_float64_documents(q, k, v, g, beta, h0, do, dht, segment_ids, scale=None
   if h0 is not None:
     grads["h0"] = np.zeros(final.shape)
   for b in range(B):
-    runs, t = [], 0
-    while t < T:                                  # runs of equal ids
-      e = t
-      while e + 1 < T and ids[b, e + 1] == ids[b, t]:
-        e += 1
-      runs.append((t, e + 1))
-      t = e + 1
-    docs = [(s, e) for s, e in runs if ids[b, s] >= 0]
+    docs = segments.document_spans(ids[b])
     for n, (s, e) in enumerate(docs):
       first = s == 0
       last = n == len(docs) - 1

@@ -155,3 +155,37 @@ def gla_float64(q, k, v, g, h0, do, dht, scale):
   if g.ndim == 3:
     dg = dg.sum(-1)
   return o, S, dict(q=dq, k=dk, v=dv, g=dg, h0=dS)
+
+
+def gla_float64_documents(q, k, v, g, h0, do, dht, segment_ids, scale):
+  """:func:`gla_float64` on packed rows (docs/design.md §10): every document alone, from
+  ``h0`` for the one holding token 0 and from zero for every other; padding gets zero
+  outputs and gradients; the final state is the last document's. ``g``, ``h0``, ``dht``
+  may be None (no decay, zeros)."""
+  f = lambda x: np.asarray(x, np.float64)
+  q, k, v, do = map(f, (q, k, v, do))
+  B, T, H, K = q.shape
+  g = np.zeros((B, T, H)) if g is None else f(g)
+  h0 = np.zeros((B, H, K, v.shape[-1])) if h0 is None else f(h0)
+  dht = np.zeros(h0.shape) if dht is None else f(dht)
+  o, final = np.zeros(v.shape), np.array(h0)
+  grads = dict(q=np.zeros(q.shape), k=np.zeros(k.shape), v=np.zeros(v.shape),
+               g=np.zeros(g.shape), h0=np.array(dht))
+  for b in range(B):
+    docs = segments.document_spans(np.asarray(segment_ids)[b])
+    for n, (s, e) in enumerate(docs):
+      first, last = s == 0, n == len(docs) - 1
+      start = h0[b:b + 1] if first else np.zeros((1,) + h0.shape[1:])
+      sl = lambda x: x[b:b + 1, s:e]
+      o_d, S_d, g_d = gla_float64(sl(q), sl(k), sl(v), sl(g), start, sl(do),
+                                  dht[b:b + 1] if last else None, scale)
+      o[b, s:e] = o_d[0]
+      if last:
+        final[b] = S_d[0]
+      for name in "qkvg":
+        grads[name][b, s:e] = g_d[name][0]
+      if first:
+        grads["h0"][b] = g_d["h0"][0]
+    if docs and docs[0][0] != 0:       # h0 is dropped at the first document start
+      grads["h0"][b] = 0.0
+  return o, final, grads
