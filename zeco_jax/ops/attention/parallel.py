@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zeco_jax.ops.attention.op import (attend, check_inputs, finish, fold_if_visible,
-                                       group_queries, init_stats)
+from zeco_jax.ops.attention.op import (attend, attention, check_inputs, finish,
+                                       fold_if_visible, group_queries, init_stats)
 from zeco_jax.ops.attention.reference import document_numbers
 from zeco_jax.sp import shard
 from zeco_jax.sp.scan import DEFAULT_ALPHA_S, DEFAULT_BETA_S_PER_BYTE
@@ -237,7 +237,6 @@ def sp_attention_local(q, k, v, *, axis_name, method="ulysses", causal=True, seg
   P = lax.axis_size(axis_name)
   spec = _check_method(method, P, args.H, args.Hkv, args.T, name=name)
   if P == 1:
-    from zeco_jax.ops.attention.op import attention
     return attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=args.scale,
                      window=window, block_size=block_size)
   return spec.run(q, k, v, segment_ids, axis_name=axis_name, args=args, block_size=block_size)
