@@ -3,7 +3,7 @@
 ``profile_steps`` traces a few calls of a jitted step (``jax.profiler.trace`` with a
 Perfetto trace) and ``summarize`` reads the GPU kernel events back: total kernel time per
 step, the kernels by time, and the time by category (:func:`category`: GLA Pallas
-kernels, bf16 / float32 matmuls, scatters, cross-entropy, copies and transposes, other
+kernels, softmax attention's cuDNN kernels, bf16 / float32 matmuls, scatters, cross-entropy, copies and transposes, other
 XLA fusions). ``python -m benchmarks.train_gla340m --profile`` calls it after its timed
 steps; results and the command are in benchmarks/results/profile_gla340m_h200.md. Not a
 measurement of its own (no environment record: the run that traced writes one).
@@ -23,6 +23,7 @@ import os
 import re
 
 CATEGORIES = (   # (category, regex on "kernel name | op name"), first match wins
+    ("attention (cuDNN)", r"cudnn|fmha|sdpa|flash"),
     ("gla kernels (Pallas)", r"gla_|chunk_cumsum|pallas"),
     ("scatter", r"scatter"),
     ("cross-entropy", r"cross_entropy|log_softmax|logsumexp"),

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 from models import sharding
 from zeco_jax.ops._dispatch import BACKENDS
+from zeco_jax.ops.attention.op import BACKENDS as ATTENTION_BACKENDS
 from zeco_jax.ops.attention.parallel import ATTENTION_METHODS
 from zeco_jax.sp.scan import SCAN_METHODS
 
@@ -160,6 +161,8 @@ SCHEMA: dict[str, Field] = {name: _doc(field, doc) for name, (field, doc) in {
                               "attention over the seq axis (zeco_jax.ATTENTION_METHODS)"),
     "model.attn_window": (integer(1, optional=True, note="None: the whole document"),
                           "attention blocks' sliding window"),
+    "model.attn_backend": (choice(*ATTENTION_BACKENDS),
+                           "attention blocks' local attention (cuDNN on GPU, splash on TPU)"),
     "model.rope_theta": (number(0, lo_open=True), "attention blocks' rotary embedding base"),
     # data: models/data.py (rules between fields: models.data.validate)
     "data.kind": (choice("mqar", "mqar_docs", "text"),

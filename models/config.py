@@ -41,6 +41,7 @@ class LMConfig:
   attn_head_dim: int = 0                     # 0: hidden_size // attn_num_heads
   attn_seq_method: str = "ulysses"           # zeco_jax.ATTENTION_METHODS
   attn_window: Optional[int] = None          # None: causal over the whole document
+  attn_backend: str = "auto"                 # local attention: auto, xla, cudnn, splash
   rope_theta: float = 10000.0
 
   @property
@@ -87,6 +88,7 @@ class LMConfig:
       try:
         check_attention_args(hidden_size=self.hidden_size, num_heads=heads,
                              num_kv_heads=kv_heads, head_dim=head_dim,
-                             seq_method=self.attn_seq_method, window=self.attn_window)
+                             seq_method=self.attn_seq_method, window=self.attn_window,
+                             backend=self.attn_backend)
       except ValueError as e:
         raise ValueError(f"model (attention blocks): {e}") from None

@@ -46,7 +46,8 @@ def attention_layer(cfg, *, rngs: nnx.Rngs) -> GatedAttention:
       cfg.hidden_size, heads, num_kv_heads=kv_heads, head_dim=head_dim,
       rope_theta=cfg.rope_theta, window=cfg.attn_window, norm_eps=cfg.norm_eps,
       init_std=cfg.init_std, output_init_std=residual_out_std(cfg), seq_axis=cfg.seq_axis,
-      seq_method=cfg.attn_seq_method, batch_axes=cfg.batch_axes, rngs=rngs)
+      seq_method=cfg.attn_seq_method, batch_axes=cfg.batch_axes, backend=cfg.attn_backend,
+      rngs=rngs)
 
 
 class SwiGLU(nnx.Module):

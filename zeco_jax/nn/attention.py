@@ -13,7 +13,8 @@ times ``sigmoid(x W_g)`` per channel (Qwen3-Next's output gate) and an output pr
 Sequence parallelism: :func:`zeco_jax.sp_attention` over ``seq_axis`` when that mesh axis
 has size > 1 (``seq_method``: ``"ulysses"``, ``"all_gather"`` or ``"ring"``), else the
 one-device op; the same contiguous split as the linear layers, so a hybrid stack keeps one
-layout. Parameters are float32 with ``logical_axes`` metadata, as the other layers'.
+layout. ``backend`` picks the local attention (:data:`zeco_jax.ops.attention.op.BACKENDS`:
+cuDNN on GPU and splash on TPU under ``"auto"``, where they take the inputs). Parameters are float32 with ``logical_axes`` metadata, as the other layers'.
 
 What it does not do yet: decoding (a KV cache): ``prefill`` / ``decode`` raise.
 """
@@ -27,7 +28,7 @@ from flax import nnx
 
 from zeco_jax import segments
 from zeco_jax.nn.common import RMSNorm, dot, normal_param
-from zeco_jax.ops.attention.op import attention
+from zeco_jax.ops.attention.op import BACKENDS, attention
 from zeco_jax.ops.attention.parallel import ATTENTION_METHODS, sp_attention
 from zeco_jax.sp import shard
 
@@ -46,7 +47,8 @@ def rotary(x_BxTxHxD, positions_BxT, theta: float):
 
 
 def check_attention_args(*, hidden_size: int, num_heads: int, num_kv_heads: int,
-                         head_dim: int, seq_method: str, window) -> None:
+                         head_dim: int, seq_method: str, window,
+                         backend: str = "auto") -> None:
   """Raises ValueError naming the argument when a :class:`GatedAttention` setting is bad."""
   for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads),
                       ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
@@ -60,6 +62,8 @@ def check_attention_args(*, hidden_size: int, num_heads: int, num_kv_heads: int,
   if seq_method not in ATTENTION_METHODS:
     raise ValueError(f"attention seq_method must be one of {tuple(ATTENTION_METHODS)}, got "
                      f"{seq_method!r}")
+  if backend not in BACKENDS:
+    raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
   if window is not None and (not isinstance(window, int) or window < 1):
     raise ValueError(f"window must be None or a positive int, got {window!r}")
 
@@ -76,17 +80,20 @@ class GatedAttention(nnx.Module):
       and of the output projection (default ``init_std``).
     seq_axis, seq_method, batch_axes: the mesh axis T is split over, the method of
       :data:`zeco_jax.ATTENTION_METHODS`, the mesh axis B is split over.
+    backend: the local attention's backend (``"auto"``, ``"xla"``, ``"cudnn"``,
+      ``"splash"``).
   """
 
   def __init__(self, hidden_size: int, num_heads: int, *, num_kv_heads: int, head_dim: int,
                rope_theta: float = 10000.0, window: Optional[int] = None,
                norm_eps: float = 1e-6, init_std: float = 0.02,
                output_init_std: Optional[float] = None, seq_axis: str = "seq",
-               seq_method: str = "ulysses", batch_axes=None, rngs: nnx.Rngs):
+               seq_method: str = "ulysses", batch_axes=None, backend: str = "auto",
+               rngs: nnx.Rngs):
     try:
       check_attention_args(hidden_size=hidden_size, num_heads=num_heads,
                            num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           seq_method=seq_method, window=window)
+                           seq_method=seq_method, window=window, backend=backend)
     except ValueError as e:
       raise ValueError(f"GatedAttention: {e}") from None
     D, H, Hkv, hd = hidden_size, num_heads, num_kv_heads, head_dim
@@ -94,6 +101,7 @@ class GatedAttention(nnx.Module):
     self.num_heads, self.num_kv_heads, self.head_dim = H, Hkv, hd
     self.rope_theta, self.window = rope_theta, window
     self.seq_axis, self.seq_method, self.batch_axes = seq_axis, seq_method, batch_axes
+    self.backend = backend
     self.q_proj = normal_param(rngs, (D, H * hd), init_std, ("embed", "heads"))
     self.k_proj = normal_param(rngs, (D, Hkv * hd), init_std, ("embed", "heads"))
     self.v_proj = normal_param(rngs, (D, Hkv * hd), init_std, ("embed", "heads"))
@@ -117,9 +125,10 @@ class GatedAttention(nnx.Module):
     q, k = rotary(q, positions, self.rope_theta), rotary(k, positions, self.rope_theta)
     if shard.seq_size(mesh, self.seq_axis) > 1:
       o = sp_attention(q, k, v, mesh=mesh, seq_axis=self.seq_axis, method=self.seq_method,
-                       segment_ids=segment_ids, window=self.window, batch_axes=self.batch_axes)
+                       segment_ids=segment_ids, window=self.window, batch_axes=self.batch_axes,
+                       backend=self.backend)
     else:
-      o = attention(q, k, v, segment_ids=segment_ids, window=self.window)
+      o = attention(q, k, v, segment_ids=segment_ids, window=self.window, backend=self.backend)
     gate = jax.nn.sigmoid(dot(x_BxTxD, self.g_proj[...]).astype(jnp.float32))
     o = (o.reshape(B, T, -1).astype(jnp.float32) * gate).astype(x_BxTxD.dtype)
     return dot(o, self.o_proj[...])

@@ -1,33 +1,44 @@
-"""Softmax attention on one device, and the blockwise core every method runs.
+"""Softmax attention on one device, by backend: XLA, cuDNN or splash.
 
-The core keeps flash attention's running statistics per query row (the running max ``m``,
-the running sum ``l`` of ``exp(s - m)`` and the unnormalised output ``acc``, all float32)
-and folds one block of keys into them (:func:`fold`); :func:`finish` divides. A key block
-that no query of the block can see (above the causal diagonal, outside the window) is
-skipped under ``lax.cond`` (:func:`fold_if_visible`), and a folded block is recomputed in
-the backward (``jax.checkpoint``: the residuals are the running statistics, not the
-block's probabilities). Scores are XLA dots in float32
-(``precision=HIGHEST`` for float32 inputs); a query that sees no key outputs zero.
+Where a head's whole sequence is on one device (the one-device op; Ulysses after its
+all-to-all), attention runs through one of :data:`BACKENDS`:
 
-``attention`` is the one-device op: the keys in blocks of ``block_size`` under one
-``lax.scan``. Kernels by target (cuDNN flash attention on GPU, splash attention on TPU)
-are not wired yet: every platform runs this XLA form.
+========= ======== ===========================================================================
+backend   platform what runs, and what it takes
+========= ======== ===========================================================================
+"xla"     any      :func:`zeco_jax.ops.attention.blockwise.attend`: key blocks under one scan,
+                   an online softmax, invisible blocks skipped, each block rematerialised
+"cudnn"   GPU      ``jax.nn.dot_product_attention(implementation="cudnn")``, cuDNN's fused
+                   flash attention: q, k, v of one dtype, bf16 or f16, D a multiple of 8 up
+                   to 128; a window only with ``causal``; no ``segment_ids`` (the public API
+                   takes no packed documents)
+"splash"  TPU      Pallas splash attention (``jax.experimental.pallas.ops.tpu``; the Pallas
+                   interpreter on CPU, for tests): the MQA kernel under ``vmap`` over batch
+                   and key heads, documents as its segment ids; T a multiple of 128
+========= ======== ===========================================================================
+
+``"auto"`` picks splash on TPU and cuDNN on GPU where they take the inputs, else XLA, and
+says once per process (a warning) why it ran XLA on an accelerator. An explicit kernel
+backend that cannot take the inputs raises a ValueError that says why.
+
+All backends share the masks of :mod:`zeco_jax.ops.attention.reference`: documents are
+numbered runs (``document_numbers``), so a splash segment id never joins two runs with
+equal ids; padding queries (document -1) output zero.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple, Optional
+import warnings
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from zeco_jax._linalg import HI
-from zeco_jax._vma import match_varying
-from zeco_jax.ops.attention.reference import document_numbers, visible
-
-NEG = -1e30          # a masked score: finite, so exp(NEG - m) is 0 and never NaN
+from zeco_jax import _checks
+from zeco_jax.ops.attention.blockwise import attend, finish, group_queries
+from zeco_jax.ops.attention.reference import document_numbers
+from zeco_jax.runtime import target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,106 +81,133 @@ def check_inputs(q, k, v, segment_ids, scale, causal, window, *, name: str) -> A
   return AttentionArgs(B, T, H, Hkv, D, scale, causal, window)
 
 
-class Stats(NamedTuple):
-  """Running softmax statistics of a block of queries, grouped by key head:
-  ``acc`` ``[B, Hkv, G, Tq, D]``, ``m`` and ``l`` ``[B, Hkv, G, Tq]``, float32."""
-  acc: jax.Array
-  m: jax.Array
-  l: jax.Array
+BACKENDS = ("auto", "xla", "cudnn", "splash")
+SPLASH_BLOCKS = (512, 256, 128)      # splash's q / kv tile: the largest that divides T
 
 
-def init_stats(B, Hkv, G, Tq, D, *likes) -> Stats:
-  """Nothing folded yet; varying over the manual axes any of ``likes`` varies over (the
-  carry of a scan inside a shard_map)."""
-  f32 = jnp.float32
-  stats = Stats(jnp.zeros((B, Hkv, G, Tq, D), f32), jnp.full((B, Hkv, G, Tq), NEG, f32),
-                jnp.zeros((B, Hkv, G, Tq), f32))
-  return jax.tree.map(lambda x: match_varying(x, *likes), stats)
+def why_not(backend: str, platform: str, *, dtypes, D: int, T: int, causal: bool,
+            window: Optional[int], segmented: bool) -> Optional[str]:
+  """Why ``backend`` ("cudnn" or "splash") cannot run these inputs; None when it can."""
+  if backend == "cudnn":
+    if platform != "gpu":
+      return f"cuDNN runs on GPU, the target is {platform}"
+    if len(set(dtypes)) != 1 or dtypes[0] not in (jnp.bfloat16, jnp.float16):
+      return f"cuDNN takes q, k, v of one dtype, bf16 or f16, got {', '.join(map(str, dtypes))}"
+    if D % 8 or D > 128:
+      return f"cuDNN takes a head size D that is a multiple of 8 up to 128, got {D}"
+    if segmented:
+      return "cuDNN's public API takes no documents (segment_ids)"
+    if window is not None and not causal:
+      return "cuDNN takes a window only with causal=True"
+    return None
+  if backend == "splash":
+    if platform not in ("tpu", "cpu"):
+      return f"splash attention runs on TPU (interpreted on CPU), the target is {platform}"
+    if T % SPLASH_BLOCKS[-1]:
+      return f"splash attention tiles T by 128: T = {T} is not a multiple of 128"
+    return None
+  raise AssertionError(backend)
 
 
-def group_queries(q, Hkv):
-  """``[B, Tq, H, D]`` -> ``[B, Tq, Hkv, G, D]`` (query head h under key head h // G)."""
-  B, Tq, H, D = q.shape
-  return q.reshape(B, Tq, Hkv, H // Hkv, D)
+@functools.lru_cache(maxsize=None)
+def _say_xla(platform: str, reason: str) -> None:
+  warnings.warn(f"zeco_jax: attention backend='auto' on {platform} runs the XLA form: "
+                f"{reason}. Pass backend='xla' to choose it explicitly (and silence this).",
+                stacklevel=4)
 
 
-def fold(stats: Stats, qg, k, v, q_doc, q_pos, k_doc, k_pos, *, scale, causal, window):
-  """``stats`` with one key block folded in (flash attention's update)."""
-  mask = visible(q_doc, q_pos, k_doc, k_pos, causal=causal, window=window)[:, None, None]
-  prec = HI if qg.dtype == jnp.float32 else None
-  s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, precision=prec,
-                 preferred_element_type=jnp.float32) * scale
-  s = jnp.where(mask, s, NEG)
-  m_new = lax.stop_gradient(jnp.maximum(stats.m, jnp.max(s, axis=-1)))
-  p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-  corr = jnp.exp(stats.m - m_new)
-  pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), v, precision=prec,
-                  preferred_element_type=jnp.float32)
-  return Stats(stats.acc * corr[..., None] + pv, m_new, stats.l * corr + jnp.sum(p, -1))
+def resolve(backend: str, platform: str, *, dtypes, D: int, T: int, causal: bool,
+            window: Optional[int], segmented: bool, name: str) -> str:
+  """``"xla"``, ``"cudnn"`` or ``"splash"`` for ``backend`` on the target ``platform``."""
+  _checks.check_choice(backend, BACKENDS, arg="backend", name=name)
+  facts = dict(dtypes=tuple(jnp.dtype(d) for d in dtypes), D=D, T=T, causal=causal,
+               window=window, segmented=segmented)
+  if backend == "xla" or (backend == "auto" and platform == "cpu"):
+    return "xla"
+  if backend == "auto":
+    kernel = "splash" if platform == "tpu" else "cudnn"
+    reason = why_not(kernel, platform, **facts)
+    if reason:
+      _say_xla(platform, reason)
+      return "xla"
+    return kernel
+  reason = why_not(backend, platform, **facts)
+  if reason:
+    raise ValueError(f"{name}: backend={backend!r} cannot run these inputs: {reason}; use "
+                     "backend='xla' (or 'auto').")
+  return backend
 
 
-def block_visible(q_pos_first, q_pos_last, k_pos_first, k_pos_last, *, causal, window):
-  """Whether any query of a block may see any key of another (positions bound the block)."""
-  ok = jnp.bool_(True)
-  if causal:
-    ok = ok & (k_pos_first <= q_pos_last)
-  if window is not None:
-    ok = ok & (q_pos_first - k_pos_last < window)
-  return ok
-
-
-def fold_if_visible(stats, qg, k, v, q_doc, q_pos, k_doc, k_pos, *, scale, causal, window):
-  """:func:`fold`, skipped (``lax.cond``) when no query of the block sees a key of it;
-  positions are contiguous runs (first and last bound them)."""
-  run = block_visible(q_pos[0, 0], q_pos[0, -1], k_pos[0, 0], k_pos[0, -1], causal=causal,
-                      window=window)
-  # Inside a shard_map both branches must vary over the same manual axes as the inputs.
-  stats = jax.tree.map(lambda x: match_varying(x, qg, k, v, q_doc, k_doc), stats)
-  # Rematerialised: the backward recomputes the block's scores from the statistics
-  # before it (flash attention's trade), so no [Tq, Tk] probabilities are kept per block.
-  folded = jax.checkpoint(functools.partial(fold, scale=scale, causal=causal, window=window))
-  return lax.cond(run, lambda st: folded(st, qg, k, v, q_doc, q_pos, k_doc, k_pos),
-                  lambda st: st, stats)
-
-
-def finish(stats: Stats, dtype):
-  """``[B, Tq, H, D]`` in ``dtype``: the output of the folded statistics."""
-  o = stats.acc / jnp.where(stats.l > 0, stats.l, 1.0)[..., None]
-  B, Hkv, G, Tq, D = o.shape
-  return jnp.moveaxis(o, 3, 1).reshape(B, Tq, Hkv * G, D).astype(dtype)
-
-
-def attend(qg, k, v, q_doc, q_pos, k_doc, k_pos, *, scale, causal, window, block_size):
-  """Queries ``qg`` against all of ``k``, ``v`` in key blocks of ``block_size`` (one
-  ``lax.scan``, skipping invisible blocks): the folded :class:`Stats`."""
-  B, Tq, Hkv, G, D = qg.shape
-  Tk = k.shape[1]
-  bs = block_size if Tk % block_size == 0 else Tk
-  n = Tk // bs
-  blocks = lambda x: jnp.moveaxis(x.reshape(x.shape[0], n, bs, *x.shape[2:]), 1, 0)
-
-  def step(stats, kb):
-    kk, vv, kd, kp = kb
-    return fold_if_visible(stats, qg, kk, vv, q_doc, q_pos, kd, kp, scale=scale,
-                           causal=causal, window=window), None
-
-  stats, _ = lax.scan(step, init_stats(B, Hkv, G, Tq, D, qg, k, v, q_doc, k_doc),
-                      (blocks(k), blocks(v), blocks(k_doc), blocks(k_pos)))
-  return stats
-
-
-def attention(q, k, v, *, causal: bool = True, segment_ids=None, scale=None, window=None,
-              block_size: int = 512):
-  """Softmax attention on one device (see :mod:`zeco_jax.ops.attention.reference` for the
-  masks and layouts): ``[B, T, H, D]`` in v's dtype. ``block_size``: keys per block of the
-  online softmax (the whole T when it does not divide T)."""
-  a = check_inputs(q, k, v, segment_ids, scale, causal, window, name="attention")
-  doc = document_numbers(segment_ids, a.B, a.T)
-  pos = jnp.broadcast_to(jnp.arange(a.T, dtype=jnp.int32), (a.B, a.T))
-  stats = attend(group_queries(q, a.Hkv), k, v, doc, pos, doc, pos, scale=a.scale,
+def local_attention(q, k, v, doc, *, backend: str, platform: str, scale: float, causal: bool,
+                    window: Optional[int], block_size: int):
+  """Attention of the whole local sequence: q ``[B, T, H, D]``, k, v ``[B, T, Hkv, D]``,
+  ``doc`` int32 ``[B, T]`` document numbers (-1 padding) or None (one document).
+  ``backend``: a resolved one (:func:`resolve`). Returns ``[B, T, H, D]`` in v's dtype."""
+  B, T = q.shape[:2]
+  if backend == "cudnn":
+    return jax.nn.dot_product_attention(
+        q, k, v, scale=scale, is_causal=causal, implementation="cudnn",
+        local_window_size=None if window is None else (window - 1, 0))
+  if backend == "splash":
+    o = _splash(q, k, v, doc, scale=scale, causal=causal, window=window,
+                interpret=platform == "cpu")
+    return o if doc is None else jnp.where((doc >= 0)[:, :, None, None], o, 0).astype(o.dtype)
+  if backend != "xla":
+    raise AssertionError(backend)
+  d = jnp.zeros((B, T), jnp.int32) if doc is None else doc
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  stats = attend(group_queries(q, k.shape[2]), k, v, d, pos, d, pos, scale=scale,
                  causal=causal, window=window, block_size=block_size)
   return finish(stats, v.dtype)
 
 
-__all__ = ["AttentionArgs", "Stats", "attend", "attention", "check_inputs", "finish", "fold",
-           "fold_if_visible", "group_queries", "init_stats"]
+def _splash(q, k, v, doc, *, scale, causal, window, interpret):
+  from jax.experimental.pallas.ops.tpu.splash_attention import (
+      splash_attention_kernel as sk, splash_attention_mask as sm)
+  B, T, H, D = q.shape
+  Hkv = k.shape[2]
+  G = H // Hkv
+  shape = (T, T)
+  if window is None:
+    mask = sm.CausalMask(shape) if causal else sm.FullMask(shape)
+  else:                        # query t sees keys s with t - s < window (and s <= t if causal)
+    mask = sm.LocalMask(shape, window_size=(window - 1, 0 if causal else None), offset=0)
+  b = next(s for s in SPLASH_BLOCKS if T % s == 0)
+  sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b,
+                        block_kv_dkv=b, block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+  kernel = sk.make_splash_mqa_single_device(sm.MultiHeadMask([mask] * G), block_sizes=sizes,
+                                            interpret=interpret)
+  dtype = jnp.promote_types(q.dtype, v.dtype)
+  qh = (q.astype(jnp.float32) * scale).astype(dtype)      # splash does not scale the scores
+  qh = qh.reshape(B, T, Hkv, G, D).transpose(0, 2, 3, 1, 4)          # [B, Hkv, G, T, D]
+  kh, vh = (x.astype(dtype).transpose(0, 2, 1, 3) for x in (k, v))   # [B, Hkv, T, D]
+
+  if doc is None:
+    one = lambda qq, kk, vv: kernel(qq, kk, vv)
+    o = jax.vmap(jax.vmap(one))(qh, kh, vh)
+  else:
+    one = lambda qq, kk, vv, ii: kernel(qq, kk, vv, segment_ids=sk.SegmentIds(q=ii, kv=ii))
+    o = jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)))(qh, kh, vh, doc)
+  return o.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D).astype(v.dtype)
+
+
+def attention(q, k, v, *, causal: bool = True, segment_ids=None, scale=None, window=None,
+              backend: str = "auto", block_size: int = 512):
+  """Softmax attention on one device (the masks and layouts of
+  :mod:`zeco_jax.ops.attention.reference`): ``[B, T, H, D]`` in v's dtype.
+
+  ``backend``: one of :data:`BACKENDS` (the module's table), ``"auto"`` by the platform the
+  inputs are compiled for. ``block_size``: keys per block of the XLA form's online softmax
+  (the whole T when it does not divide T)."""
+  name = "attention"
+  a = check_inputs(q, k, v, segment_ids, scale, causal, window, name=name)
+  platform = target.platform_of(q, k, v)
+  backend = resolve(backend, platform, dtypes=(q.dtype, k.dtype, v.dtype), D=a.D, T=a.T,
+                    causal=causal, window=window, segmented=segment_ids is not None, name=name)
+  doc = None if segment_ids is None else document_numbers(segment_ids, a.B, a.T)
+  return local_attention(q, k, v, doc, backend=backend, platform=platform, scale=a.scale,
+                         causal=causal, window=window, block_size=block_size)
+
+
+__all__ = ["AttentionArgs", "BACKENDS", "attention", "check_inputs", "local_attention",
+           "resolve", "why_not"]

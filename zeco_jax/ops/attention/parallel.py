@@ -15,6 +15,11 @@ own) run one of :data:`ATTENTION_METHODS`:
   blocks a rank's queries cannot see are skipped (under a contiguous causal split the last
   rank works P times the first).
 
+The local attention of Ulysses (and of one rank) runs through ``backend`` (the kernels of
+:mod:`zeco_jax.ops.attention.op`: cuDNN on GPU, splash on TPU, XLA); the all-gather and
+ring methods fold key blocks in XLA ops (``backend="auto"`` or ``"xla"``; a kernel backend
+is an error there).
+
 All three take ``segment_ids`` as the linear ops do (documents never attend across a
 start, also across shard boundaries; negative ids are padding and output zero), an
 optional sliding ``window`` and grouped key heads, and are differentiated by JAX (the
@@ -27,13 +32,17 @@ import dataclasses
 import types
 from typing import Callable, Mapping
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zeco_jax.ops.attention.op import (attend, attention, check_inputs, finish,
-                                       fold_if_visible, group_queries, init_stats)
+from zeco_jax import _checks
+
+from zeco_jax.ops.attention import op
+from zeco_jax.ops.attention.blockwise import (finish, fold_if_visible, group_queries,
+                                              init_stats)
+from zeco_jax.ops.attention.op import check_inputs, local_attention
 from zeco_jax.ops.attention.reference import document_numbers
+from zeco_jax.runtime import target
 from zeco_jax.sp import shard
 from zeco_jax.sp.scan import DEFAULT_ALPHA_S, DEFAULT_BETA_S_PER_BYTE
 
@@ -45,7 +54,8 @@ class AttentionMethod:
   Attributes:
     name: the key in :data:`ATTENTION_METHODS`, the value of ``method=``.
     summary: one line.
-    run: ``run(q, k, v, ids, *, axis_name, args, block_size) -> o`` on one rank's shard.
+    run: ``run(q, k, v, ids, *, axis_name, args, block_size, backend, platform) -> o`` on
+      one rank's shard (``backend``: resolved by :func:`resolve_backend`).
     bytes_per_rank: ``bytes_per_rank(P, B, T, H, Hkv, D, itemsize)``: the bytes one rank
       sends in the forward (the backward sends the transposes: about as much again).
     time: ``time(P, B, T, H, Hkv, D, itemsize, alpha, beta)``: the alpha-beta seconds of
@@ -70,7 +80,7 @@ def _positions(first, n, B):
   return jnp.broadcast_to(first + jnp.arange(n, dtype=jnp.int32), (B, n))
 
 
-def _ulysses(q, k, v, ids, *, axis_name, args, block_size):
+def _ulysses(q, k, v, ids, *, axis_name, args, block_size, backend, platform):
   P = lax.axis_size(axis_name)
   B, Tl = q.shape[:2]
   T = Tl * P
@@ -79,11 +89,11 @@ def _ulysses(q, k, v, ids, *, axis_name, args, block_size):
     k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
   to_heads = lambda x: lax.all_to_all(x, axis_name, 2, 1, tiled=True)
   qh, kh, vh = to_heads(q), to_heads(k), to_heads(v)            # [B, T, heads / P, D]
-  doc = _global_docs(ids, axis_name, B, Tl)
-  pos = _positions(0, T, B)
-  stats = attend(group_queries(qh, kh.shape[2]), kh, vh, doc, pos, doc, pos, scale=args.scale,
-                 causal=args.causal, window=args.window, block_size=min(block_size, Tl))
-  return lax.all_to_all(finish(stats, v.dtype), axis_name, 1, 2, tiled=True)
+  doc = None if ids is None else _global_docs(ids, axis_name, B, Tl)
+  o = local_attention(qh, kh, vh, doc, backend=backend, platform=platform, scale=args.scale,
+                      causal=args.causal, window=args.window,
+                      block_size=min(block_size, Tl))
+  return lax.all_to_all(o, axis_name, 1, 2, tiled=True)
 
 
 def _zigzag_perms(P):
@@ -95,8 +105,8 @@ def _zigzag_perms(P):
   return ([(r, owner(2 * r)) for r in range(P)], [(r, owner(2 * r + 1)) for r in range(P)])
 
 
-def _all_gather(q, k, v, ids, *, axis_name, args, block_size):
-  del block_size
+def _all_gather(q, k, v, ids, *, axis_name, args, block_size, backend, platform):
+  del block_size, backend, platform
   P = lax.axis_size(axis_name)
   r = lax.axis_index(axis_name)
   B, Tl = q.shape[:2]
@@ -138,8 +148,8 @@ def _all_gather(q, k, v, ids, *, axis_name, args, block_size):
   return jnp.concatenate([back_a, back_b], axis=1)
 
 
-def _ring(q, k, v, ids, *, axis_name, args, block_size):
-  del block_size
+def _ring(q, k, v, ids, *, axis_name, args, block_size, backend, platform):
+  del block_size, backend, platform
   P = lax.axis_size(axis_name)
   r = lax.axis_index(axis_name)
   B, Tl = q.shape[:2]
@@ -227,36 +237,61 @@ def _check_method(method, P, H, Hkv, Tl, *, name):
   return spec
 
 
+def resolve_backend(backend, method, P, args, dtypes, *, segmented, platform, name):
+  """The local attention's backend (:func:`zeco_jax.ops.attention.op.resolve`) for
+  ``method`` at ``P`` ranks: the kernels run where a head's whole sequence is local
+  (``P == 1``, Ulysses); all-gather and ring fold key blocks in XLA."""
+  if P > 1 and _get(method, name).name != "ulysses":
+    _checks.check_choice(backend, op.BACKENDS, arg="backend", name=name)
+    if backend not in ("auto", "xla"):
+      raise ValueError(f"{name}: backend={backend!r} runs a whole local sequence, which "
+                       f"method={method!r} does not have (it folds key blocks in XLA); use "
+                       "method='ulysses', or backend='xla' (or 'auto').")
+    return "xla"
+  return op.resolve(backend, platform, dtypes=dtypes, D=args.D, T=args.T * P, causal=args.causal,
+                    window=args.window, segmented=segmented, name=name)
+
+
 def sp_attention_local(q, k, v, *, axis_name, method="ulysses", causal=True, segment_ids=None,
-                       scale=None, window=None, block_size: int = 512):
+                       scale=None, window=None, backend="auto", block_size: int = 512):
   """:func:`sp_attention` on this rank's shard, inside a shard_map over ``axis_name``:
   q ``[B, T/P, H, D]``, k, v ``[B, T/P, Hkv, D]``, ``segment_ids`` ``[B, T/P]`` (this
-  rank's contiguous piece). Returns this rank's output ``[B, T/P, H, D]``."""
+  rank's contiguous piece). Returns this rank's output ``[B, T/P, H, D]``. A Pallas
+  backend (splash) needs the shard_map's ``check_vma=False``."""
   name = "sp_attention_local"
   args = check_inputs(q, k, v, segment_ids, scale, causal, window, name=name)
   P = lax.axis_size(axis_name)
   spec = _check_method(method, P, args.H, args.Hkv, args.T, name=name)
+  platform = target.platform_of(q, k, v)
+  backend = resolve_backend(backend, method, P, args, (q.dtype, k.dtype, v.dtype),
+                            segmented=segment_ids is not None, platform=platform, name=name)
   if P == 1:
-    return attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=args.scale,
-                     window=window, block_size=block_size)
-  return spec.run(q, k, v, segment_ids, axis_name=axis_name, args=args, block_size=block_size)
+    doc = None if segment_ids is None else document_numbers(segment_ids, args.B, args.T)
+    return local_attention(q, k, v, doc, backend=backend, platform=platform, scale=args.scale,
+                           causal=causal, window=window, block_size=block_size)
+  return spec.run(q, k, v, segment_ids, axis_name=axis_name, args=args, block_size=block_size,
+                  backend=backend, platform=platform)
 
 
 def sp_attention(q, k, v, *, mesh=None, seq_axis="seq", method="ulysses", causal=True,
                  segment_ids=None, scale=None, window=None, batch_axes=None,
-                 block_size: int = 512):
+                 backend="auto", block_size: int = 512):
   """Softmax attention with T split contiguously over the mesh axis ``seq_axis``.
 
   Args:
     q: ``[B, T, H, D]``; k, v: ``[B, T, Hkv, D]`` (Hkv divides H), T split over
       ``seq_axis`` like the linear ops' inputs.
     mesh: a ``Mesh`` (default: the one set with ``jax.set_mesh``); one device on
-      ``seq_axis`` runs :func:`zeco_jax.ops.attention.op.attention`.
+      ``seq_axis`` runs the one-device op (:func:`zeco_jax.ops.attention.op.attention`).
     method: a key of :data:`ATTENTION_METHODS`.
     causal, segment_ids, scale, window: the masks of
       :mod:`zeco_jax.ops.attention.reference`.
     batch_axes: the mesh axis (or axes) B is split over (as the linear ops').
-    block_size: keys per block of the online softmax (Ulysses' local attention).
+    backend: the local attention's (one rank, Ulysses): a key of
+      :data:`zeco_jax.ops.attention.op.BACKENDS`, ``"auto"`` by the mesh's platform
+      (cuDNN on GPU, splash on TPU, where they take the inputs). all_gather and ring run
+      XLA.
+    block_size: keys per block of the XLA form's online softmax.
 
   Returns:
     ``[B, T, H, D]`` in v's dtype, split like q.
@@ -264,11 +299,17 @@ def sp_attention(q, k, v, *, mesh=None, seq_axis="seq", method="ulysses", causal
   name = "sp_attention"
   args = check_inputs(q, k, v, segment_ids, scale, causal, window, name=name)
   mesh = shard.mesh_or_context(mesh, name=name)
-  spec = shard.shard_spec(q, mesh=mesh, seq_axis=seq_axis, batch_axes=batch_axes, name=name)
-  P = spec.seq_axis_size
+  P = shard.seq_axis_size(mesh, seq_axis, args.T, name=name)
   _check_method(method, P, args.H, args.Hkv, args.T // P, name=name)
+  local_args = dataclasses.replace(args, T=args.T // P)
+  backend = resolve_backend(backend, method, P, local_args, (q.dtype, k.dtype, v.dtype),
+                            segmented=segment_ids is not None,
+                            platform=target.platform_of(q, mesh=mesh), name=name)
+  kernel = backend == "splash"        # a Pallas call: manual over every axis, no vma check
+  spec = shard.shard_spec(q, mesh=mesh, seq_axis=seq_axis, batch_axes=batch_axes,
+                          every_axis=kernel, check_vma=not kernel, name=name)
   options = dict(method=method, causal=causal, scale=args.scale, window=window,
-                 block_size=block_size)
+                 backend=backend, block_size=block_size)
   arrays = (q, k, v, segment_ids)
   in_specs = tuple(None if x is None else spec.tokens(x.ndim) for x in arrays)
   return shard.sharded(_local, spec, arrays, in_specs, options=options,
@@ -279,5 +320,5 @@ def _local(q, k, v, ids, *, axis_name, **options):
   return sp_attention_local(q, k, v, axis_name=axis_name, segment_ids=ids, **options), None
 
 
-__all__ = ["ATTENTION_METHODS", "AttentionMethod", "predicted_time", "sp_attention",
-           "sp_attention_local"]
+__all__ = ["ATTENTION_METHODS", "AttentionMethod", "predicted_time", "resolve_backend",
+           "sp_attention", "sp_attention_local"]
