@@ -25,6 +25,9 @@ MFU = (6 N + attention FLOPs) x tokens/s / 989e12, the dense bf16 peak of an H10
 SXM (NVIDIA's H200 datasheet: 989 TFLOPS bf16 without sparsity). Attention FLOPs of the
 chunked form per token, layer and head, forward: 2CK + 2CV (the full C x C intra-chunk
 score and output tiles) + 4KV (the state read and update); forward + backward is 3x that.
+A hybrid config's softmax blocks (``--config configs/hybrid_340m.py``) count 4 (T / 2) D
+per token and head forward (QK^T and PV over the T / 2 keys a causal query sees on
+average), 3x for forward + backward.
 
 Writes ``train_gla340m_<tag>.json`` (every run: figures, losses, each run's environment),
 ``.md`` (the table) and ``.env.json`` to --outdir (default $OUT, else
@@ -97,9 +100,16 @@ def lm_batch(inputs_BxT: np.ndarray) -> dict:
   return {"inputs": inputs_BxT, "targets": targets, "mask": mask}
 
 
-def attention_flops_per_token(m) -> float:
+def attention_flops_per_token(m, seq_len: int) -> float:
+  """Token mixers' forward + backward FLOPs per token (3x the forward): the chunked linear
+  form in the L blocks, causal softmax attention (on average T / 2 keys a query, QK^T and
+  PV) in a hybrid's A blocks."""
   H, K, V, C = m.num_heads, m.key_dim // m.num_heads, m.value_dim // m.num_heads, m.chunk_size
-  return 3 * m.num_layers * H * (2 * C * K + 2 * C * V + 4 * K * V)
+  kinds = m.block_kinds()
+  linear = 3 * kinds.count("L") * H * (2 * C * K + 2 * C * V + 4 * K * V)
+  heads, _, head_dim = m.attention_shape
+  softmax = 3 * kinds.count("A") * heads * 2 * 2 * (seq_len / 2) * head_dim
+  return linear + softmax
 
 
 def run_ours(cfg, batches_path: str, out_path: str, profile: bool):
@@ -167,7 +177,6 @@ def fla_available() -> bool:
 
 
 def table(results: list, model_cfg) -> str:
-  n_attn = attention_flops_per_token(model_cfg)
   rows = ["| run | tokens | tokens/s | ms/step | peak GiB | MFU | first / last loss | note |",
           "|---|---|---|---|---|---|---|---|"]
   for r in results:
@@ -176,7 +185,7 @@ def table(results: list, model_cfg) -> str:
       rows.append(f"| {name} | {r.get('seq_len')} | - | - | - | - | - | "
                   f"{r.get('error', 'no result')[:120]} |")
       continue
-    flops = 6 * r["params_m"] * 1e6 + n_attn
+    flops = 6 * r["params_m"] * 1e6 + attention_flops_per_token(model_cfg, r["seq_len"])
     mfu = flops * r["tokens_per_s"] / PEAK_FLOPS
     note = (f"compile {r['compile_s']:.0f}s" if "compile_s" in r
             else f"first step {r.get('first_step_s', 0):.0f}s")
@@ -215,7 +224,11 @@ def main(argv):
     return
   outdir = harness.out_dir(_OUTDIR.value, "train_gla340m")
   tmp = tempfile.mkdtemp(prefix="bench340m_")
-  overrides = [a for a in sys.argv[1:] if a.startswith("--config.")]
+  # The child gets the config file and its overrides as given (--config=FILE, --config.x=v).
+  argv = sys.argv[1:]
+  overrides = [f"--config={argv[i + 1]}" if a == "--config" else a for i, a in enumerate(argv)
+               if a.startswith("--config.") or a.startswith("--config=")
+               or (a == "--config" and i + 1 < len(argv))]
   results, streams = [], {}
   out_json = f"train_gla340m_{_TAG.value}"
   cfg0 = settings(_CONFIG.value, 16384, _STEPS.value, False)
@@ -226,7 +239,7 @@ def main(argv):
   def write():
     meta = {"runs": _RUNS.value, "steps": _STEPS.value, "warmup": _WARMUP.value,
             "overrides": overrides, "peak_flops": PEAK_FLOPS,
-            "attention_flops_per_token": attention_flops_per_token(model_cfg),
+            "attention_flops_per_token_16384": attention_flops_per_token(model_cfg, 16384),
             "results": results}
     text = (f"`python -m benchmarks.train_gla340m {' '.join(sys.argv[1:])}`\n\n"
             + table(results, model_cfg) + "\n")
