@@ -4,7 +4,8 @@
 
 Any machine (simulated CPU devices, a few CPU-minutes). Compiles jit(grad(zeco_gla)) and
 jit(grad(zeco_gated_delta_rule)) (forward + backward) and the forwards alone for
-P = 2 .. max-devices, counts the collective bytes per rank in the HLO
+P = 2 .. max-devices, and one softmax attention layer (``sp_attention``, every method of
+ATTENTION_METHODS, P = 2 .. 8, hybrid_340m's attention shape), counts the collective bytes per rank in the HLO
 (zeco_jax.runtime.hlo_stats), and prints them in units of one state M, for every method of
 zeco_jax.sp.scan.SCAN_METHODS. Then prints the alpha-beta model's prediction (docs/design.md
 §6) of one exclusive scan of the paper's 1 MiB state for P up to 256, next to the paper's
@@ -17,6 +18,67 @@ import argparse
 import os
 
 from benchmarks import _harness as harness
+
+
+# Softmax attention (hybrid models): hybrid_340m's attention block, bf16.
+ATTN_SHAPE = dict(B=1, T=16384, H=8, Hkv=2, D=128)
+
+
+def attention_bytes(P: int, method: str, shape=ATTN_SHAPE):
+  """(forward, forward + backward) bytes the busiest rank sends in one attention layer,
+  from the compiled HLO of ``sp_attention`` on ``P`` simulated devices."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh
+
+  from zeco_jax.ops.attention.parallel import sp_attention
+  from zeco_jax.runtime.hlo_stats import collective_bytes
+  B, T, H, Hkv, D = (shape[n] for n in ("B", "T", "H", "Hkv", "D"))
+  mesh = Mesh(np.array(jax.devices()[:P]), ("seq",))
+  sds = lambda h: jax.ShapeDtypeStruct((B, T, h, D), jnp.bfloat16)
+  args = (sds(H), sds(Hkv), sds(Hkv), jax.ShapeDtypeStruct((B, T), jnp.int32))
+  op = lambda q, k, v, ids: sp_attention(q, k, v, mesh=mesh, method=method, segment_ids=ids)
+  loss = lambda q, k, v, ids: jnp.sum(op(q, k, v, ids).astype(jnp.float32))
+  out = []
+  for fn in (op, jax.grad(loss, (0, 1, 2))):
+    hlo = jax.jit(fn).lower(*args).compile().as_text()
+    out.append(float(sum(np.asarray(x)[:P] for x in collective_bytes(hlo, P).values()).max()))
+  return tuple(out)
+
+
+def executed_folds(P: int, method: str, T: int = 256, H: int = 2, D: int = 8):
+  """Key blocks each rank folds in a causal ``sp_attention`` forward (the blocks that
+  ``lax.cond`` does not skip), counted at run time on ``P`` simulated devices: a list of P
+  counts. Every fold costs the same FLOPs (a [c, c] block of scores and outputs)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax import lax
+  from jax.sharding import Mesh
+
+  from zeco_jax.ops.attention import blockwise, parallel
+  counts = np.zeros(P, np.int64)
+
+  def record(rank, run):
+    counts[int(rank)] += int(run)
+
+  def counted(stats, qg, k, v, q_doc, q_pos, k_doc, k_pos, **kw):
+    run = blockwise.block_visible(q_pos[0, 0], q_pos[0, -1], k_pos[0, 0], k_pos[0, -1],
+                                  causal=kw["causal"], window=kw["window"])
+    jax.debug.callback(record, lax.axis_index("seq"), run, ordered=False)
+    return blockwise.fold_if_visible(stats, qg, k, v, q_doc, q_pos, k_doc, k_pos, **kw)
+
+  mesh = Mesh(np.array(jax.devices()[:P]), ("seq",))
+  x = jnp.ones((1, T, H, D), jnp.float32)
+  original = parallel.fold_if_visible
+  parallel.fold_if_visible = counted
+  try:
+    jax.block_until_ready(parallel.sp_attention(x, x, x, mesh=mesh, method=method))
+    jax.effects_barrier()
+  finally:
+    parallel.fold_if_visible = original
+  return [int(c) for c in counts]
 
 
 def main():
@@ -65,6 +127,12 @@ def main():
       measured[(P, "gdn " + method)] = (sum(collective_bytes(fwd, P).values()).max() / M,
                                         sum(collective_bytes(both, P).values()).max() / M)
 
+  # Softmax attention (hybrid models), P = 2 .. 8, and the fold counts of the causal work.
+  from zeco_jax.ops.attention.parallel import ATTENTION_METHODS
+  attn_Ps = [p for p in (2, 4, 8) if p <= args.max_devices]
+  attn = {(P, m): attention_bytes(P, m) for P in attn_Ps for m in ATTENTION_METHODS}
+  folds = {m: executed_folds(max(attn_Ps), m) for m in ("all_gather", "ring")}
+
   env = harness.environment()
   lines = ["# Communication volume per rank, from compiled HLO", "",
            "Question: how many bytes does each rank send per method and device count, forward "
@@ -88,6 +156,32 @@ def main():
     cells = [f"{measured[(P, 'gdn ' + m)][0]:.2f} | {measured[(P, 'gdn ' + m)][1]:.2f}"
              for m in methods]
     lines.append(f"| {P} | " + " | ".join(cells) + " |")
+
+  sh = ATTN_SHAPE
+  gla_M = 1 * 4 * 128 * 256 * 4      # gla_340m's GLA layer: B1, 4 heads, K 128, V 256, float32
+  MiB = 2 ** 20
+  lines += ["", "Softmax attention over the same seq axis (`sp_attention`, hybrid models; "
+            "docs/design.md §12), one layer at hybrid_340m's attention shape (B "
+            f"{sh['B']}, T {sh['T']}, {sh['H']} query heads, {sh['Hkv']} key / value heads of "
+            f"{sh['D']}, bf16, with segment_ids), MiB the busiest rank sends, forward and "
+            "forward + backward, the forward's model (`ATTENTION_METHODS[m].bytes_per_rank`) "
+            "in brackets; beside it, the All-Scan of one of the same model's GLA layers (a "
+            f"{gla_M / MiB:.2f} MiB state, two scans forward + backward, flat in P):", "",
+            "| P | " + " | ".join(f"{m} fwd (model) | {m} fwd+bwd" for m in ATTENTION_METHODS)
+            + " | GLA layer all_scan fwd+bwd |",
+            "|---|" + "---|" * (2 * len(ATTENTION_METHODS) + 1)]
+  for P in attn_Ps:
+    cells = []
+    for m, spec in ATTENTION_METHODS.items():
+      f, fb = attn[(P, m)]
+      want = spec.bytes_per_rank(P, sh["B"], sh["T"], sh["H"], sh["Hkv"], sh["D"], 2)
+      cells.append(f"{f / MiB:.2f} ({want / MiB:.2f}) | {fb / MiB:.2f}")
+    lines.append(f"| {P} | " + " | ".join(cells) + f" | {2 * gla_M / MiB:.2f} |")
+  hiP = max(attn_Ps)
+  lines += ["", f"Causal work per rank at P = {hiP} (key blocks folded, counted at run time; "
+            "every block the same FLOPs; `benchmarks.comm_volume.executed_folds`): "
+            f"all_gather (zigzag) {folds['all_gather']}, ring (contiguous) {folds['ring']}; "
+            "Ulysses: every rank all T on H / P heads."]
 
   state = 1 << 20   # the paper's state: d=4096, H=32, head dim 128, bf16 = 1 MiB per layer
   alpha, beta = scan_lib.DEFAULT_ALPHA_S, scan_lib.DEFAULT_BETA_S_PER_BYTE
@@ -118,7 +212,15 @@ def main():
             f"{measured[(hi, 'tree')][1]:.2f} (about 2 log2 P); ring is All-Scan's bytes "
             "without the overlap.",
             "- The model's times are a prediction from bytes and hops, not a measurement; the "
-            "paper's H100 columns are its published figures."]
+            "paper's H100 columns are its published figures.",
+            f"- A softmax layer moves far more than a linear one: at P = {hiP} Ulysses sends "
+            f"{attn[(hiP, 'ulysses')][1] / MiB:.1f} MiB per rank forward + backward (falling as "
+            "1/P, until the key heads are repeated up to P), all_gather "
+            f"{attn[(hiP, 'all_gather')][1] / MiB:.1f} and ring {attn[(hiP, 'ring')][1] / MiB:.1f} "
+            f"(growing as (P - 1) / P of K and V), against {2 * gla_M / MiB:.2f} MiB for a GLA "
+            "layer's All-Scan. The zigzag all_gather gives every rank the same "
+            f"{folds['all_gather'][0]} blocks ({max(folds['all_gather']) / min(folds['all_gather']):.2f}x "
+            f"max / min); the ring's contiguous split {max(folds['ring']) / min(folds['ring']):.0f}x."]
   text = "\n".join(lines) + "\n"
   print(text)
   harness.write_environment(args.out, "comm_volume")

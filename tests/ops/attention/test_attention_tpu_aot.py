@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("libtpu", reason="TPU compiler not installed: pip install -e '.[tpu]'")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")   # beside another test worker's libtpu
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

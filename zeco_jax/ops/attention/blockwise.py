@@ -9,8 +9,8 @@ the backward (``jax.checkpoint``: the residuals are the running statistics, not 
 block's probabilities). Scores are XLA dots in float32
 (``precision=HIGHEST`` for float32 inputs); a query that sees no key outputs zero.
 
-:func:`attend` runs the keys in blocks of ``block_size`` under one ``lax.scan`` (the
-``"xla"`` backend of :mod:`zeco_jax.ops.attention.op`); the all-gather and ring methods
+:func:`attend` runs queries and keys in blocks of ``block_size`` (the ``"xla"`` backend
+of :mod:`zeco_jax.ops.attention.op`); the all-gather and ring methods
 fold their blocks with :func:`fold_if_visible` directly.
 """
 from __future__ import annotations
@@ -99,22 +99,37 @@ def finish(stats: Stats, dtype):
 
 
 def attend(qg, k, v, q_doc, q_pos, k_doc, k_pos, *, scale, causal, window, block_size):
-  """Queries ``qg`` against all of ``k``, ``v`` in key blocks of ``block_size`` (one
-  ``lax.scan``, skipping invisible blocks): the folded :class:`Stats`."""
+  """Queries ``qg`` against all of ``k``, ``v``: the folded :class:`Stats`.
+
+  Queries and keys both in blocks of ``block_size`` (the whole length where it does not
+  divide it): one ``lax.map`` over the query blocks, each a ``lax.scan`` over the key
+  blocks that skips a pair whose queries see none of its keys, so causal attention does
+  about half the T^2 work and a window of w about T (w + block_size)."""
   B, Tq, Hkv, G, D = qg.shape
   Tk = k.shape[1]
-  bs = block_size if Tk % block_size == 0 else Tk
-  n = Tk // bs
-  blocks = lambda x: jnp.moveaxis(x.reshape(x.shape[0], n, bs, *x.shape[2:]), 1, 0)
+  bk = block_size if Tk % block_size == 0 else Tk
+  bq = block_size if Tq % block_size == 0 else Tq
+  split = lambda x, n, b: jnp.moveaxis(x.reshape(x.shape[0], n, b, *x.shape[2:]), 1, 0)
+  keys = tuple(split(x, Tk // bk, bk) for x in (k, v, k_doc, k_pos))
 
-  def step(stats, kb):
-    kk, vv, kd, kp = kb
-    return fold_if_visible(stats, qg, kk, vv, q_doc, q_pos, kd, kp, scale=scale,
-                           causal=causal, window=window), None
+  def query_block(qb):
+    qq, qd, qp = qb
 
-  stats, _ = lax.scan(step, init_stats(B, Hkv, G, Tq, D, qg, k, v, q_doc, k_doc),
-                      (blocks(k), blocks(v), blocks(k_doc), blocks(k_pos)))
-  return stats
+    def step(stats, kb):
+      kk, vv, kd, kp = kb
+      return fold_if_visible(stats, qq, kk, vv, qd, qp, kd, kp, scale=scale, causal=causal,
+                             window=window), None
+
+    stats, _ = lax.scan(step, init_stats(B, Hkv, G, bq, D, qq, k, v, qd, k_doc), keys)
+    return stats
+
+  nq = Tq // bq
+  if nq == 1:
+    return query_block((qg, q_doc, q_pos))
+  stats = lax.map(query_block, tuple(split(x, nq, bq) for x in (qg, q_doc, q_pos)))
+  # [nq, B, Hkv, G, bq, ...] -> [B, Hkv, G, Tq, ...]
+  return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 3).reshape(*x.shape[1:4], Tq, *x.shape[5:]),
+                      stats)
 
 
 __all__ = ["Stats", "attend", "block_visible", "finish", "fold", "fold_if_visible",
