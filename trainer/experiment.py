@@ -27,11 +27,21 @@ from zeco_jax.runtime import distributed
 
 
 def make_mesh(shape: dict, devices=None) -> jax.sharding.Mesh:
-  """A ``(data, seq)`` mesh with Auto axes (jit + GSPMD outside the seq shard_map)."""
+  """A ``(data, seq)`` mesh with Auto axes (jit + GSPMD outside the seq shard_map).
+
+  Where the shape is no product of whole physical axes of a TPU slice (data = seq = 8 on
+  v5p's 4x4x4), a physical axis is split between the two (``allow_split_physical_axes``)
+  instead of failing."""
   axis_types = (jax.sharding.AxisType.Auto,) * 2
   kwargs = {} if devices is None else {"devices": devices}
-  return jax.make_mesh((shape["data"], shape["seq"]), ("data", "seq"), axis_types=axis_types,
-                       **kwargs)
+  dims = (shape["data"], shape["seq"])
+  try:
+    return jax.make_mesh(dims, ("data", "seq"), axis_types=axis_types, **kwargs)
+  except NotImplementedError:
+    from jax.experimental import mesh_utils
+    grid = mesh_utils.create_device_mesh(dims, devices=devices if devices is not None
+                                         else jax.devices(), allow_split_physical_axes=True)
+    return jax.sharding.Mesh(grid, ("data", "seq"), axis_types=axis_types)
 
 
 def optimizer(train: ml_collections.ConfigDict):

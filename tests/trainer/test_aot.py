@@ -94,3 +94,13 @@ def test_train_py_flag_rejects_unknown_topology():
   out = run_train_py("--compile_only=v9:2x2", timeout=300)
   assert out.returncode == 1
   assert "train.py: compile_only: topology 'v9:2x2'" in out.stderr
+
+
+def test_mesh_that_splits_a_physical_axis():
+  """data = seq = 8 on v5p's 4x4x4 is no product of whole physical axes: the mesh splits
+  one between the two axes instead of failing (the 64-chip Ulysses meshes of
+  benchmarks/hybrid_reach_aot.py)."""
+  devices = compile_only.topology_devices("v5p:4x4x4")
+  mesh = compile_only.build_mesh({"data": 8, "seq": 8}, devices)
+  assert dict(mesh.shape) == {"data": 8, "seq": 8}
+  assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
