@@ -123,6 +123,7 @@ def _generate(graphdef, state, prompt, segment_ids, eos, key, *, max_new_tokens,
   model = nnx.merge(graphdef, state)
   B = prompt.shape[0]
   logits, caches = model.prefill(prompt, mesh, segment_ids)
+  caches = model.reserve(caches, max_new_tokens)        # the attention blocks' KV slots
 
   def cond(carry):
     i, _, _, done, _ = carry

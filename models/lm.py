@@ -159,10 +159,16 @@ class LM(nnx.Module):
     last = last_tokens(x, segment_ids, 1)[:, 0]
     return self.logits(self.norm(last)), tuple(caches)
 
+  def reserve(self, caches, n: int) -> tuple:
+    """``caches`` ready for ``n`` more decoded tokens (the attention blocks' KV caches get
+    ``n`` free slots; the linear blocks' states are unchanged)."""
+    return tuple(block.attn.reserve(cache, n) for block, cache in zip(self.blocks(), caches))
+
   def decode(self, tokens_BxL, caches):
     """``(logits [B, L, vocab], caches)`` for the next ``L`` tokens (a decode step: L = 1)
-    after ``caches`` (:meth:`prefill`'s or :meth:`init_cache`'s): the token recurrences,
-    O(1) per token in the context length."""
+    after ``caches`` (:meth:`prefill`'s or :meth:`init_cache`'s, with :meth:`reserve`'d
+    room where the model has attention blocks): the linear blocks' token recurrences, O(1)
+    per token in the context length; the attention blocks' KV caches, O(context)."""
     x = embedding_lookup(self.embed[...], tokens_BxL)
     new = []
     for block, cache in zip(self.blocks(), caches):

@@ -1,5 +1,6 @@
 """Generation with the LM (models.lm.LM.prefill / decode / generate / score): greedy tokens
-equal the argmax of the model's teacher-forced logits at every step, for both families;
+equal the argmax of the model's teacher-forced logits at every step, for both families
+and a hybrid (its attention block decodes from a KV cache);
 the same seed draws the same tokens, and top_k = 1 or a tiny top_p is greedy; prompts
 padded left or right continue as the unpadded prompt alone; generation stops per row at
 EOS; the prefill over data=2 x seq=4 gives one device's next-token logits and caches;
@@ -21,6 +22,10 @@ CONFIGS = {
                      use_short_conv=True, expand_k=1.0),
     "gdn": GDNConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2,
                      use_short_conv=True, expand_k=1.0, expand_v=1.0),
+    # A hybrid: a GLA block, then softmax attention with grouped key heads (a KV cache).
+    "hybrid": GLAConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2,
+                        use_short_conv=True, expand_k=1.0, layer_pattern="LA",
+                        attn_num_heads=4, attn_num_kv_heads=2),
 }
 
 
@@ -70,8 +75,9 @@ def test_sampling_is_seeded_and_its_cuts_work():
   assert drawn == {2, 3}
 
 
-def test_padded_prompts_and_eos():
-  m, p = model("gdn"), prompt(3)
+@pytest.mark.parametrize("family", ["gdn", "hybrid"])
+def test_padded_prompts_and_eos(family):
+  m, p = model(family), prompt(3)
   mask = np.ones(p.shape, bool)
   mask[1, :10] = False            # left padding
   mask[2, -5:] = False            # right padding

@@ -1,7 +1,7 @@
 """Hybrid LMs (model.layer_pattern): the blocks follow the pattern, the model on a
 data=2 x seq=4 mesh equals one device (loss and gradients) for GLA and Gated DeltaNet
-hybrids, documents do not see each other, decoding refuses with a clear error, and bad
-patterns or attention shapes are config errors. Bars (relative norm, float32): 1e-5
+hybrids, documents do not see each other, and bad patterns or attention shapes are config
+errors (decoding: tests/models/test_generation.py). Bars (relative norm, float32): 1e-5
 forward, 1e-4 gradients."""
 import jax
 import jax.numpy as jnp
@@ -53,12 +53,6 @@ def test_documents_are_independent():
   a = model(tokens, segment_ids=jnp.asarray(IDS))
   b = model(tokens.at[:, :30].set(7), segment_ids=jnp.asarray(IDS))
   assert float(jnp.max(jnp.abs(a[:, 30:] - b[:, 30:]))) == 0.0
-
-
-def test_decoding_a_hybrid_is_refused():
-  model = LM(HYBRIDS["gla"], rngs=nnx.Rngs(0))
-  with pytest.raises(NotImplementedError, match="KV cache"):
-    model.generate(jnp.zeros((1, 8), jnp.int32), max_new_tokens=2)
 
 
 @pytest.mark.parametrize("fields,words", [

@@ -11,15 +11,16 @@ with logical axes, the q / k / v prologue, ``remat_call``, the decoding cache
 ``LayerCache`` and ``TokenMixer``, the layers' base). Each layer decodes: ``init_cache`` /
 ``prefill`` (the prompt, over the mesh) / ``decode`` (the next tokens, by the family's
 ``fused_recurrent`` op). :class:`GatedAttention` is the softmax mixer of hybrid models
-(``zeco_jax.sp_attention`` over the same mesh; no decoding yet). Needs flax; ``import
+(``zeco_jax.sp_attention`` over the same mesh; it decodes with a :class:`KVCache`, after
+``reserve`` gives it free slots). Needs flax; ``import
 zeco_jax`` does not import this package.
 """
 from zeco_jax.nn.common import (LOGICAL_AXES_KEY, LayerCache, RMSNorm, ShortConvolution,
                                 constant_param, normal_param, remat_call)
-from zeco_jax.nn.attention import GatedAttention
+from zeco_jax.nn.attention import GatedAttention, KVCache
 from zeco_jax.nn.gated_delta import GatedDeltaNet, gated_delta_op
 from zeco_jax.nn.gla import GatedLinearAttention, check_gla_args, gla_op
 
-__all__ = ["GatedAttention", "GatedDeltaNet", "GatedLinearAttention", "LOGICAL_AXES_KEY",
-           "LayerCache", "RMSNorm", "ShortConvolution", "check_gla_args", "constant_param",
+__all__ = ["GatedAttention", "GatedDeltaNet", "GatedLinearAttention", "KVCache",
+           "LOGICAL_AXES_KEY", "LayerCache", "RMSNorm", "ShortConvolution", "check_gla_args", "constant_param",
            "gated_delta_op", "gla_op", "normal_param", "remat_call"]

@@ -16,20 +16,25 @@ one-device op; the same contiguous split as the linear layers, so a hybrid stack
 layout. ``backend`` picks the local attention (:data:`zeco_jax.ops.attention.op.BACKENDS`:
 cuDNN on GPU and splash on TPU under ``"auto"``, where they take the inputs). Parameters are float32 with ``logical_axes`` metadata, as the other layers'.
 
-What it does not do yet: decoding (a KV cache): ``prefill`` / ``decode`` raise.
+Decoding: :meth:`GatedAttention.prefill` keeps the prompt's keys and values (a
+:class:`KVCache`), :meth:`GatedAttention.reserve` adds free slots, and
+:meth:`GatedAttention.decode` writes the next tokens' and attends over the visible slots
+(O(context) per token, unlike the linear layers' O(1)).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from zeco_jax import segments
 from zeco_jax.nn.common import RMSNorm, dot, normal_param
 from zeco_jax.ops.attention.op import BACKENDS, attention
 from zeco_jax.ops.attention.parallel import ATTENTION_METHODS, sp_attention
+from zeco_jax.ops.attention.reference import document_numbers
 from zeco_jax.sp import shard
 
 
@@ -66,6 +71,18 @@ def check_attention_args(*, hidden_size: int, num_heads: int, num_kv_heads: int,
     raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
   if window is not None and (not isinstance(window, int) or window < 1):
     raise ValueError(f"window must be None or a positive int, got {window!r}")
+
+
+class KVCache(NamedTuple):
+  """A :class:`GatedAttention` layer's decoding cache (a pytree): ``k``, ``v`` ``[B, S,
+  Hkv, head_dim]`` (rotated keys, values) in S slots; ``pos`` int32 ``[B, S]``: each
+  slot's position in its document, -1 where no later token may see it (padding, earlier
+  documents, free slots); ``length`` int32: slots written (the next token's slot, the
+  same for every row)."""
+  k: jax.Array
+  v: jax.Array
+  pos: jax.Array
+  length: jax.Array
 
 
 class GatedAttention(nnx.Module):
@@ -110,38 +127,106 @@ class GatedAttention(nnx.Module):
     self.k_norm = RMSNorm(hd, norm_eps, logical_axes=("head_dim",))
     self.o_proj = normal_param(rngs, (H * hd, D), out_std, ("heads", "embed"))
 
-  def __call__(self, x_BxTxD, mesh=None, segment_ids=None):
-    """``[B, T, hidden_size]`` -> same; ``segment_ids``: None or int ``[B, T]`` documents
-    (no token attends across a start; padding outputs zero before the output gate)."""
+  def _qkv(self, x_BxTxD, positions_BxT):
+    """q ``[B, T, H, hd]``, k and v ``[B, T, Hkv, hd]``: projected, q and k normed and
+    rotated to ``positions``."""
     B, T, _ = x_BxTxD.shape
     hd = self.head_dim
     q = self.q_norm(dot(x_BxTxD, self.q_proj[...]).reshape(B, T, self.num_heads, hd))
     k = self.k_norm(dot(x_BxTxD, self.k_proj[...]).reshape(B, T, self.num_kv_heads, hd))
     v = dot(x_BxTxD, self.v_proj[...]).reshape(B, T, self.num_kv_heads, hd)
-    if segment_ids is None:
-      positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    else:
-      positions = segments.position_in_document(segment_ids)
-    q, k = rotary(q, positions, self.rope_theta), rotary(k, positions, self.rope_theta)
-    if shard.seq_size(mesh, self.seq_axis) > 1:
-      o = sp_attention(q, k, v, mesh=mesh, seq_axis=self.seq_axis, method=self.seq_method,
-                       segment_ids=segment_ids, window=self.window, batch_axes=self.batch_axes,
-                       backend=self.backend)
-    else:
-      o = attention(q, k, v, segment_ids=segment_ids, window=self.window, backend=self.backend)
+    return (rotary(q, positions_BxT, self.rope_theta), rotary(k, positions_BxT, self.rope_theta),
+            v)
+
+  def _out(self, o_BxTxHxD, x_BxTxD):
+    """The output gate ``sigmoid(x W_g)`` and the output projection."""
+    B, T, _ = x_BxTxD.shape
     gate = jax.nn.sigmoid(dot(x_BxTxD, self.g_proj[...]).astype(jnp.float32))
-    o = (o.reshape(B, T, -1).astype(jnp.float32) * gate).astype(x_BxTxD.dtype)
+    o = (o_BxTxHxD.reshape(B, T, -1).astype(jnp.float32) * gate).astype(x_BxTxD.dtype)
     return dot(o, self.o_proj[...])
 
-  def init_cache(self, batch_size: int, dtype=jnp.float32):
-    raise NotImplementedError("GatedAttention: decoding (a KV cache) is not implemented yet; "
-                              "hybrid models train and score but cannot generate")
+  @staticmethod
+  def _positions(segment_ids, B, T):
+    if segment_ids is None:
+      return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    return segments.position_in_document(segment_ids)
+
+  def _attend(self, q, k, v, mesh, segment_ids):
+    if shard.seq_size(mesh, self.seq_axis) > 1:
+      return sp_attention(q, k, v, mesh=mesh, seq_axis=self.seq_axis, method=self.seq_method,
+                          segment_ids=segment_ids, window=self.window,
+                          batch_axes=self.batch_axes, backend=self.backend)
+    return attention(q, k, v, segment_ids=segment_ids, window=self.window,
+                     backend=self.backend)
+
+  def __call__(self, x_BxTxD, mesh=None, segment_ids=None):
+    """``[B, T, hidden_size]`` -> same; ``segment_ids``: None or int ``[B, T]`` documents
+    (no token attends across a start; padding outputs zero before the output gate)."""
+    B, T, _ = x_BxTxD.shape
+    q, k, v = self._qkv(x_BxTxD, self._positions(segment_ids, B, T))
+    return self._out(self._attend(q, k, v, mesh, segment_ids), x_BxTxD)
+
+  # -- decoding: a KV cache -------------------------------------------------------------
+
+  def init_cache(self, batch_size: int, dtype=jnp.float32) -> KVCache:
+    """An empty cache with no room: :meth:`reserve` slots before :meth:`decode`."""
+    hd, Hkv = self.head_dim, self.num_kv_heads
+    empty = jnp.zeros((batch_size, 0, Hkv, hd), dtype)
+    return KVCache(empty, empty, jnp.zeros((batch_size, 0), jnp.int32), jnp.int32(0))
 
   def prefill(self, x_BxTxD, mesh=None, segment_ids=None):
-    return self.init_cache(x_BxTxD.shape[0])
+    """``(y, cache)``: the layer over a prompt (as ``__call__``) and its keys and values,
+    of which only the last document's non-padding tokens stay visible (left or right
+    padding, packed documents). The cache has no free slot: :meth:`reserve` some."""
+    B, T, _ = x_BxTxD.shape
+    positions = self._positions(segment_ids, B, T)
+    q, k, v = self._qkv(x_BxTxD, positions)
+    y = self._out(self._attend(q, k, v, mesh, segment_ids), x_BxTxD)
+    if segment_ids is None:
+      visible = jnp.ones((B, T), bool)
+    else:
+      doc = document_numbers(segment_ids, B, T)
+      visible = doc == jnp.max(doc, axis=1, keepdims=True)
+      visible &= doc >= 0
+    return y, KVCache(k, v, jnp.where(visible, positions, -1), jnp.int32(T))
 
-  def decode(self, x_BxLxD, cache):
-    return self.init_cache(x_BxLxD.shape[0])
+  def reserve(self, cache: KVCache, n: int) -> KVCache:
+    """``cache`` with ``n`` more free slots (a decode step fills one per token)."""
+    pad = lambda x, value: jnp.pad(x, ((0, 0), (0, n)) + ((0, 0),) * (x.ndim - 2),
+                                   constant_values=value)
+    return cache._replace(k=pad(cache.k, 0), v=pad(cache.v, 0), pos=pad(cache.pos, -1))
+
+  def decode(self, x_BxLxD, cache: KVCache):
+    """``(y, cache)`` for the next ``L`` tokens after ``cache`` (written to its next ``L``
+    free slots; a token sees the visible slots of its document, itself included, within
+    the window). Needs ``L`` free slots (:meth:`reserve`): a ValueError says so where
+    the cache's length is known (outside jit); under jit a full cache would overwrite its
+    last slots, which is why :func:`models.generation.generate` reserves first."""
+    B, L, _ = x_BxLxD.shape
+    S = cache.k.shape[1]
+    if not isinstance(cache.length, jax.core.Tracer) and int(cache.length) + L > S:
+      raise ValueError(f"GatedAttention.decode: the KV cache has {S - int(cache.length)} free "
+                       f"slots for {L} tokens; call reserve(cache, n) first.")
+    first = jnp.max(cache.pos, axis=1) + 1                      # [B]: the next position
+    positions = first[:, None] + jnp.arange(L, dtype=jnp.int32)
+    q, k, v = self._qkv(x_BxLxD, positions)
+    at = (0, cache.length, 0, 0)
+    k_all = lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), at)
+    v_all = lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), at)
+    pos = lax.dynamic_update_slice(cache.pos, positions, (0, cache.length))
+    sees = (pos[:, None, :] >= 0) & (pos[:, None, :] <= positions[:, :, None])   # [B, L, S]
+    if self.window is not None:
+      sees &= positions[:, :, None] - pos[:, None, :] < self.window
+    G = self.num_heads // self.num_kv_heads
+    qg = q.astype(jnp.float32).reshape(B, L, self.num_kv_heads, G, self.head_dim)
+    s = jnp.einsum("blhgd,bshd->bhgls", qg, k_all.astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST) * self.head_dim ** -0.5
+    s = jnp.where(sees[:, None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)                  # a token always sees itself: no NaN
+    o = jnp.einsum("bhgls,bshd->blhgd", p, v_all.astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST)
+    o = o.reshape(B, L, self.num_heads, self.head_dim).astype(x_BxLxD.dtype)
+    return self._out(o, x_BxLxD), KVCache(k_all, v_all, pos, cache.length + L)
 
 
-__all__ = ["GatedAttention", "check_attention_args", "rotary"]
+__all__ = ["GatedAttention", "KVCache", "check_attention_args", "rotary"]

@@ -259,6 +259,12 @@ class TokenMixer(nnx.Module):
     packed documents: the last document's state and convolution inputs)."""
     return self._run(x_BxTxD, mesh, segment_ids, tails=True)
 
+  def reserve(self, cache: LayerCache, n: int) -> LayerCache:
+    """``cache`` ready for ``n`` more decoded tokens: unchanged (a recurrent state has no
+    slots; a softmax attention layer's KV cache grows)."""
+    del n
+    return cache
+
 
 def gated_output(norm: RMSNorm, o_proj, o_BxTxHxV, gate_BxTxHxV, x_BxTxD):
   """The layer's ending: the per-head ``norm`` (float32), times ``silu(gate)`` if a gate is
