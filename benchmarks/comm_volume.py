@@ -5,7 +5,8 @@
 Any machine (simulated CPU devices, a few CPU-minutes). Compiles jit(grad(zeco_gla)) and
 jit(grad(zeco_gated_delta_rule)) (forward + backward) and the forwards alone for
 P = 2 .. max-devices, and one softmax attention layer (``sp_attention``, every method of
-ATTENTION_METHODS, P = 2 .. 8, hybrid_340m's attention shape), counts the collective bytes per rank in the HLO
+ATTENTION_METHODS, P = 2 .. 8, hybrid_340m's attention shape), counts the collective bytes
+per rank in the HLO
 (zeco_jax.runtime.hlo_stats), and prints them in units of one state M, for every method of
 zeco_jax.sp.scan.SCAN_METHODS. Then prints the alpha-beta model's prediction (docs/design.md
 §6) of one exclusive scan of the paper's 1 MiB state for P up to 256, next to the paper's
@@ -36,7 +37,9 @@ def attention_bytes(P: int, method: str, shape=ATTN_SHAPE):
   from zeco_jax.runtime.hlo_stats import collective_bytes
   B, T, H, Hkv, D = (shape[n] for n in ("B", "T", "H", "Hkv", "D"))
   mesh = Mesh(np.array(jax.devices()[:P]), ("seq",))
-  sds = lambda h: jax.ShapeDtypeStruct((B, T, h, D), jnp.bfloat16)
+  # float32: XLA:CPU widens bf16 collectives to float32, which would double the bytes (a
+  # TPU compile keeps them bf16: hybrid_340m's all-to-all on v5p is the bf16 model's).
+  sds = lambda h: jax.ShapeDtypeStruct((B, T, h, D), jnp.float32)
   args = (sds(H), sds(Hkv), sds(Hkv), jax.ShapeDtypeStruct((B, T), jnp.int32))
   op = lambda q, k, v, ids: sp_attention(q, k, v, mesh=mesh, method=method, segment_ids=ids)
   loss = lambda q, k, v, ids: jnp.sum(op(q, k, v, ids).astype(jnp.float32))
@@ -163,9 +166,12 @@ def main():
   lines += ["", "Softmax attention over the same seq axis (`sp_attention`, hybrid models; "
             "docs/design.md §12), one layer at hybrid_340m's attention shape (B "
             f"{sh['B']}, T {sh['T']}, {sh['H']} query heads, {sh['Hkv']} key / value heads of "
-            f"{sh['D']}, bf16, with segment_ids), MiB the busiest rank sends, forward and "
+            f"{sh['D']}, float32, with segment_ids), MiB the busiest rank sends, forward and "
             "forward + backward, the forward's model (`ATTENTION_METHODS[m].bytes_per_rank`) "
-            "in brackets; beside it, the All-Scan of one of the same model's GLA layers (a "
+            "in brackets; bf16 moves half (XLA:CPU widens bf16 collectives to float32, so they "
+            "are measured in float32; on v5p, hybrid_340m's bf16 all-to-all is the bf16 "
+            "model's: configs/hybrid_340m.py); beside it, the All-Scan of one of the same "
+            "model's GLA layers (a "
             f"{gla_M / MiB:.2f} MiB state, two scans forward + backward, flat in P):", "",
             "| P | " + " | ".join(f"{m} fwd (model) | {m} fwd+bwd" for m in ATTENTION_METHODS)
             + " | GLA layer all_scan fwd+bwd |",
@@ -174,7 +180,7 @@ def main():
     cells = []
     for m, spec in ATTENTION_METHODS.items():
       f, fb = attn[(P, m)]
-      want = spec.bytes_per_rank(P, sh["B"], sh["T"], sh["H"], sh["Hkv"], sh["D"], 2)
+      want = spec.bytes_per_rank(P, sh["B"], sh["T"], sh["H"], sh["Hkv"], sh["D"], 4)
       cells.append(f"{f / MiB:.2f} ({want / MiB:.2f}) | {fb / MiB:.2f}")
     lines.append(f"| {P} | " + " | ".join(cells) + f" | {2 * gla_M / MiB:.2f} |")
   hiP = max(attn_Ps)
@@ -214,13 +220,14 @@ def main():
             "- The model's times are a prediction from bytes and hops, not a measurement; the "
             "paper's H100 columns are its published figures.",
             f"- A softmax layer moves far more than a linear one: at P = {hiP} Ulysses sends "
-            f"{attn[(hiP, 'ulysses')][1] / MiB:.1f} MiB per rank forward + backward (falling as "
-            "1/P, until the key heads are repeated up to P), all_gather "
+            f"(float32) {attn[(hiP, 'ulysses')][1] / MiB:.1f} MiB per rank forward + backward "
+            "(falling as 1/P, until the key heads are repeated up to P), all_gather "
             f"{attn[(hiP, 'all_gather')][1] / MiB:.1f} and ring {attn[(hiP, 'ring')][1] / MiB:.1f} "
             f"(growing as (P - 1) / P of K and V), against {2 * gla_M / MiB:.2f} MiB for a GLA "
             "layer's All-Scan. The zigzag all_gather gives every rank the same "
-            f"{folds['all_gather'][0]} blocks ({max(folds['all_gather']) / min(folds['all_gather']):.2f}x "
-            f"max / min); the ring's contiguous split {max(folds['ring']) / min(folds['ring']):.0f}x."]
+            f"{folds['all_gather'][0]} blocks "
+            f"({max(folds['all_gather']) / min(folds['all_gather']):.2f}x max / min); the ring's "
+            f"contiguous split {max(folds['ring']) / min(folds['ring']):.0f}x."]
   text = "\n".join(lines) + "\n"
   print(text)
   harness.write_environment(args.out, "comm_volume")

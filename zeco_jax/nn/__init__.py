@@ -22,5 +22,5 @@ from zeco_jax.nn.gated_delta import GatedDeltaNet, gated_delta_op
 from zeco_jax.nn.gla import GatedLinearAttention, check_gla_args, gla_op
 
 __all__ = ["GatedAttention", "GatedDeltaNet", "GatedLinearAttention", "KVCache",
-           "LOGICAL_AXES_KEY", "LayerCache", "RMSNorm", "ShortConvolution", "check_gla_args", "constant_param",
-           "gated_delta_op", "gla_op", "normal_param", "remat_call"]
+           "LOGICAL_AXES_KEY", "LayerCache", "RMSNorm", "ShortConvolution", "check_gla_args",
+           "constant_param", "gated_delta_op", "gla_op", "normal_param", "remat_call"]

@@ -14,7 +14,8 @@ Sequence parallelism: :func:`zeco_jax.sp_attention` over ``seq_axis`` when that 
 has size > 1 (``seq_method``: ``"ulysses"``, ``"all_gather"`` or ``"ring"``), else the
 one-device op; the same contiguous split as the linear layers, so a hybrid stack keeps one
 layout. ``backend`` picks the local attention (:data:`zeco_jax.ops.attention.op.BACKENDS`:
-cuDNN on GPU and splash on TPU under ``"auto"``, where they take the inputs). Parameters are float32 with ``logical_axes`` metadata, as the other layers'.
+cuDNN on GPU and splash on TPU under ``"auto"``, where they take the inputs). Parameters
+are float32 with ``logical_axes`` metadata, as the other layers'.
 
 Decoding: :meth:`GatedAttention.prefill` keeps the prompt's keys and values (a
 :class:`KVCache`), :meth:`GatedAttention.reserve` adds free slots, and

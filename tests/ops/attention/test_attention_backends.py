@@ -72,6 +72,14 @@ def resolve(backend, platform, dtype=jnp.bfloat16, D=128, T=1024, causal=True, w
                     window=window, segmented=segmented, name="attention")
 
 
+def test_splash_blocks_grow_with_long_sequences():
+  assert [op.splash_block(T) for T in (256, 384, 16384, 131072, 262144)] == [
+      256, 128, 512, 512, 1024]
+  assert op.splash_block(1 << 19) is None
+  with pytest.raises(ValueError, match="SMEM"):
+    resolve("splash", "tpu", T=1 << 19)
+
+
 def test_auto_picks_the_platforms_kernel():
   assert resolve("auto", "cpu") == "xla"
   assert resolve("auto", "gpu") == "cudnn"

@@ -3,7 +3,8 @@ ATTENTION_METHODS at P = 2, 4, 8 against the float64 truth, with documents cross
 boundaries, padding, grouped key heads fewer than P (Ulysses repeats them) and as many as
 H, a sliding window, P = 1; sp_attention_local inside the caller's shard_map; the bytes
 each rank sends in the compiled forward equal the method's model; the zigzag all-gather's
-causal work is equal on every rank; errors name the method's limits. Bars (relative norm, float32): outputs 1e-5, gradients 1e-4."""
+causal work is equal on every rank; errors name the method's limits. Bars (relative norm,
+float32): outputs 1e-5, gradients 1e-4."""
 import functools
 
 import jax

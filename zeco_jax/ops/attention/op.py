@@ -14,7 +14,9 @@ backend   platform what runs, and what it takes
                    takes no packed documents)
 "splash"  TPU      Pallas splash attention (``jax.experimental.pallas.ops.tpu``; the Pallas
                    interpreter on CPU, for tests): the MQA kernel under ``vmap`` over batch
-                   and key heads, documents as its segment ids; T a multiple of 128
+                   and key heads, documents as its segment ids; T a multiple of 128,
+                   blocks of 512 (1024 for long T: its block tables sit in SMEM, so at
+                   most 256K tokens of whole sequence per device)
 ========= ======== ===========================================================================
 
 ``"auto"`` picks splash on TPU and cuDNN on GPU where they take the inputs, else XLA, and
@@ -82,7 +84,22 @@ def check_inputs(q, k, v, segment_ids, scale, causal, window, *, name: str) -> A
 
 
 BACKENDS = ("auto", "xla", "cudnn", "splash")
-SPLASH_BLOCKS = (512, 256, 128)      # splash's q / kv tile: the largest that divides T
+SPLASH_BLOCKS = (512, 256, 128)      # splash's q / kv tile: the largest that divides T ...
+SPLASH_MAX_BLOCK = 1024              # ... doubled up to this while its block tables are big
+                                     # (2048 needed 26.9 MiB of scoped VMEM on v5p, over 16):
+SPLASH_MAX_TABLE = 1 << 16           # (T / block)^2 entries per table, which sit in the
+                                     # TPU's 1 MiB of SMEM (1024^2 int16 entries did not fit)
+SPLASH_COMPUTE = 512                 # keys per inner step of a block (the f32 score tile)
+
+
+def splash_block(T: int):
+  """splash's q / kv block for a local sequence of T tokens, or None (T too long)."""
+  b = next((s for s in SPLASH_BLOCKS if T % s == 0), None)
+  if b is None:
+    return None
+  while (T // b) ** 2 > SPLASH_MAX_TABLE and b < SPLASH_MAX_BLOCK and T % (2 * b) == 0:
+    b *= 2
+  return b if (T // b) ** 2 <= SPLASH_MAX_TABLE else None
 
 
 def why_not(backend: str, platform: str, *, dtypes, D: int, T: int, causal: bool,
@@ -105,6 +122,10 @@ def why_not(backend: str, platform: str, *, dtypes, D: int, T: int, causal: bool
       return f"splash attention runs on TPU (interpreted on CPU), the target is {platform}"
     if T % SPLASH_BLOCKS[-1]:
       return f"splash attention tiles T by 128: T = {T} is not a multiple of 128"
+    if splash_block(T) is None:
+      return (f"splash attention's block tables for T = {T} would not fit the TPU's SMEM "
+              f"(at most {SPLASH_MAX_BLOCK * 256} tokens of whole sequence per device, in "
+              f"blocks of up to {SPLASH_MAX_BLOCK})")
     return None
   raise AssertionError(backend)
 
@@ -172,9 +193,11 @@ def _splash(q, k, v, doc, *, scale, causal, window, interpret):
     mask = sm.CausalMask(shape) if causal else sm.FullMask(shape)
   else:                        # query t sees keys s with t - s < window (and s <= t if causal)
     mask = sm.LocalMask(shape, window_size=(window - 1, 0 if causal else None), offset=0)
-  b = next(s for s in SPLASH_BLOCKS if T % s == 0)
-  sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b,
-                        block_kv_dkv=b, block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+  b = splash_block(T)
+  c = min(b, SPLASH_COMPUTE)
+  # The fused backward (dq, dk, dv in one kernel) needs only the dkv block tables.
+  sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=c, block_q_dkv=b,
+                        block_kv_dkv=b, block_kv_dkv_compute=c, use_fused_bwd_kernel=True)
   kernel = sk.make_splash_mqa_single_device(sm.MultiHeadMask([mask] * G), block_sizes=sizes,
                                             interpret=interpret)
   dtype = jnp.promote_types(q.dtype, v.dtype)
