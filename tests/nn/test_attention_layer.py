@@ -70,5 +70,8 @@ def test_bad_settings_name_the_argument():
     GatedAttention(D, 4, num_kv_heads=2, head_dim=15, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="seq_method"):
     GatedAttention(D, 4, num_kv_heads=2, head_dim=16, seq_method="zigzag", rngs=nnx.Rngs(0))
-  with pytest.raises(NotImplementedError, match="KV cache"):
-    layer().init_cache(2)
+  with pytest.raises(ValueError, match="backend must be one of"):
+    GatedAttention(D, 4, num_kv_heads=2, head_dim=16, backend="flash", rngs=nnx.Rngs(0))
+  full = layer().init_cache(2)                      # no free slot: reserve() first
+  with pytest.raises(ValueError, match=r"0 free slots for 1 tokens; call reserve"):
+    layer().decode(jnp.zeros((2, 1, D), jnp.float32), full)
