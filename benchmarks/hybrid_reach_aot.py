@@ -51,19 +51,20 @@ def write_md(path_jsonl: str, out: str, env: dict, command: str):
            f"**Command.** `{command}` ({harness.env_line(env)}; libtpu compiles for the "
            "topology on a CPU host: memory is the compiler's, nothing ran).", "",
            "| method | mesh | tokens per chip | context | fits | memory per chip GiB "
-           "(temporaries) | all-to-all / all-gather GiB per chip | compile s |",
+           "(temporaries) | collectives GiB per chip per step | compile s |",
            "|---|---|---|---|---|---|---|---|"]
   for r in rows:
     mem = r.get("memory", {})
     total = mem.get("total")
     col = r.get("collectives", {})
-    moved = sum(col.get(k, {}).get("bytes_per_chip", 0.0) for k in ("all-to-all", "all-gather"))
+    moved = ", ".join(f"{k} {gib(c['bytes_per_chip'])}" for k, c in sorted(col.items())
+                      if c["bytes_per_chip"] >= 2**20)
     mem_cell = (f"{gib(total)} ({gib(mem['temporaries'])})" if total is not None else
                 f"needs {gib(mem['required_bytes_libtpu'])}"
                 if mem.get("required_bytes_libtpu") else "over HBM")
     lines.append(f"| {r['method']} | {MESHES[r['method']]} | {r['tokens_per_chip']:,} | "
                  f"{r['seq_len']:,} | {'yes' if r['fits'] else 'no'} | {mem_cell} | "
-                 f"{gib(moved) if total is not None else '-'} | {r['compile_s']:.0f} |")
+                 f"{moved if total is not None else '-'} | {r['compile_s']:.0f} |")
   best = {}
   for r in rows:
     if r["fits"]:
