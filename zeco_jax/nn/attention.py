@@ -32,10 +32,9 @@ from flax import nnx
 from jax import lax
 
 from zeco_jax import segments
-from zeco_jax.nn.common import RMSNorm, dot, normal_param
+from zeco_jax.nn.common import RMSNorm, dot, last_positions, normal_param
 from zeco_jax.ops.attention.op import BACKENDS, attention
 from zeco_jax.ops.attention.parallel import ATTENTION_METHODS, sp_attention
-from zeco_jax.ops.attention.reference import document_numbers
 from zeco_jax.sp import shard
 
 
@@ -183,12 +182,9 @@ class GatedAttention(nnx.Module):
     positions = self._positions(segment_ids, B, T)
     q, k, v = self._qkv(x_BxTxD, positions)
     y = self._out(self._attend(q, k, v, mesh, segment_ids), x_BxTxD)
-    if segment_ids is None:
-      visible = jnp.ones((B, T), bool)
-    else:
-      doc = document_numbers(segment_ids, B, T)
-      visible = doc == jnp.max(doc, axis=1, keepdims=True)
-      visible &= doc >= 0
+    last, first = last_positions(segment_ids, B, T)     # the linear layers' last document
+    t = jnp.arange(T, dtype=jnp.int32)
+    visible = (t >= first[:, None]) & (t <= last[:, None])
     return y, KVCache(k, v, jnp.where(visible, positions, -1), jnp.int32(T))
 
   def reserve(self, cache: KVCache, n: int) -> KVCache:

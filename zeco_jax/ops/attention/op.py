@@ -6,8 +6,9 @@ all-to-all), attention runs through one of :data:`BACKENDS`:
 ========= ======== ===========================================================================
 backend   platform what runs, and what it takes
 ========= ======== ===========================================================================
-"xla"     any      :func:`zeco_jax.ops.attention.blockwise.attend`: key blocks under one scan,
-                   an online softmax, invisible blocks skipped, each block rematerialised
+"xla"     any      :func:`zeco_jax.ops.attention.blockwise.attend`: query blocks, each a scan
+                   over key blocks with an online softmax, invisible pairs skipped, each
+                   block rematerialised
 "cudnn"   GPU      ``jax.nn.dot_product_attention(implementation="cudnn")``, cuDNN's fused
                    flash attention: q, k, v of one dtype, bf16 or f16, D a multiple of 8 up
                    to 128; a window only with ``causal``; no ``segment_ids`` (the public API

@@ -36,7 +36,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from zeco_jax import _checks
-
 from zeco_jax.ops.attention import op
 from zeco_jax.ops.attention.blockwise import (finish, fold_if_visible, group_queries,
                                               init_stats)
