@@ -2,7 +2,8 @@
 and the short convolutions' last inputs) then ``decode`` one token at a time equals the
 layer over the whole sequence, for GLA and Gated DeltaNet, with short convolutions, K = 64;
 packed documents and left or right padding in the prompt continue the row's last document;
-the softmax attention layer (its KV cache; also with a sliding window) likewise;
+the softmax attention layer (its KV cache; also with a sliding window, and with heads of
+128) likewise;
 ``init_cache`` then ``decode`` from the first token equals the layer too; the prefill over
 a data=2 x seq=4 mesh gives the cache and outputs of one device. Bars (relative norm,
 float32): 1e-5."""
@@ -36,7 +37,12 @@ def attn_window():
   return GatedAttention(D, 4, num_kv_heads=2, head_dim=32, window=9, rngs=nnx.Rngs(0))
 
 
-LAYERS = {"gla": gla, "gdn": gdn, "attn": attn, "attn_window": attn_window}
+def attn_head128():
+  return GatedAttention(D, 4, num_kv_heads=2, head_dim=128, rngs=nnx.Rngs(0))
+
+
+LAYERS = {"gla": gla, "gdn": gdn, "attn": attn, "attn_window": attn_window,
+          "attn_head128": attn_head128}
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,7 +88,8 @@ def test_decode_from_an_empty_cache_equals_the_layer(name):
   y, cache = decode_after(decode, layer.init_cache(2), x)
   assert rel_err(y, full(x, None)) <= 1e-5
   if isinstance(layer, GatedAttention):
-    assert cache.k.shape == (2, 6, 2, 32) and int(cache.length) == 6
+    assert cache.k.shape == (2, 6, layer.num_kv_heads, layer.head_dim)
+    assert int(cache.length) == 6
   else:
     assert cache.state.shape == (2, 2, 64, 64) and cache.state.dtype == jnp.float32
 

@@ -59,6 +59,21 @@ def test_splash_one_device(case):
     assert np.all(np.asarray(o[0, 100:110]) == 0)
 
 
+@pytest.mark.parametrize("T", [128, 384])
+def test_splash_eager_at_the_user_head_size(T):
+  """D = 128, one and three splash blocks of 128, documents, eager (no jit)."""
+  r = np.random.default_rng(T)
+  n = lambda *s: jnp.asarray(r.standard_normal(s), jnp.float32)
+  q, k, v, do = n(1, T, 2, 128), n(1, T, 1, 128), n(1, T, 1, 128), n(1, T, 2, 128)
+  ids = jnp.asarray((np.arange(T) >= T // 3).astype(np.int32)[None])
+  o64, g64 = attention_float64(q, k, v, do, segment_ids=ids)
+  o, pull = jax.vjp(lambda q, k, v: attention(q, k, v, segment_ids=ids, backend="splash"),
+                    q, k, v)
+  assert rel_err64(o, o64) <= 1e-5
+  for name, g in zip("qkv", pull(do)):
+    assert rel_err64(g, g64[name]) <= 1e-4, name
+
+
 def test_splash_under_ulysses():
   kw = dict(segment_ids=documents())
   mesh = seq_mesh(2)

@@ -1,7 +1,8 @@
 """Softmax attention on one device (zeco_jax.ops.attention): the blockwise online softmax
 (key blocks smaller than T, invisible blocks skipped) and the plain-jnp reference against
 the float64 truth, causal or not, with packed documents and padding, a sliding window and
-grouped key heads; argument errors name the argument. Bars (relative norm, float32):
+grouped key heads, also at the head size models use (128) with T around a block, jit and
+eager; argument errors name the argument. Bars (relative norm, float32):
 outputs 1e-5, gradients of q, k, v 1e-4."""
 import jax
 import jax.numpy as jnp
@@ -67,3 +68,21 @@ def test_errors_name_the_argument():
     attention(q, k, v, segment_ids=jnp.zeros((B, T - 1), jnp.int32))
   with pytest.raises(ValueError, match="`k` and `v`"):
     attention(q, k, v[:, :-1])
+
+
+@pytest.mark.parametrize("T", [63, 64, 65, 192])
+@pytest.mark.parametrize("compiled", [True, False], ids=["jit", "eager"])
+def test_user_head_size_around_a_block(T, compiled):
+  """D = 128 (the head size models use), T below, at and past one key / query block of 64
+  (a T the block does not divide runs as one block; 192 is 3 x 3 blocks, 3 of them skipped
+  above the diagonal), with documents, jit and eager."""
+  r = np.random.default_rng(T)
+  n = lambda *s: jnp.asarray(r.standard_normal(s), jnp.float32)
+  q, k, v, do = n(1, T, 2, 128), n(1, T, 1, 128), n(1, T, 1, 128), n(1, T, 2, 128)
+  ids = jnp.asarray((np.arange(T) >= T // 3).astype(np.int32)[None])
+  fn = lambda q, k, v: attention(q, k, v, segment_ids=ids, backend="xla", block_size=64)
+  o64, g64 = attention_float64(q, k, v, do, segment_ids=ids)
+  o, pull = jax.vjp(jax.jit(fn) if compiled else fn, q, k, v)
+  assert rel_err64(o, o64) <= 1e-5
+  for name, g in zip("qkv", pull(do)):
+    assert rel_err64(g, g64[name]) <= 1e-4, name
