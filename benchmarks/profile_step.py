@@ -4,9 +4,10 @@
 Perfetto trace) and ``summarize`` reads the GPU kernel events back: total kernel time per
 step, the kernels by time, and the time by category (:func:`category`: GLA Pallas
 kernels, softmax attention's cuDNN kernels, bf16 / float32 matmuls, scatters,
-cross-entropy, copies and transposes, other XLA fusions). ``python -m benchmarks.train_gla340m --profile`` calls it after its timed
-steps; results and the command are in benchmarks/results/profile_gla340m_h200.md. Not a
-measurement of its own (no environment record: the run that traced writes one).
+cross-entropy, copies and transposes, other XLA fusions). ``python -m
+benchmarks.train_gla340m --profile`` calls it after its timed steps; results and the
+command are in benchmarks/results/profile_gla340m_h200.md. Not a measurement of its own (no
+environment record: the run that traced writes one).
 
 Alone, on a trace folder written earlier:
 
