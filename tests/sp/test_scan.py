@@ -1,7 +1,10 @@
 """all_scan (zeco_jax.sp.scan) on simulated devices: every method equals a plain Python
 scan, values and grads, for elementwise decays, no decay and a dense K x K transition; a
-per-head decay travels as [B, H]; the compiled forward sends one state per rank; the
-method registry, its cost model and the argument errors."""
+per-head decay travels as [B, H]; the compiled forward sends one state per rank (the
+two-level scan at most two, as its model says); the method registry, its cost model and
+the argument errors."""
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,11 +145,14 @@ def test_scalar_decay_stays_scalar_in_the_collective():
 
 def test_registry_is_the_one_vocabulary():
   assert scan_lib.method_names() == tuple(scan_lib.SCAN_METHODS)
-  assert set(scan_lib.SCAN_METHODS) == {"all_scan", "all_gather", "ring", "tree"}
+  assert set(scan_lib.SCAN_METHODS) == {"all_scan", "all_gather", "ring", "tree",
+                                        "all_scan_2level"}
   for name, spec in scan_lib.SCAN_METHODS.items():
     assert spec.name == name and spec.summary
   assert [m for m, s in scan_lib.SCAN_METHODS.items() if not s.overlaps_local] == ["ring"]
-  assert [m for m, s in scan_lib.SCAN_METHODS.items() if s.blocked] == ["all_scan"]
+  assert [m for m, s in scan_lib.SCAN_METHODS.items() if s.blocked] == ["all_scan",
+                                                                         "all_scan_2level"]
+  assert [m for m, s in scan_lib.SCAN_METHODS.items() if s.grouped] == ["all_scan_2level"]
   M, m_A = 1 << 20, 1 << 12
   # All-Scan and ring send one state per rank, and no transition; the peers send it.
   for P_ in (2, 8, 256):
@@ -204,7 +210,7 @@ def test_bad_arguments():
   with pytest.raises(ValueError, match="num_blocks"):
     run(num_blocks=3)(S, jnp.ones((2, B, H, K)))
   with pytest.raises(ValueError, match="`method` 'ring_of_fire'; choose one of 'all_scan', "
-                     "'all_gather', 'ring', 'tree'"):
+                     "'all_gather', 'ring', 'tree', 'all_scan_2level'"):
     run(method="ring_of_fire")(S, jnp.ones((2, B, H, K)))
   with pytest.raises(ValueError, match="'pipeline' is now 'all_scan'"):
     run(method="pipeline")(S, jnp.ones((2, B, H, K)))
@@ -214,3 +220,99 @@ def test_bad_arguments():
         mesh=mesh, in_specs=P("seq"), out_specs=P("seq"))(S)
   with pytest.raises(ValueError, match="decay"):
     run()(S, jnp.ones((2, B, H, V)))
+  with pytest.raises(ValueError, match="`group_size`=2 is for a grouped scan method "
+                     "\\('all_scan_2level'\\); method='tree' has no groups"):
+    run(method="tree", group_size=2)(S, jnp.ones((2, B, H, K)))
+  with pytest.raises(ValueError, match="`group_size` must be a positive int .* got 0"):
+    run(method="all_scan_2level", group_size=0)(S, jnp.ones((2, B, H, K)))
+
+
+# --- the two-level All-Scan --------------------------------------------------------------
+# (P, group size, num_blocks): groups of 1 (level 2 is the whole chain), of P (level 1 is),
+# equal groups, a shorter last group (also of one rank), P not a power of two.
+@pytest.mark.parametrize("n,G,num_blocks", [
+    (8, 3, 2), (8, 2, 4), (8, 4, 1), (7, 3, 2), (8, 5, 2), (8, 1, 2), (4, 4, 2),
+])
+def test_two_level_matches_python_scan(n, G, num_blocks):
+  """Forward and reverse, from an initial state, for a per-dimension, a per-head, a dense
+  and no transition: values and gradients (of S, the transitions and h0) <= 1e-5."""
+  r = np.random.default_rng(200 + 10 * n + G)
+  S = jnp.asarray(r.standard_normal((n, B, H, K, V)), jnp.float32)
+  lam_dim = jnp.asarray(r.uniform(0.3, 1.0, (n, B, H, K)), jnp.float32)
+  lam_head = jnp.asarray(r.uniform(0.3, 1.0, (n, B, H)), jnp.float32)
+  M = jnp.asarray(0.9 * r.standard_normal((n, B, H, K, K)) / np.sqrt(K), jnp.float32)
+  h0 = jnp.asarray(r.standard_normal((B, H, K, V)), jnp.float32)
+  weights = [jnp.asarray(r.standard_normal((n, B, H, K, V)), jnp.float32) for _ in range(14)]
+  loss = lambda f: lambda *a: sum(jnp.sum(w * x) for w, x in zip(weights, f(*a)))
+
+  def body(S, lam_dim, lam_head, M, h0):
+    outs = []
+    for A in (lam_dim[0], lam_head[0], DenseTransition(M[0])):
+      for reverse in (False, True):
+        outs += all_scan(S[0], A, "seq", num_blocks=num_blocks, method="all_scan_2level",
+                         group_size=G, initial=h0, reverse=reverse)
+    outs += all_scan(S[0], Identity(), "seq", num_blocks=num_blocks,
+                     method="all_scan_2level", group_size=G, initial=h0)
+    return tuple(x[None] for x in outs)
+
+  def expected(S, lam_dim, lam_head, M, h0):
+    outs = []
+    for lam in (lam_dim, lam_head):
+      for reverse in (False, True):
+        outs += python_scan(S, lam, h0, reverse)
+    eye = jnp.broadcast_to(jnp.eye(K), M.shape)
+    return (*outs, *dense_python_scan(S, M, h0, False), *dense_python_scan(S, M, h0, True),
+            *dense_python_scan(S, eye, h0, False))
+
+  ours = jax.shard_map(body, mesh=seq_mesh(n), in_specs=(P("seq"),) * 4 + (P(),),
+                       out_specs=(P("seq"),) * 14)
+  args = (S, lam_dim, lam_head, M, h0)
+  outs, grads = jax.jit(lambda *a: (ours(*a), jax.grad(loss(ours), range(5))(*a)))(*args)
+  ref_grads = jax.grad(loss(expected), range(5))(*args)
+  for ours_x, ref_x in zip(outs, expected(*args)):
+    assert rel_err(ours_x, ref_x) <= 1e-5
+  for ours_g, ref_g in zip(grads, ref_grads):
+    assert rel_err(ours_g, ref_g) <= 1e-5
+
+
+def test_two_level_sends_at_most_two_states_per_rank():
+  """The compiled forward at P = 8: each rank sends what the model says (a member one
+  state, its prefix transition and its shares of the spread; a group's last rank its
+  level-2 state and the spread), at most two states; forward and backward together at most
+  twice the All-Scan's two. V = 64 columns against K = 16 keep the transition small."""
+  n, b, h, k, v = 8, 1, 2, 16, 64
+  mesh = seq_mesh(n)
+  M, m_A = b * h * k * v * 4, b * h * k * 4
+  S = jax.ShapeDtypeStruct((n, b, h, k, v), jnp.float32)
+  lam = jax.ShapeDtypeStruct((n, b, h, k), jnp.float32)
+  for G in (2, 3, 4):
+    f = jax.shard_map(lambda S, A: all_scan(S[0], A[0], "seq", num_blocks=2,
+                                            method="all_scan_2level", group_size=G)[0][None],
+                      mesh=mesh, in_specs=(P("seq"), P("seq")), out_specs=P("seq"))
+    fwd = states_sent_per_rank(f, (S, lam), n, M)
+    model = scan_lib.two_level_cost(n, G, 2, M, m_A, 1e-6, 1e-11).bytes_per_rank / M
+    assert max(fwd) == pytest.approx(model, rel=1e-6) and max(fwd) <= 2.0, (G, fwd)
+    both = states_sent_per_rank(jax.grad(lambda S, A: jnp.sum(f(S, A) ** 2), (0, 1)),
+                                (S, lam), n, M)
+    assert max(both) <= 4.0, (G, both)
+
+
+def test_two_level_model_at_scale():
+  """v5p's figures (alpha 1 us, 100 GB/s) and gla_340m's 512 KiB state: the model's group
+  size keeps two states per rank, its hops within 2 (G + nb + log2(P / G)), and its time
+  at P = 2048 under a quarter of the All-Scan's; at P <= 16 it picks the All-Scan itself
+  (groups of one rank)."""
+  M, alpha, beta, V = 512 * 1024, 1e-6, 1 / 100e9, 256
+  for P_ in (8, 16):
+    assert scan_lib.default_group_size(P_, M, alpha, beta) == 1
+  for P_ in (64, 256, 1024, 2048):
+    G = scan_lib.default_group_size(P_, M, alpha, beta)
+    nb = scan_lib.default_num_blocks(P_, M, V, alpha, beta, method="all_scan_2level")
+    cost = scan_lib.two_level_cost(P_, G, nb, M, M / V, alpha, beta)
+    assert 1 < G < P_ and cost.bytes_per_rank <= 2 * M
+    assert cost.hops <= 2 * (G + nb + math.log2(P_ / G)), (P_, G, nb, cost)
+    assert cost.time == scan_lib.predicted_time(P_, nb, M, alpha, beta, "all_scan_2level",
+                                                M / V)
+  all_scan_time = scan_lib.predicted_time(
+      2048, scan_lib.default_num_blocks(2048, M, V, alpha, beta), M, alpha, beta)
+  assert cost.time <= all_scan_time / 4

@@ -43,6 +43,7 @@ from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from zeco_jax._linalg import opaque
@@ -72,6 +73,8 @@ class ScanMethod:
     blocked: the state is split into ``num_blocks`` along V (else ``num_blocks`` is 1).
     overlaps_local: the local pass may run while the state is in flight (False: the
       local pass starts from the received state, so the scan's time is exposed).
+    grouped: the ranks are cut into groups along the chain; ``run`` and ``time`` take a
+      ``group_size`` keyword (None: :func:`default_group_size`).
   """
   name: str
   summary: str
@@ -80,6 +83,7 @@ class ScanMethod:
   bytes_per_rank: Callable[..., float]
   blocked: bool = False
   overlaps_local: bool = True
+  grouped: bool = False
 
 
 def _rounds(P):
@@ -137,6 +141,16 @@ _METHODS = {m.name: m for m in (
         time=lambda P, nb, M, m_A, alpha, beta: (
             (_rounds(P) + 1) * alpha + beta * (_rounds(P) * (M + m_A) + M)),
         bytes_per_rank=lambda P, M, m_A: _rounds(P) * (M + m_A) + M),
+    ScanMethod(
+        "all_scan_2level", "All-Scans within groups of G ranks and across the groups' last "
+        "ranks, then each group's entering state spread over its members",
+        run=lambda *a, group_size=None: _run_two_level(*a, group_size=group_size),
+        time=lambda P, nb, M, m_A, alpha, beta, group_size=None: two_level_cost(
+            P, _group(P, M, alpha, beta, group_size), nb, M, m_A, alpha, beta).time,
+        bytes_per_rank=lambda P, M, m_A, group_size=None: two_level_cost(
+            P, _group(P, M, DEFAULT_ALPHA_S, DEFAULT_BETA_S_PER_BYTE, group_size), 1, M,
+            m_A, DEFAULT_ALPHA_S, DEFAULT_BETA_S_PER_BYTE).bytes_per_rank,
+        blocked=True, grouped=True),
 )}
 
 SCAN_METHODS: Mapping[str, ScanMethod] = types.MappingProxyType(_METHODS)
@@ -160,32 +174,125 @@ def get_method(method, *, name: str = "all_scan", arg: str = "method") -> ScanMe
 
 def predicted_time(P: int, num_blocks: int, state_bytes: float,
                    alpha: float = DEFAULT_ALPHA_S, beta: float = DEFAULT_BETA_S_PER_BYTE,
-                   method: str = "all_scan", transition_bytes: float = 0.0) -> float:
+                   method: str = "all_scan", transition_bytes: float = 0.0,
+                   group_size: int | None = None) -> float:
   """Alpha-beta model of one exclusive scan, in seconds (docs/design.md §6)."""
   spec = get_method(method, name="predicted_time")
   if P <= 1:
     return 0.0
   nb = num_blocks if spec.blocked else 1
-  return spec.time(P, nb, state_bytes, transition_bytes, alpha, beta)
+  kw = {"group_size": group_size} if spec.grouped else {}
+  return spec.time(P, nb, state_bytes, transition_bytes, alpha, beta, **kw)
 
 
 def bytes_sent_per_rank(P: int, state_bytes: float, method: str,
-                        transition_bytes: float = 0.0) -> float:
-  """Bytes each rank puts on the wire for one scan, as the model counts them."""
+                        transition_bytes: float = 0.0, group_size: int | None = None) -> float:
+  """The most bytes one rank puts on the wire for one scan, as the model counts them."""
   spec = get_method(method, name="bytes_sent_per_rank")
-  return 0.0 if P <= 1 else spec.bytes_per_rank(P, state_bytes, transition_bytes)
+  kw = {"group_size": group_size} if spec.grouped else {}
+  return 0.0 if P <= 1 else spec.bytes_per_rank(P, state_bytes, transition_bytes, **kw)
 
 
 def default_num_blocks(P: int, state_bytes: float, V: int,
                        alpha: float = DEFAULT_ALPHA_S,
-                       beta: float = DEFAULT_BETA_S_PER_BYTE, method: str = "all_scan") -> int:
+                       beta: float = DEFAULT_BETA_S_PER_BYTE, method: str = "all_scan",
+                       group_size: int | None = None) -> int:
   """For a blocked method, the divisor of V nearest the All-Scan's optimum
-  sqrt((P - 2) beta M / alpha); 1 for the others."""
-  if not get_method(method, name="default_num_blocks").blocked:
+  sqrt((L - 2) beta M / alpha) for its longest chain of L ranks (P for the All-Scan; the
+  longer of a group and the number of groups for the two-level scan); 1 for the others."""
+  spec = get_method(method, name="default_num_blocks")
+  if not spec.blocked:
     return 1
-  best = math.sqrt(max(P - 2, 0) * beta * state_bytes / alpha) if P > 2 else 1.0
+  L = P
+  if spec.grouped:
+    G = _group(P, state_bytes, alpha, beta, group_size)
+    L = max(min(G, P), -(-P // G))
+  best = math.sqrt(max(L - 2, 0) * beta * state_bytes / alpha) if L > 2 else 1.0
   divisors = [d for d in range(1, V + 1) if V % d == 0]
   return min(divisors, key=lambda d: (abs(math.log(d) - math.log(max(best, 1.0))), d))
+
+
+# --- the two-level All-Scan's groups and cost model (docs/design.md §6) ------------------
+
+@dataclasses.dataclass(frozen=True)
+class TwoLevelCost:
+  """The alpha-beta model of one two-level scan with groups of ``group_size``.
+
+  Attributes:
+    time: seconds for one scan.
+    bytes_per_rank: the most bytes any rank sends (a member's level-1 state, its prefix
+      transition and its share of the spread; a group's last rank's level-2 state and
+      the spread of the group's entering state).
+    hops: sequential point-to-point steps on the critical path (level 1, level 2, the
+      two steps of the spread).
+  """
+  time: float
+  bytes_per_rank: float
+  hops: int
+
+
+def group_sizes(P: int, group_size: int) -> tuple:
+  """The sizes of the contiguous groups the chain's P positions are cut into."""
+  return tuple(min(group_size, P - s) for s in range(0, P, group_size))
+
+
+def spread_width(elements: int, members: int) -> int:
+  """Elements of one member's share of a group's entering state (the last may be short)."""
+  return -(-elements // members)
+
+
+def two_level_cost(P: int, group_size: int, num_blocks: float, M: float, m_A: float,
+                   alpha: float, beta: float) -> TwoLevelCost:
+  """:class:`TwoLevelCost` of P ranks in groups of ``group_size`` (float32 states of M
+  bytes, transitions of ``m_A``); ``num_blocks`` blocks at both levels."""
+  sizes = group_sizes(P, group_size)
+  n, m, nb = max(sizes), len(sizes), num_blocks
+  chain = lambda L: 0.0 if L < 2 else (nb + L - 2) * (alpha + beta * M / nb)
+  hops = lambda L: 0 if L < 2 else int(nb) + L - 2
+  spread = m >= 2 and any(k >= 2 for k in sizes[1:])
+  time = chain(n) + chain(m) + (2 * alpha + 2 * beta * M if spread else 0.0)
+  member = M + (m_A if m >= 2 else 0.0) if n >= 2 else 0.0
+  if spread:
+    F = M / 4
+    member += max((k - 2) * spread_width(int(F), k - 1) * 4 for k in set(sizes[1:]) if k >= 2)
+  # A group's last rank: level 2's send (all groups but the last), the spread (all but
+  # the first, which h0 entered at level 1).
+  last = max((M if g < m - 1 else 0.0) + (M if g >= 1 and k >= 2 else 0.0)
+             for g, k in enumerate(sizes))
+  return TwoLevelCost(time=time, bytes_per_rank=max(member, last),
+                      hops=hops(n) + hops(m) + (2 if spread else 0))
+
+
+@functools.lru_cache(maxsize=None)
+def default_group_size(P: int, state_bytes: float, alpha: float = DEFAULT_ALPHA_S,
+                       beta: float = DEFAULT_BETA_S_PER_BYTE) -> int:
+  """The two-level scan's group size G: the least modelled time over G in 1..P, each with
+  its own best block count (the continuous optimum of its longer chain); ties go to the
+  fewer hops. G = 1 or P is the All-Scan itself."""
+  def cost(G):
+    sizes = group_sizes(P, G)
+    L = max(max(sizes), len(sizes))
+    nb = max(1.0, math.sqrt(max(L - 2, 0) * beta * state_bytes / alpha))
+    c = two_level_cost(P, G, nb, state_bytes, 0.0, alpha, beta)
+    return c.time, c.hops, G
+  return min(range(1, P + 1), key=cost)
+
+
+def _group(P, M, alpha, beta, group_size):
+  return default_group_size(P, M, alpha, beta) if group_size is None else group_size
+
+
+def check_group_size(group_size, method, *, name: str) -> None:
+  """``group_size`` is None or a positive int, and only for a grouped method."""
+  if group_size is None:
+    return
+  if not get_method(method, name=name).grouped:
+    raise ValueError(f"{name}: `group_size`={group_size!r} is for a grouped scan method "
+                     f"({', '.join(repr(k) for k, v in SCAN_METHODS.items() if v.grouped)}); "
+                     f"method={method!r} has no groups. Leave group_size=None.")
+  if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+    raise ValueError(f"{name}: `group_size` must be a positive int (ranks per group along "
+                     f"the sequence) or None for the model's choice, got {group_size!r}.")
 
 
 def check_num_blocks(num_blocks, V, *, name: str, none_ok: bool = False) -> None:
@@ -198,19 +305,19 @@ def check_num_blocks(num_blocks, V, *, name: str, none_ok: bool = False) -> None
 
 
 def resolve_num_blocks(num_blocks, method, P: int, state_bytes: float, V: int, *,
-                       name: str) -> int:
+                       name: str, group_size: int | None = None) -> int:
   """``num_blocks`` for ``method`` over ``P`` ranks: 1 for an unblocked method, the
   alpha-beta optimum (:func:`default_num_blocks`) for None, else ``num_blocks`` checked."""
   if not SCAN_METHODS[method].blocked:
     return 1
   if num_blocks is None:
-    return default_num_blocks(P, state_bytes, V, method=method)
+    return default_num_blocks(P, state_bytes, V, method=method, group_size=group_size)
   check_num_blocks(num_blocks, V, name=name, none_ok=True)
   return num_blocks
 
 
 def all_scan(state, decay, axis_name, *, num_blocks=1, method="all_scan", initial=None,
-             reverse=False, overlap_with=None):
+             reverse=False, overlap_with=None, group_size=None):
   """Exclusive scan of ``state`` under ``X -> A(X) + state`` over ``axis_name``.
 
   Args:
@@ -220,9 +327,10 @@ def all_scan(state, decay, axis_name, *, num_blocks=1, method="all_scan", initia
       decay), or, as before transitions existed, a decay array ``[..., K]`` (per
       dimension) or ``[...]`` (per head), broadcast over V.
     axis_name: the mesh axis to scan over (inside shard_map).
-    num_blocks: blocks along V for ``"all_scan"``; must divide V. Other methods ignore it.
-    method: a key of :data:`SCAN_METHODS`: ``"all_scan"``, ``"all_gather"``, ``"ring"``
-      or ``"tree"``.
+    num_blocks: blocks along V for ``"all_scan"`` and ``"all_scan_2level"`` (both of its
+      levels); must divide V. Other methods ignore it.
+    method: a key of :data:`SCAN_METHODS`: ``"all_scan"``, ``"all_gather"``, ``"ring"``,
+      ``"tree"`` or ``"all_scan_2level"``.
     initial: the state entering the first rank of the chain (zeros if None).
     reverse: run the chain from the last rank to the first.
     overlap_with: None, or a sequence of ``(fn, args)``: independent local work (it must
@@ -233,6 +341,8 @@ def all_scan(state, decay, axis_name, *, num_blocks=1, method="all_scan", initia
       wait for it, so XLA cannot bunch every piece beside one send (docs/design.md §4); its
       backward is tied to the reverse chain the same way. Other methods (and P = 1) just
       call the pieces.
+    group_size: ``"all_scan_2level"`` only: ranks per group along the chain (the last group
+      may be shorter); None: :func:`default_group_size`, the alpha-beta optimum.
 
   Returns:
     ``(exclusive, inclusive)``: the state entering this rank and the state after it,
@@ -248,6 +358,7 @@ def all_scan(state, decay, axis_name, *, num_blocks=1, method="all_scan", initia
                      f"{initial.shape}.")
   if spec.blocked:
     check_num_blocks(num_blocks, state.shape[-1], name=name)
+  check_group_size(group_size, method, name=name)
   S = state.astype(jnp.float32)
   h0 = (make_varying(jnp.zeros_like(S), axis_name) if initial is None
         else initial.astype(jnp.float32))
@@ -259,7 +370,12 @@ def all_scan(state, decay, axis_name, *, num_blocks=1, method="all_scan", initia
   elif work and spec.run is _run_chain:
     exclusive, results = _run_chain(S, A, h0, axis_name, num_blocks, reverse, work)
   else:
-    exclusive = spec.run(S, A, h0, axis_name, num_blocks if spec.blocked else 1, reverse)
+    kw = {}
+    if spec.grouped:
+      kw["group_size"] = _group(lax.axis_size(axis_name), 4 * S.size, DEFAULT_ALPHA_S,
+                                DEFAULT_BETA_S_PER_BYTE, group_size)
+    exclusive = spec.run(S, A, h0, axis_name, num_blocks if spec.blocked else 1, reverse,
+                         **kw)
   if overlap_with is None:
     return exclusive, A.apply(exclusive) + S
   if results is None:
@@ -319,7 +435,22 @@ _pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)
 
 
 def _pipeline_scan(S, A, h0, axis_name, nb, reverse, pieces=()):
-  """ZeCO's chain: at step s the rank at position c handles V block j = s - c.
+  """ZeCO's chain over the whole axis (see :func:`_chains_scan`)."""
+  P, pos, dev = _chain(axis_name, reverse)
+  return _chains_scan(S, A, h0, axis_name, nb, pos, (tuple(dev(c) for c in range(P)),),
+                      pieces)
+
+
+def _chains_scan(S, A, h0, axis_name, nb, pos, chains, pieces=()):
+  """Pipelined chains: at step s the rank at position c of its chain handles V block
+  j = s - c, and sends A(incoming) + S on to position c + 1.
+
+  ``chains``: disjoint tuples of device indices along the axis, each one chain (the
+  All-Scan: one chain of every rank; the two-level scan: its groups, then its leaders);
+  ``pos``: this device's position in its chain (traced), or at least the longest
+  chain's length plus ``nb`` for a device in none (it then only returns zeros). Only the
+  pairs that carry a real block are in a step's perm, so every rank but a chain's last
+  sends exactly one state.
 
   ``pieces``: ``(fn, args)`` pairs of local work independent of the chain (see
   :func:`all_scan`'s ``overlap_with``). Piece i is assigned to send
@@ -328,8 +459,8 @@ def _pipeline_scan(S, A, h0, axis_name, nb, reverse, pieces=()):
   exactly that piece to run while send s is in flight (docs/design.md §4). Returns
   ``(X, [fn(*args) for each piece])``.
   """
-  P, pos, dev = _chain(axis_name, reverse)
-  steps = nb + P - 2
+  n_max = max(len(ch) for ch in chains)
+  steps = nb + n_max - 2
   n = len(pieces)
   at_step = [[i for i in range(n) if i * steps // n == s] for s in range(steps)]
   results, pending = [None] * n, []
@@ -339,7 +470,7 @@ def _pipeline_scan(S, A, h0, axis_name, nb, reverse, pieces=()):
   h0_b = to_blocks(jnp.broadcast_to(h0, S.shape))
   X_b = jnp.zeros_like(S_b)
   recv = jnp.zeros_like(S_b[0])
-  for s in range(nb + P - 1):
+  for s in range(nb + n_max - 1):
     j = s - pos
     active = (j >= 0) & (j < nb)
     jc = jnp.clip(j, 0, nb - 1)
@@ -348,13 +479,15 @@ def _pipeline_scan(S, A, h0, axis_name, nb, reverse, pieces=()):
     X_b = lax.dynamic_update_index_in_dim(X_b, jnp.where(active, incoming, keep), jc, 0)
     if s < steps:
       out = A.apply(incoming) + lax.dynamic_index_in_dim(S_b, jc, 0, keepdims=False)
-      perm = [(dev(c), dev(c + 1)) for c in range(P - 1) if 0 <= s - c < nb]
+      perm = [(ch[c], ch[c + 1]) for ch in chains for c in range(len(ch) - 1)
+              if 0 <= s - c < nb]
       args = [pieces[i][1] for i in at_step[s]]
       if args or pending:
         out, done, args = lax.optimization_barrier((out, [results[i] for i in pending], args))
         for i, r in zip(pending, done):
           results[i] = r
-      recv = lax.ppermute(out, axis_name, perm)
+      if perm:
+        recv = lax.ppermute(out, axis_name, perm)
       for i, a in zip(at_step[s], args):
         results[i] = pieces[i][0](*a)
       pending = at_step[s]
@@ -363,6 +496,121 @@ def _pipeline_scan(S, A, h0, axis_name, nb, reverse, pieces=()):
     for i, r in zip(pending, done):
       results[i] = r
   return jnp.moveaxis(X_b, 0, -2).reshape(S.shape), results
+
+
+def _run_two_level(S, A, h0, axis_name, num_blocks, reverse, group_size):
+  """The two-level All-Scan, with the operands' varying axes matched as in
+  :func:`_run_chain`."""
+  h0 = jnp.broadcast_to(h0, S.shape)
+  leaves = (S, h0, *jax.tree.leaves(A))
+  S, h0 = (match_varying(x, *leaves) for x in (S, h0))
+  A = jax.tree.map(lambda x: match_varying(x, *leaves), A)
+  return _two_level(S, A, h0, axis_name, num_blocks, group_size, reverse)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _two_level(S, A, h0, axis_name, nb, G, reverse):
+  return _two_level_scan(S, A, h0, axis_name, nb, G, reverse)
+
+
+def _two_level_fwd(S, A, h0, axis_name, nb, G, reverse):
+  X = _two_level_scan(S, A, h0, axis_name, nb, G, reverse)
+  return X, (X, A)
+
+
+def _two_level_bwd(axis_name, nb, G, reverse, residuals, dX):
+  """As the All-Scan's (:func:`_pipeline_bwd`): the same two-level scan run the other way
+  over the cotangents under the transposed transitions."""
+  X, A = residuals
+  A_t = A.transpose()
+  E = _two_level(dX, A_t, jnp.zeros_like(dX), axis_name, nb, G, not reverse)
+  _, pos, _ = _chain(axis_name, reverse)
+  d_initial = jnp.where(pos == 0, dX + A_t.apply(E), 0.0)
+  return E, A.cotangent(X, E), d_initial
+
+
+_two_level.defvjp(_two_level_fwd, _two_level_bwd)
+
+
+def _tree_where(cond, a, b):
+  return jax.tree.map(lambda x, y: jnp.where(cond, x, y), a, b)
+
+
+def _two_level_scan(S, A, h0, axis_name, nb, G, reverse):
+  """The two-level All-Scan (docs/design.md §6): the chain's positions in contiguous
+  groups of G (the last may be shorter).
+
+  1. Level 1: a pipelined All-Scan inside every group from a zero state (the first group
+     from ``h0``) gives each rank b, its state from its own group's earlier ranks; beside
+     it, a chain of transitions gives each rank R, the product of its group's earlier
+     transitions. A group's last rank then holds the group's total (state and transition).
+  2. Level 2: a pipelined All-Scan over the groups' last ranks of those totals gives each
+     last rank Y, the state entering its group.
+  3. The spread: each last rank sends its group's other members one share each of Y,
+     flattened, and the members all-gather the shares among themselves (ppermutes).
+  Then ``X = b + R(Y)``. Every member sends one state, one transition and (n - 2) shares
+  of Y / (n - 1); a last rank two states (level 2 and the spread): at most two states per
+  rank, within a few elements, against the All-Scan's one, in nb + n - 2 + nb + m - 2 + 2
+  hops for groups of n and m groups, against nb + P - 2.
+  """
+  P, pos, dev = _chain(axis_name, reverse)
+  sizes = group_sizes(P, G)
+  m = len(sizes)
+  starts = [sum(sizes[:i]) for i in range(m)]
+  groups = [tuple(range(st, st + k)) for st, k in zip(starts, sizes)]
+  table = lambda values: jnp.asarray(np.asarray(values, np.int32))[pos]
+  grp = table([i for i, k in enumerate(sizes) for _ in range(k)])
+  c = table([j for k in sizes for j in range(k)])
+  size = table([k for k in sizes for _ in range(k)])
+  far = P + nb                                        # a position no chain step reaches
+  zeros = jnp.zeros_like(S)
+  # Level 1: inside each group, from zero (the first group from h0).
+  b = jnp.where(grp == 0, h0, zeros)
+  if max(sizes) > 1:
+    b = _chains_scan(S, A, b, axis_name, nb, c,
+                     tuple(tuple(dev(p) for p in g) for g in groups))[0]
+  if m == 1:
+    return b
+  R = A                                              # A_{c-1} o ... o A_0, for c >= 1
+  for s in range(max(sizes) - 1):
+    cur = A if s == 0 else _tree_where(c == 0, A, A.compose(R))
+    perm = [(dev(g[s]), dev(g[s + 1])) for g in groups if s + 1 < len(g)]
+    recv = jax.tree.map(lambda x: lax.ppermute(x, axis_name, perm), cur)
+    R = _tree_where(c == s + 1, recv, R)
+  last = c == size - 1
+  # Level 2: over the groups' last ranks, the groups' totals.
+  total = A.apply(b) + S
+  A_group = _tree_where(c == 0, A, A.compose(R))
+  Y = _chains_scan(total, A_group, zeros, axis_name, nb, jnp.where(last, grp, far),
+                   (tuple(dev(g[-1]) for g in groups),))[0]
+  # The spread of Y over each group's members (the first group's Y is zero: h0 went in
+  # at level 1). One set of ppermutes per group size, as each has its own share width.
+  flat = Y.reshape(-1)
+  F = flat.shape[0]
+  Y_member = zeros
+  for k in sorted(set(sizes[1:])):
+    n_mem = k - 1
+    if n_mem < 1:
+      continue
+    of_size = [g for g in groups[1:] if len(g) == k]
+    w = spread_width(F, n_mem)
+    share = jnp.zeros((w,), flat.dtype)
+    for i in range(n_mem):
+      piece = flat[i * w:min((i + 1) * w, F)]
+      if piece.shape[0] == 0:          # more members than elements: nothing for this one
+        continue
+      got = lax.ppermute(piece, axis_name, [(dev(g[-1]), dev(g[i])) for g in of_size])
+      share = jnp.where(c == i, jnp.pad(got, (0, w - piece.shape[0])), share)
+    shares = lax.dynamic_update_index_in_dim(jnp.zeros((n_mem, w), flat.dtype), share,
+                                             jnp.clip(c, 0, n_mem - 1), 0)
+    for d in range(1, n_mem):
+      got = lax.ppermute(share, axis_name, [(dev(g[i]), dev(g[(i + d) % n_mem]))
+                                            for g in of_size for i in range(n_mem)])
+      shares = lax.dynamic_update_index_in_dim(shares, got, jnp.mod(c - d, n_mem), 0)
+    gathered = shares.reshape(-1)[:F].reshape(Y.shape)
+    Y_member = jnp.where((grp >= 1) & (size == k), gathered, Y_member)
+  Y = jnp.where(last, Y, Y_member)
+  return b + jnp.where(c == 0, Y, R.apply(Y))
 
 
 def _tree_scan(S, A, h0, axis_name, reverse):

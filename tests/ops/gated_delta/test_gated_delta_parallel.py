@@ -35,6 +35,7 @@ _CASES = [
     (4, "tree", None, 64, True), (4, "ring", None, 64, False),
     (8, "all_scan", V, 160, False), (8, "all_scan", None, 128, True),
     (8, "all_gather", None, 128, True), (8, "tree", None, 128, False),
+    (8, "all_scan_2level", None, 160, True),
 ]
 
 
@@ -113,6 +114,20 @@ def test_all_scan_sends_two_states_per_rank_whatever_P():
   assert json.loads(out.stdout.strip().splitlines()[-1]) == {"16": 2.0, "32": 2.0}
 
 
+@pytest.mark.parametrize("n,group_size,T", [(8, 3, 160), (4, 2, 64)])
+def test_two_level_groups_match_float64_recurrence(n, group_size, T):
+  op = functools.partial(zeco_gated_delta_rule, mesh=seq_mesh(n), method="all_scan_2level",
+                         group_size=group_size, num_blocks=2, chunk_size=16)
+  check_gdn_against_float64(op, *gdn_inputs(50 + n, B, T, H, K, V, initial=True))
+
+
+def test_two_level_segment_ids_cross_groups():
+  # Groups of 2 shards of 16 tokens: row 1's document 3..48 crosses the group boundary.
+  op = functools.partial(zeco_gated_delta_rule, mesh=seq_mesh(4), method="all_scan_2level",
+                         group_size=2, chunk_size=16)
+  check_gdn_documents(op, *gdn_inputs(61, B, 64, H, K, V), GDN_SHARD_DOC_IDS)
+
+
 @pytest.mark.parametrize("n,method", [(4, "all_scan"), (4, "tree"), (8, "all_gather"),
                                       (4, "ring")])
 def test_segment_ids_match_per_document_float64(n, method):
@@ -121,16 +136,17 @@ def test_segment_ids_match_per_document_float64(n, method):
   check_gdn_documents(op, *gdn_inputs(30 + n, B, 64, H, K, V), GDN_SHARD_DOC_IDS)
 
 
-def _local_pass_waits(method, segment_ids=None):
+def _local_pass_waits(method, segment_ids=None, **options):
   (q, k, v, g, beta, _), _ = gdn_inputs(23, B, 64, H, K, V)
   op = functools.partial(zeco_gated_delta_rule, mesh=seq_mesh(4), method=method,
-                         chunk_size=16, segment_ids=segment_ids)
+                         chunk_size=16, segment_ids=segment_ids, **options)
   return local_pass_waits_for_the_state(op, q, k, v, g, beta)
 
 
 def test_local_pass_does_not_wait_for_the_state():
   for method in ("all_scan", "all_gather", "tree"):
     assert not _local_pass_waits(method), method
+  assert not _local_pass_waits("all_scan_2level", group_size=2)
   # With documents too: the previous rank's last id (a ppermute) reaches only M_p and R.
   assert not _local_pass_waits("all_scan", jnp.asarray(GDN_SHARD_DOC_IDS))
   assert _local_pass_waits("ring")     # LASP-1: compute after receive

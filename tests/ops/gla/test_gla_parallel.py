@@ -27,7 +27,7 @@ B, H, K, V = 2, 2, 8, 16
 _CASES = [
     (1, "all_scan", 1, 72), (2, "all_scan", 1, 64), (4, "all_scan", 2, 64),
     (8, "all_scan", V, 128), (8, "all_scan", None, 160), (8, "all_gather", None, 128),
-    (4, "ring", None, 64), (8, "tree", None, 128),
+    (4, "ring", None, 64), (8, "tree", None, 128), (8, "all_scan_2level", None, 160),
 ]
 
 
@@ -40,6 +40,16 @@ def test_zeco_gla_matches_recurrence(n, method, num_blocks, T):
   op = functools.partial(zeco_gla, mesh=seq_mesh(n), method=method, num_blocks=num_blocks,
                          chunk_size=16)
   check_gla_against_recurrence(op, n, B, T, H, K, V)
+
+
+@pytest.mark.parametrize("n,group_size,decay,initial", [
+    (8, 3, "dim", True), (8, 4, "scalar", False), (4, 2, None, True)])
+def test_zeco_gla_two_level_groups(n, group_size, decay, initial):
+  # Groups of 3 leave a short last group; 4 and 2 cut P in equal groups.
+  op = functools.partial(zeco_gla, mesh=seq_mesh(n), method="all_scan_2level",
+                         group_size=group_size, num_blocks=2, chunk_size=16)
+  check_gla_against_recurrence(op, 40 + n, B, 160 if n == 8 else 64, H, K, V, decay=decay,
+                               initial=initial)
 
 
 @pytest.mark.parametrize("decay,initial", [("scalar", False), (None, True)])
@@ -179,11 +189,13 @@ def test_zeco_gla_argument_errors():
     zeco_gla(q, k, v, g, mesh=mesh, initial_state=h0[..., :4])
   with pytest.raises(ValueError, match="no mesh"):
     zeco_gla(q, k, v, g)
+  with pytest.raises(ValueError, match="zeco_gla: `group_size`=2 is for a grouped scan"):
+    zeco_gla(q, k, v, g, mesh=mesh, group_size=2)
 
 
-def _local_pass_waits(method):
+def _local_pass_waits(method, **options):
   q, k, v, g, _ = gla_inputs(11, B, 64, H, K, V)
-  op = functools.partial(zeco_gla, mesh=seq_mesh(4), method=method, chunk_size=16)
+  op = functools.partial(zeco_gla, mesh=seq_mesh(4), method=method, chunk_size=16, **options)
   return local_pass_waits_for_the_state(op, q, k, v, g)
 
 
@@ -192,6 +204,7 @@ def test_local_pass_does_not_wait_for_the_state():
   # it while the sends are in flight. LASP-1 ("ring") computes only after it receives.
   assert not _local_pass_waits("all_scan")
   assert not _local_pass_waits("all_gather")
+  assert not _local_pass_waits("all_scan_2level", group_size=2)
   assert _local_pass_waits("ring")
 
 

@@ -67,6 +67,13 @@ def test_zeco_gla_jnp(n, method):
   check_documents(zeco_gla, mesh=seq_mesh(n), method=method, chunk_size=C, backend="jax")
 
 
+def test_zeco_gla_two_level_documents_cross_groups():
+  # Groups of 3 shards of 32 tokens: documents cross the group boundaries at tokens 96
+  # and 192 (row 0's 64..100 and 131..250, row 1's 3..200), and a group boundary.
+  check_documents(zeco_gla, mesh=seq_mesh(8), method="all_scan_2level", group_size=3,
+                  num_blocks=2, chunk_size=C, backend="jax")
+
+
 def test_zeco_gla_scalar_decay_no_decay_and_bf16():
   check_documents(zeco_gla, decay="scalar", h0=False, mesh=seq_mesh(4), chunk_size=C,
                   backend="jax")

@@ -39,10 +39,12 @@ from zeco_jax.sp import shard
 from zeco_jax.sp import transitions
 
 
-def _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, *, name):
+def _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, group_size, *,
+                name):
   args = check_inputs(q, k, v, g, beta, initial_state, scale, name=name,
                       chunk_size=chunk_size)
   _scan.get_method(method, name=name)
+  _scan.check_group_size(group_size, method, name=name)
   return args
 
 
@@ -61,7 +63,7 @@ def segment_pass(q, k, v, g, beta, *, scale, chunk_size=64):
 def zeco_gated_delta_rule_local(q, k, v, g, beta, *, axis_name, method="all_scan",
                                 num_blocks=None, chunk_size=64, scale=None,
                                 initial_state=None, output_final_state=False,
-                                use_qk_l2norm=False, segment_ids=None):
+                                use_qk_l2norm=False, segment_ids=None, group_size=None):
   """The per-shard body of :func:`zeco_gated_delta_rule`, inside the caller's shard_map.
 
   Takes this rank's contiguous segment (``q, k [B, L, H, K]``, ``g, beta [B, L, H]``)
@@ -71,7 +73,8 @@ def zeco_gated_delta_rule_local(q, k, v, g, beta, *, axis_name, method="all_scan
   this rank's slice of the packed rows' document ids (docs/design.md §9, §10).
   """
   name = "zeco_gated_delta_rule_local"
-  args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, name=name)
+  args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, group_size,
+                     name=name)
   B, H, K, V, scale = args.B, args.H, args.K, args.V, args.scale
   if use_qk_l2norm:
     q, k = l2norm(q), l2norm(k)
@@ -84,7 +87,7 @@ def zeco_gated_delta_rule_local(q, k, v, g, beta, *, axis_name, method="all_scan
     q, k, g = segments.apply(q, k, g, segment_ids)
     first_starts = shard.first_token_starts(segment_ids, axis_name)
   nb = _scan.resolve_num_blocks(num_blocks, method, lax.axis_size(axis_name),
-                                4 * B * H * K * V, V, name=name)
+                                4 * B * H * K * V, V, name=name, group_size=group_size)
   o_local, seg_state, seg_matrix, rows = segment_pass(q, k, v, g, beta, scale=scale,
                                                       chunk_size=chunk_size)
   if first_starts is not None:
@@ -92,7 +95,7 @@ def zeco_gated_delta_rule_local(q, k, v, g, beta, *, axis_name, method="all_scan
     rows = jnp.where(first_starts[:, None, None, None], 0.0, rows)
   entering, after = _scan.all_scan(seg_state, transitions.DenseTransition(seg_matrix),
                                    axis_name, num_blocks=nb, method=method,
-                                   initial=initial_state)
+                                   initial=initial_state, group_size=group_size)
   if _scan.SCAN_METHODS[method].overlaps_local:
     fix = jnp.einsum("bthk,bhkv->bthv", rows, entering, precision=_HI)
     o = (o_local + fix).astype(v.dtype)
@@ -107,7 +110,8 @@ def zeco_gated_delta_rule_local(q, k, v, g, beta, *, axis_name, method="all_scan
 
 def zeco_gated_delta_rule(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method="all_scan",
                           num_blocks=None, chunk_size=64, scale=None, initial_state=None,
-                          output_final_state=False, use_qk_l2norm=False, segment_ids=None):
+                          output_final_state=False, use_qk_l2norm=False, segment_ids=None,
+                          group_size=None):
   """Sequence-parallel Gated DeltaNet over the mesh axis ``seq_axis`` (docs/design.md §9).
 
   Args:
@@ -115,9 +119,11 @@ def zeco_gated_delta_rule(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method
       ``[B, T, H]`` in (0, 1): global arrays whose T axis is split contiguously over
       ``seq_axis`` (T divisible by its size; a segment need not be a multiple of
       ``chunk_size``).
-    mesh, seq_axis, method, num_blocks: as in :func:`zeco_jax.zeco_gla`. ``"all_scan"``
-      sends one K x V state per rank; ``"all_gather"`` gathers every (S_p, M_p) pair;
-      ``"tree"`` runs ceil(log2 P) rounds of pairs; ``"ring"`` waits for the state.
+    mesh, seq_axis, method, num_blocks, group_size: as in :func:`zeco_jax.zeco_gla`.
+      ``"all_scan"`` sends one K x V state per rank; ``"all_gather"`` gathers every
+      (S_p, M_p) pair; ``"tree"`` runs ceil(log2 P) rounds of pairs; ``"ring"`` waits for
+      the state; ``"all_scan_2level"`` also chains the K x K prefix transitions inside each
+      group (one more K x K per rank).
     chunk_size, scale, initial_state, output_final_state, use_qk_l2norm: as in
       :func:`zeco_jax.chunk_gated_delta_rule`.
     segment_ids: None or integer ``[B, T]`` (split over ``seq_axis`` like q): packed
@@ -128,15 +134,17 @@ def zeco_gated_delta_rule(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method
     ``seq_axis``, or None.
   """
   name = "zeco_gated_delta_rule"
-  args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, name=name)
+  args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, group_size,
+                     name=name)
   spec = shard.shard_spec(q, mesh=mesh, seq_axis=seq_axis, name=name)
   _scan.resolve_num_blocks(num_blocks, method, spec.seq_axis_size,
-                           4 * args.B * args.H * args.K * args.V, args.V, name=name)
+                           4 * args.B * args.H * args.K * args.V, args.V, name=name,
+                           group_size=group_size)
   if segment_ids is not None:
     segments.check_segment_ids(segment_ids, args.B, args.T, name=name)
   options = dict(method=method, num_blocks=num_blocks, chunk_size=chunk_size,
                  scale=args.scale, output_final_state=output_final_state,
-                 use_qk_l2norm=use_qk_l2norm)
+                 use_qk_l2norm=use_qk_l2norm, group_size=group_size)
   arrays = (q, k, v, g, beta, segment_ids, initial_state)
   in_specs = tuple(None if x is None else spec.tokens(x.ndim) for x in arrays[:6]) + (
       None if initial_state is None else spec.state(),)

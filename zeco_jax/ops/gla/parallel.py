@@ -43,8 +43,9 @@ from zeco_jax.sp import shard
 from zeco_jax.sp import transitions
 
 
-def _num_blocks(num_blocks, method, P_size, B, H, K, V, *, name):
-  return _scan.resolve_num_blocks(num_blocks, method, P_size, 4 * B * H * K * V, V, name=name)
+def _num_blocks(num_blocks, method, P_size, B, H, K, V, *, name, group_size=None):
+  return _scan.resolve_num_blocks(num_blocks, method, P_size, 4 * B * H * K * V, V, name=name,
+                                  group_size=group_size)
 
 
 def default_overlap_pieces(platform: str, method: str, P: int, num_blocks: int, H: int) -> int:
@@ -78,18 +79,19 @@ def _resolve_pieces(overlap_pieces, method, platform, P, num_blocks, H, *, name)
   return overlap_pieces
 
 
-def _check_args(q, k, v, g, initial_state, scale, chunk_size, method, *, name):
+def _check_args(q, k, v, g, initial_state, scale, chunk_size, method, group_size, *, name):
   """The trace-time checks zeco_gla and zeco_gla_local share."""
   args = _checks.check_gla_inputs(q, k, v, g, initial_state, scale, name=name)
   _checks.check_chunk_size(chunk_size, name=name, multiple_of=chunked.SUB_CHUNK)
   _scan.get_method(method, name=name)
+  _scan.check_group_size(group_size, method, name=name)
   return args
 
 
 def zeco_gla_local(q, k, v, g=None, *, axis_name, method="all_scan", num_blocks=None,
                    chunk_size=64, scale=None, initial_state=None, output_final_state=False,
                    backend="auto", kernel_config=None, overlap_pieces=None,
-                   segment_ids=None):
+                   segment_ids=None, group_size=None):
   """The per-shard body of :func:`zeco_gla`, for code already inside its own shard_map.
 
   Takes this rank's contiguous segment of the sequence (``q, k [B, L, H, K]``, ...) and
@@ -105,13 +107,15 @@ def zeco_gla_local(q, k, v, g=None, *, axis_name, method="all_scan", num_blocks=
   rank of the axis that is the final state of the whole sequence.
   """
   name = "zeco_gla_local"
-  args = _check_args(q, k, v, g, initial_state, scale, chunk_size, method, name=name)
+  args = _check_args(q, k, v, g, initial_state, scale, chunk_size, method, group_size,
+                     name=name)
   platform = platform_of(q)
   backend = resolve_backend(backend, name=name, platform=platform)
   B, L, H, K, V, scale = args.B, args.T, args.H, args.K, args.V, args.scale
-  nb = _num_blocks(num_blocks, method, lax.axis_size(axis_name), B, H, K, V, name=name)
+  nb = _num_blocks(num_blocks, method, lax.axis_size(axis_name), B, H, K, V, name=name,
+                  group_size=group_size)
   scan = functools.partial(_scan.all_scan, axis_name=axis_name, num_blocks=nb,
-                           method=method, initial=initial_state)
+                           method=method, initial=initial_state, group_size=group_size)
   local = functools.partial(chunk_gla, scale=scale, chunk_size=chunk_size, backend=backend,
                             kernel_config=kernel_config)
   g_local = g_seg = g
@@ -231,7 +235,7 @@ def _fix_up(q, g, entering, scale):
 def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
              num_blocks=None, chunk_size=64, scale=None, initial_state=None, segment_ids=None,
              output_final_state=False, backend="auto", kernel_config=None, batch_axes=None,
-             overlap_pieces=None):
+             overlap_pieces=None, group_size=None):
   """Sequence-parallel GLA over the mesh axis ``seq_axis`` (ZeCO, docs/design.md §3-§5).
 
   Args:
@@ -243,10 +247,15 @@ def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
       ``jax.set_mesh`` needed); default: the mesh set with ``jax.set_mesh``.
     seq_axis: the mesh axis the sequence is split over; T must be divisible by its size.
     method: a key of :data:`zeco_jax.sp.scan.SCAN_METHODS`: ``"all_scan"`` (ZeCO's
-      pipelined All-Scan), ``"all_gather"`` (LASP-2), ``"ring"`` (LASP-1, no overlap) or
-      ``"tree"`` (recursive doubling); the same names as :func:`zeco_jax.all_scan`'s.
-    num_blocks: blocks the state is split into along V for ``"all_scan"``; must divide V.
-      None picks the alpha-beta optimum (see :func:`zeco_jax.sp.scan.default_num_blocks`).
+      pipelined All-Scan), ``"all_gather"`` (LASP-2), ``"ring"`` (LASP-1, no overlap),
+      ``"tree"`` (recursive doubling) or ``"all_scan_2level"`` (All-Scans within groups of
+      ranks and across them: at most two states per rank, about 2 sqrt(P) hops instead of
+      P; docs/design.md §6); the same names as :func:`zeco_jax.all_scan`'s.
+    num_blocks: blocks the state is split into along V for ``"all_scan"`` and
+      ``"all_scan_2level"``; must divide V. None picks the alpha-beta optimum (see
+      :func:`zeco_jax.sp.scan.default_num_blocks`).
+    group_size: ``"all_scan_2level"`` only: ranks per group along the sequence; None picks
+      the alpha-beta optimum (:func:`zeco_jax.sp.scan.default_group_size`).
     chunk_size, scale, initial_state, output_final_state, backend, kernel_config: as in
       :func:`zeco_jax.chunk_gla`; ``backend="auto"`` picks by the mesh's platform.
     segment_ids: None or integer ``[B, T]`` (split over ``seq_axis`` like q): packed
@@ -271,7 +280,8 @@ def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
     one state in the forward, none in the backward) or None.
   """
   name = "zeco_gla"
-  args = _check_args(q, k, v, g, initial_state, scale, chunk_size, method, name=name)
+  args = _check_args(q, k, v, g, initial_state, scale, chunk_size, method, group_size,
+                     name=name)
   mesh = shard.mesh_or_context(mesh, name=name)
   platform = platform_of(q, mesh=mesh)
   backend = resolve_backend(backend, name=name, platform=platform)
@@ -279,7 +289,7 @@ def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
                           every_axis=backend == "pallas", check_vma=backend != "pallas",
                           name=name)
   nb = _num_blocks(num_blocks, method, spec.seq_axis_size, args.B, args.H, args.K, args.V,
-                   name=name)
+                   name=name, group_size=group_size)
   _resolve_pieces(overlap_pieces, method, platform, spec.seq_axis_size, nb, args.H, name=name)
   if segment_ids is not None:
     segments.check_segment_ids(segment_ids, args.B, args.T, name=name)
@@ -288,7 +298,8 @@ def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
   # then inserts the psums for replicated inputs itself.
   options = dict(method=method, num_blocks=num_blocks, chunk_size=chunk_size,
                  scale=args.scale, output_final_state=output_final_state, backend=backend,
-                 kernel_config=kernel_config, overlap_pieces=overlap_pieces)
+                 kernel_config=kernel_config, overlap_pieces=overlap_pieces,
+                 group_size=group_size)
   arrays = (q, k, v, g, segment_ids, initial_state)
   in_specs = tuple(None if x is None else spec.tokens(x.ndim) for x in arrays[:5]) + (
       None if initial_state is None else spec.state(),)
