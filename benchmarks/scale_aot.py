@@ -29,6 +29,8 @@ Points (``sweep_points``; ``all`` interleaves them, most needed first):
   sequence (16K tokens per chip), all_scan and all_gather: does the longest context of the
   range fit v5p's HBM (libtpu refuses to compile a program over HBM, so "fits" is the
   compiler's own answer)?
+* ``two_level``: the gla_340m shape as ``p``, ``all_scan_2level`` at P = 64, 256, 1024 and
+  2048 (its groups and blocks as zeco_gla picks them).
 * ``longest`` (``--configs``): per config and method (all_scan, all_gather), at P = 64 and
   full depth, the longest context that fits, to 4096 tokens per chip (:func:`longest_search`).
 """
@@ -54,7 +56,8 @@ TOPOLOGY = {1: "v5p:2x2x1", 4: "v5p:2x2x1", 8: "v5p:2x2x2", 16: "v5p:2x2x4", 32:
             64: "v5p:4x4x4", 128: "v5p:4x4x8", 256: "v5p:4x8x8", 512: "v5p:8x8x8",
             1024: "v5p:8x8x16",
             2048: "v5p:8x16x16", 4096: "v5p:16x16x16"}
-METHODS = ("all_scan", "all_gather", "tree")
+METHODS = ("all_scan", "all_gather", "tree", "all_scan_2level")
+TWO_LEVEL_P = (64, 256, 1024, 2048)
 # Alpha-beta figures for v5p ICI (docs/design.md §6 model). beta: Google Cloud's v5p page
 # (cloud.google.com/tpu/docs/v5p) gives 1200 GB/s bidirectional ICI per chip over a 3D
 # torus (6 links): 100 GB/s one way on the one link a neighbour send uses. alpha: no public
@@ -85,9 +88,12 @@ def sweep_points(name: str) -> list:
   ctx_gather = [_context_point(c, "all_gather") for c in ("gla_7b", "gla_1b3", "gla_340m")]
   if name == "p":
     return (ends + trees + middle + far + [_p_point(P, "tree") for P in (16, 32, 128, 256)]
-            + [_p_point(4, m) for m in METHODS] + [_p_point(1, "all_scan")])
+            + [_p_point(4, m) for m in METHODS[:3]] + [_p_point(1, "all_scan")]
+            + sweep_points("two_level"))
   if name == "context":
     return ctx_scan + ctx_gather
+  if name == "two_level":
+    return [_p_point(P, "all_scan_2level") for P in TWO_LEVEL_P]
   if name == "all":     # what a short run can afford, most needed first
     return ends + ctx_scan + trees + ctx_gather + middle + far
   raise ValueError(f"unknown sweep {name!r}")
@@ -320,8 +326,20 @@ def predicted_comm_s(p: dict, alpha=TPU_ALPHA_S, beta=TPU_BETA_S_PER_BYTE) -> fl
   d = model_dims(p["config"], p["layers"])
   M, m_A = 4 * d["H"] * d["K"] * d["V"], 4 * d["H"] * d["K"]
   nb = scan_lib.default_num_blocks(p["seq"], M, d["V"], method=p["method"])
-  one = scan_lib.predicted_time(p["seq"], nb, M, alpha, beta, p["method"], m_A)
+  G = _group_size(p)
+  one = scan_lib.predicted_time(p["seq"], nb, M, alpha, beta, p["method"], m_A,
+                                group_size=G)
   return 2 * d["layers"] * one
+
+
+def _group_size(p: dict):
+  """The two-level scan's group size as zeco_gla picks it (the default alpha and beta);
+  None for the other methods."""
+  from zeco_jax.sp import scan as scan_lib
+  if not scan_lib.SCAN_METHODS[p["method"]].grouped:
+    return None
+  d = model_dims(p["config"], p["layers"])
+  return scan_lib.default_group_size(p["seq"], 4 * d["H"] * d["K"] * d["V"])
 
 
 def _gib(x):
@@ -341,7 +359,7 @@ def scan_bytes(by: dict, P: int, method: str):
   """Bytes per chip of ``method``'s scans at ``P``: all_scan's permutes; for the others,
   all bytes minus the all_scan step's plus its permutes (the same step but for the scan;
   XLA may lower a gather as an all-reduce of a zero-padded buffer), None without both."""
-  if method in ("all_scan", "tree"):     # both scan with permutes only
+  if method in ("all_scan", "tree", "all_scan_2level"):     # they scan with permutes only
     return _coll(by[(P, method)], "collective-permute") if (P, method) in by else None
   if (P, method) not in by or (P, "all_scan") not in by:
     return None
@@ -557,7 +575,8 @@ if __name__ == "__main__":
   ap = argparse.ArgumentParser()
   sub = ap.add_subparsers(dest="cmd", required=True)
   r = sub.add_parser("run")
-  r.add_argument("--sweep", nargs="+", default=["all"], choices=["p", "context", "all", "longest"])
+  r.add_argument("--sweep", nargs="+", default=["all"],
+                 choices=["p", "context", "all", "longest", "two_level"])
   r.add_argument("--configs", nargs="+", default=list(LONGEST_BRACKETS))
   r.add_argument("--methods", nargs="+", default=list(LONGEST_METHODS),
                  choices=LONGEST_METHODS, help="longest: the methods searched")
