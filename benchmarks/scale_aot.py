@@ -302,6 +302,22 @@ NOTES = [
     "resident): these points were compiled with 62 GB of swap added, 19-27 min each, from "
     "brackets near all_gather's answer (`--methods all_scan --brackets 114688 122880`, "
     "then `118784 122880`) instead of LONGEST_BRACKETS' 4096 and 16384.",
+    "- **The two-level All-Scan** (`all_scan_2level`, compiled on 2026-12-04 at b5759aa; "
+    "its own table above): 3.86 MiB per chip per step at P = 64 to 3.98 at 2048, 1.93x to "
+    "1.99x the All-Scan's 2.00, under the 2x a chip that sent two states in both scans would "
+    "reach: a group's last rank sends its level-2 state and the spread (2 states), a member "
+    "its level-1 state, its prefix transition (1/256 of a state) and n - 2 shares of n - 1; "
+    "the reverse scan's groups are cut from the other end, so a chip's two roles differ. "
+    "The compiled step has exactly the code's count of permutes (145 at P = 64 to 1077 at "
+    "2048, against the All-Scan's 281 to 8313), and compiles in 33-44 s against 67-376 s. "
+    "Hops per scan 18 to 97 (bar 2 (G + num_blocks + log2(P / G)): 26 to 109) against the "
+    "All-Scan's 70 to 2078; the model's comm time per step 0.61x the All-Scan's at P = 64, "
+    "0.36x at 256, 0.096x at 2048. Compute between start and done: 124 of 145 permutes "
+    "(86%) at P = 64 and 216 of 305 (71%) at 256, against the All-Scan's 58 of 281 (21%) "
+    "and 58 of 1081 (5%); 19% and 18% at 1024 and 2048, where the spread's 2 x 44 "
+    "rotations per scan are more sends than the step has work to put beside them. Only 4 "
+    "have a kernel inside: the local pass is split into head groups for `all_scan` only "
+    "(`overlap_pieces`).",
     "- **Not done**: P = 4096 (v5p:16x16x16): the All-Scan point at 2 layers was OOM-killed "
     "on this 24 GB host (24.4 GB resident; P = 2048 compiled in 376 s: the unrolled chain is "
     "8313 permutes there); the longest-context search per P at full depth (2-27 min per point "
@@ -346,6 +362,64 @@ def _gib(x):
   return "" if x is None else f"{x / 2**30:.2f}"
 
 
+def _two_level_permutes(P: int, G: int, nb: int) -> int:
+  """Collective-permutes of one two-level scan as the code issues them: level 1's chain and
+  its transitions' chain, level 2's chain, and per size of the later groups the spread's
+  one send to each member and the members' rotations."""
+  from zeco_jax.sp import scan as scan_lib
+  sizes = scan_lib.group_sizes(P, G)
+  n, m = max(sizes), len(sizes)
+  chain = lambda L: nb + L - 2 if L > 1 else 0
+  spread = sum((k - 1) + (k - 2) for k in set(sizes[1:]) if k >= 2)
+  return chain(n) + (n - 1 if m > 1 else 0) + chain(m) + spread
+
+
+def _two_level_section(by: dict) -> list:
+  """The two-level All-Scan against the All-Scan at each P both were compiled at."""
+  import math
+  from zeco_jax.sp import scan as scan_lib
+  Ps = [P for P in TWO_LEVEL_P if (P, "all_scan_2level") in by and (P, "all_scan") in by]
+  if not Ps:
+    return []
+  d = model_dims("gla_340m", 2)
+  M = 4 * d["H"] * d["K"] * d["V"]
+  out = ["", "## The two-level All-Scan (`all_scan_2level`) beside the All-Scan", "",
+         "The same step with `seq_method=all_scan_2level`: All-Scans inside groups of G "
+         "consecutive ranks and across the groups' last ranks, then each group's entering "
+         "state spread over its members (docs/design.md §6). G and num_blocks as zeco_gla "
+         "picks them (the alpha-beta model with its default figures, alpha = 10 us, 100 "
+         "GB/s); the model columns use the v5p figures above. Bytes: the most any chip sends "
+         "per step (2 layers, forward + reverse scans). Hops: sequential sends on one scan's "
+         "critical path (the model's count: level 1, level 2, the two steps of the spread); "
+         "the bar is 2 (G + num_blocks + log2(P / G)). Permutes: the compiled step's "
+         "collective-permutes, against 4 scans x the code's count per scan + the one "
+         "permute outside the scans (the previous rank's last segment id), as in the "
+         "all_scan rows.", "",
+         "| P | groups | num_blocks | permute MiB per chip | all_scan's | ratio | hops per "
+         "scan | bar | all_scan's hops | permutes (code's count) | model comm ms | "
+         "all_scan's | ratio | permutes with compute |", "|" + "---|" * 14]
+  for P in Ps:
+    row, base = by[(P, "all_scan_2level")], by[(P, "all_scan")]
+    G = scan_lib.default_group_size(P, M)
+    sizes = scan_lib.group_sizes(P, G)
+    nb = scan_lib.default_num_blocks(P, M, d["V"], method="all_scan_2level")
+    nb_a = scan_lib.default_num_blocks(P, M, d["V"])
+    cost = scan_lib.two_level_cost(P, G, nb, M, M / d["V"], TPU_ALPHA_S, TPU_BETA_S_PER_BYTE)
+    b2, b1 = _coll(row, "collective-permute"), _coll(base, "collective-permute")
+    t2, t1 = predicted_comm_s(row["point"]), predicted_comm_s(base["point"])
+    count = (row.get("collectives") or {}).get("collective-permute", {}).get("count", 0)
+    ov = row.get("permute_overlap") or {}
+    groups = (f"{len(sizes)} of {G}" if len(set(sizes)) == 1 else
+              f"{len(sizes) - 1} of {G} + 1 of {sizes[-1]}")
+    out.append(
+        f"| {P} | {groups} | {nb} | {_mib(b2)} | {_mib(b1)} | {b2 / b1:.3f} | {cost.hops} | "
+        f"{2 * (G + nb + math.log2(P / G)):.1f} | {nb_a + P - 2} | {count} "
+        f"({4 * _two_level_permutes(P, G, nb) + 1}) | {t2 * 1e3:.3f} | {t1 * 1e3:.3f} | "
+        f"{t2 / t1:.3f} | {ov.get('with_compute', '')} of {ov.get('pairs', '')} "
+        f"({100 * ov.get('with_compute', 0) / max(ov.get('pairs', 1), 1):.0f}%) |")
+  return out
+
+
 def _mib(x):
   return "" if x is None else f"{x / 2**20:.2f}"
 
@@ -382,10 +456,11 @@ def cmd_report(done: dict) -> None:
   gits = sorted({r.get("git", "?") for r in rows})
   out = ["# The training step at scale, compiled for v5p without a TPU", "",
          "Question: what does the whole GLA train step send per chip and need in HBM per chip "
-         "on v5p slices of 1 to 2048 chips, All-Scan against all_gather (LASP-2) and tree, and "
-         "what is the longest context that fits 64 chips? (Compiled by libtpu, not run: no "
-         "TPU time is measured.)", "",
-         f"`python -m benchmarks.scale_aot run --sweep p`, `... run --sweep longest --configs "
+         "on v5p slices of 1 to 2048 chips, All-Scan against all_gather (LASP-2), tree and the "
+         "two-level All-Scan, and what is the longest context that fits 64 chips? (Compiled "
+         "by libtpu, not run: no TPU time is measured.)", "",
+         f"`python -m benchmarks.scale_aot run --sweep p` (its two-level points alone: "
+         f"`--sweep two_level`), `... run --sweep longest --configs "
          f"gla_340m gla_1b3 gla_7b`, then `... report` (jax "
          f"{jax.__version__}, libtpu 0.0.48.1, a 2-core CPU host shared with other jobs). "
          f"Code: {'; '.join(gits)}. Every row is the trainer's whole train step (forward, "
@@ -442,11 +517,13 @@ def cmd_report(done: dict) -> None:
       if b_lo is None or b_hi is None:
         continue
       what = ("collective-permute bytes per chip (the All-Scan, forward and reverse)"
-              if m == "all_scan" else "collective-permute bytes per chip" if m == "tree" else
+              if m == "all_scan" else "collective-permute bytes per chip"
+              if m in ("tree", "all_scan_2level") else
               "scan bytes per chip (all bytes minus the all_scan step's, plus its permutes)")
       summary.append(f"- {m}: {what}: {_mib(b_lo)} MiB at P = {lo}, {_mib(b_hi)} MiB at "
                      f"P = {hi}: x{b_hi / b_lo:.3f} (P - 1: x{(hi - 1) / (lo - 1):.2f}).")
   out += ["", *summary]
+  out += _two_level_section(by)
 
   out += ["", "## Longest context that fits v5p HBM (full depth, P = 64)", "",
           f"`run --sweep longest`: per (config, method), the whole model on P = {LONGEST_P} "
@@ -514,15 +591,20 @@ def cmd_report(done: dict) -> None:
           "", "One exclusive scan of the paper's 1 MiB state (8K tokens per GPU, d = 4096, "
           "H = 32), ms; the paper's measured All-Scan / all-gather on H100s "
           "(Chou et al., NeurIPS 2025).", "",
-          "| P | model all_scan (v5p) | model all_gather (v5p) | model tree (v5p) | paper "
-          "All-Scan (H100) | paper all-gather (H100) |", "|---|---|---|---|---|---|"]
+          "| P | model all_scan (v5p) | model all_gather (v5p) | model tree (v5p) | model "
+          "all_scan_2level (v5p) | paper All-Scan (H100) | paper all-gather (H100) |",
+          "|---|---|---|---|---|---|---|"]
   for P in (8, 16, 32, 64, 128, 256, 1024, 4096):
     nb = scan_lib.default_num_blocks(P, state, 128, TPU_ALPHA_S, TPU_BETA_S_PER_BYTE)
     t = {m: scan_lib.predicted_time(P, nb, state, TPU_ALPHA_S, TPU_BETA_S_PER_BYTE, m,
-                                    state / 128) * 1e3 for m in METHODS}
+                                    state / 128) * 1e3 for m in METHODS[:3]}
+    nb2 = scan_lib.default_num_blocks(P, state, 128, TPU_ALPHA_S, TPU_BETA_S_PER_BYTE,
+                                      method="all_scan_2level")
+    t["all_scan_2level"] = scan_lib.predicted_time(
+        P, nb2, state, TPU_ALPHA_S, TPU_BETA_S_PER_BYTE, "all_scan_2level", state / 128) * 1e3
     pa = PAPER.get(P, ("", ""))
     out.append(f"| {P} | {t['all_scan']:.3f} | {t['all_gather']:.3f} | {t['tree']:.3f} | "
-               f"{pa[0]} | {pa[1]} |")
+               f"{t['all_scan_2level']:.3f} | {pa[0]} | {pa[1]} |")
   out += ["", "## What it means (read from the compiled programs of this sweep)", "", *NOTES]
   text = "\n".join(out) + "\n"
   harness.write_environment(RESULTS, "scale_aot", devices=False,
@@ -543,7 +625,7 @@ def _plot(by, Ps, c_rows) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-  for m, mk in zip(METHODS, "osd"):
+  for m, mk in zip(METHODS, "osd^"):
     have = [P for P in Ps if P > 1 and scan_bytes(by, P, m) is not None]
     ax1.plot(have, [scan_bytes(by, P, m) / 2**20 for P in have], marker=mk,
              label=f"{m}: its scans")
