@@ -142,6 +142,8 @@ SCHEMA: dict[str, Field] = {name: _doc(field, doc) for name, (field, doc) in {
     "model.seq_method": (choice(*SCAN_METHODS), "the state scan over the seq axis"),
     "model.num_blocks": (integer(1, optional=True, note="None: the op's default"),
                          "All-Scan pipeline blocks along V"),
+    "model.seq_group_size": (integer(1, optional=True, note="None: the op's default"),
+                             "all_scan_2level: ranks per group along the sequence"),
     "model.seq_axis": (choice("seq", note="the mesh's sequence axis"),
                        "mesh axis the sequence is split over"),
     "model.batch_axes": (choice("data", optional=True,

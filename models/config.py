@@ -27,6 +27,7 @@ class LMConfig:
   chunk_size: int = 64
   seq_method: str = "all_scan"               # the scan method over the seq axis
   num_blocks: Optional[int] = None           # All-Scan pipeline blocks (None: the op's)
+  seq_group_size: Optional[int] = None       # all_scan_2level's group (None: the op's)
   seq_axis: str = "seq"
   batch_axes: Optional[str] = None           # mesh axis B is split over (the trainer's)
   remat: bool = False                        # recompute each block in the backward
@@ -76,6 +77,9 @@ class LMConfig:
     for name in ("vocab_size", "num_layers"):
       if getattr(self, name) <= 0:
         raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+    from zeco_jax.sp.scan import check_group_size, get_method
+    get_method(self.seq_method, name="model", arg="seq_method")
+    check_group_size(self.seq_group_size, self.seq_method, name="model (seq_group_size)")
     if set(self.layer_pattern) - set("LA"):
       raise ValueError(f"model.layer_pattern={self.layer_pattern!r}: use the letters L (the "
                        "family's linear mixer) and A (softmax attention), e.g. 'LLLA'")

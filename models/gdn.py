@@ -54,4 +54,4 @@ def gdn_layer(cfg: GDNConfig, *, rngs: nnx.Rngs) -> GatedDeltaNet:
       use_gate=True, use_short_conv=cfg.use_short_conv, conv_size=cfg.conv_size,
       norm_eps=cfg.norm_eps, init_std=cfg.init_std, output_init_std=residual_out_std(cfg),
       chunk_size=cfg.chunk_size, seq_axis=cfg.seq_axis, seq_method=cfg.seq_method,
-      num_blocks=cfg.num_blocks, rngs=rngs)
+      num_blocks=cfg.num_blocks, group_size=cfg.seq_group_size, rngs=rngs)

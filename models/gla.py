@@ -45,4 +45,4 @@ def gla_layer(cfg: GLAConfig, *, rngs: nnx.Rngs) -> GatedLinearAttention:
       conv_size=cfg.conv_size, norm_eps=cfg.norm_eps, init_std=cfg.init_std,
       output_init_std=residual_out_std(cfg), chunk_size=cfg.chunk_size, backend=cfg.backend,
       seq_axis=cfg.seq_axis, seq_method=cfg.seq_method, num_blocks=cfg.num_blocks,
-      batch_axes=cfg.batch_axes, rngs=rngs)
+      group_size=cfg.seq_group_size, batch_axes=cfg.batch_axes, rngs=rngs)

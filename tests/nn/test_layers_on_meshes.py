@@ -1,8 +1,9 @@
 """The layers as a user drops them into a model: on a data=2 x seq=4 mesh of Explicit axes
 (``jax.make_mesh``'s default, under ``jax.set_mesh``) and of Auto axes (``mesh=`` passed),
 with K = V = 64 per head, 64 tokens (one chunk) per shard, the short convolution on and
-documents that start and end near the shard boundaries: forward and gradients equal to the
-same layer on one device (relative norms 1e-5 / 1e-4, float32).
+documents that start and end near the shard boundaries, the All-Scan and the two-level
+scan: forward and gradients equal to the same layer on one device (relative norms 1e-5 /
+1e-4, float32).
 """
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,15 @@ def _layers():
   return {"gla": GatedLinearAttention(D, 2, expand_k=0.5, use_short_conv=True,
                                       rngs=nnx.Rngs(0)),
           "gla_k64": GatedLinearAttention(D, 2, expand_k=1.0, rngs=nnx.Rngs(0)),
-          "gdn": GatedDeltaNet(D, 2, head_dim=64, expand_v=1.0, rngs=nnx.Rngs(0))}
+          "gdn": GatedDeltaNet(D, 2, head_dim=64, expand_v=1.0, rngs=nnx.Rngs(0)),
+          # The two-level scan in groups of 2 of the 4 seq shards (a group's last rank
+          # spreads the state entering it to the other).
+          "gla_2level": GatedLinearAttention(D, 2, expand_k=0.5, use_short_conv=True,
+                                             seq_method="all_scan_2level", group_size=2,
+                                             rngs=nnx.Rngs(0)),
+          "gdn_2level": GatedDeltaNet(D, 2, head_dim=64, expand_v=1.0,
+                                      seq_method="all_scan_2level", group_size=2,
+                                      rngs=nnx.Rngs(0))}
 
 
 def _loss_and_grads(layer, x, ids, mesh=None):
@@ -39,8 +48,9 @@ def _loss_and_grads(layer, x, ids, mesh=None):
   return y, grads
 
 
-@pytest.mark.parametrize("axes", ["explicit", "auto"])
-@pytest.mark.parametrize("name", ["gla", "gla_k64", "gdn"])
+@pytest.mark.parametrize("name,axes", [
+    (name, axes) for name in ("gla", "gla_k64", "gdn") for axes in ("explicit", "auto")]
+    + [("gla_2level", "auto"), ("gdn_2level", "explicit")])
 def test_layer_on_a_mesh_equals_one_device(name, axes, devices):
   layer = _layers()[name]
   x = jnp.asarray(np.random.default_rng(1).standard_normal((B, T, D)), jnp.float32)

@@ -61,6 +61,10 @@ def test_config_errors_are_clear():
   with pytest.raises(ValueError, match="seq_method must be one of"):
     configs.validate(config, 8)
   config = configs.tiny_mqar.get_config()
+  config.model.seq_group_size = 2
+  with pytest.raises(ValueError, match="`group_size`=2 is for a grouped scan method"):
+    configs.validate(config, 8)
+  config = configs.tiny_mqar.get_config()
   config.train.sharding_rules.embed = "model"
   with pytest.raises(ValueError, match="sharding_rules.embed='model'"):
     configs.validate(config, 8)

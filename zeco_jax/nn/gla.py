@@ -44,12 +44,13 @@ from zeco_jax.ops.gla.op import chunk_gla
 from zeco_jax.ops.gla.parallel import zeco_gla
 from zeco_jax.ops.gla.recurrent import fused_recurrent_gla
 from zeco_jax.sp import shard
-from zeco_jax.sp.scan import SCAN_METHODS
+from zeco_jax.sp.scan import SCAN_METHODS, check_group_size
 
 
 def gla_op(q, k, v, g, *, mesh=None, seq_axis: str = "seq", seq_method: str = "all_scan",
            num_blocks: Optional[int] = None, chunk_size: int = 64, backend: str = "auto",
-           segment_ids=None, batch_axes=None, output_final_state: bool = False):
+           segment_ids=None, batch_axes=None, output_final_state: bool = False,
+           group_size: Optional[int] = None):
   """GLA over ``[B, T, H, K/V]``: ``zeco_gla`` over ``seq_axis`` when that mesh axis has
   size > 1 (or when ``batch_axes`` names how B is split on a mesh of more than one
   device), else ``chunk_gla`` (on one seq shard, or with no mesh). Returns the output, and
@@ -62,7 +63,7 @@ def gla_op(q, k, v, g, *, mesh=None, seq_axis: str = "seq", seq_method: str = "a
   if shard.seq_size(mesh, seq_axis) > 1 or (batch_axes is not None and
                                                shard.mesh_size(mesh) > 1):
     kwargs = {} if num_blocks is None else {"num_blocks": num_blocks}
-    kwargs.update(seg)
+    kwargs.update(seg, group_size=group_size)
     o, final = zeco_gla(q, k, v, g, mesh=mesh, seq_axis=seq_axis, method=seq_method,
                         chunk_size=chunk_size, backend=backend, batch_axes=batch_axes,
                         output_final_state=output_final_state, **kwargs)
@@ -107,8 +108,9 @@ class GatedLinearAttention(TokenMixer):
     init_std: std of every projection; ``output_init_std`` of the output projection
       (default ``init_std``; a stack of L layers usually passes ``init_std / sqrt(2 L)``).
     chunk_size, backend: passed to ``chunk_gla`` / ``zeco_gla``.
-    seq_axis, seq_method, num_blocks: the mesh axis the sequence is split over and
-      ``zeco_gla``'s method and pipeline blocks (None: ``zeco_gla``'s choice).
+    seq_axis, seq_method, num_blocks, group_size: the mesh axis the sequence is split over
+      and ``zeco_gla``'s method, pipeline blocks and (``"all_scan_2level"``) group size
+      (None: ``zeco_gla``'s choice).
     batch_axes: the mesh axis (or axes) the batch is split over, e.g. ``"data"`` (None:
       not split, or left to the compiler, which the Pallas kernels refuse): see
       :func:`gla_op`.
@@ -121,13 +123,14 @@ class GatedLinearAttention(TokenMixer):
                init_std: float = 0.02, output_init_std: Optional[float] = None,
                chunk_size: int = 64, backend: str = "auto", seq_axis: str = "seq",
                seq_method: str = "all_scan", num_blocks: Optional[int] = None,
-               batch_axes=None, rngs: nnx.Rngs):
+               group_size: Optional[int] = None, batch_axes=None, rngs: nnx.Rngs):
     try:
       check_gla_args(hidden_size=hidden_size, num_heads=num_heads, expand_k=expand_k,
                      expand_v=expand_v, gate_low_rank_dim=gate_low_rank_dim,
                      chunk_size=chunk_size, conv_size=conv_size, seq_method=seq_method)
     except ValueError as e:
       raise ValueError(f"GatedLinearAttention: {e}") from None
+    check_group_size(group_size, seq_method, name="GatedLinearAttention")
     D, R = hidden_size, gate_low_rank_dim
     Kd, Vd = int(hidden_size * expand_k), int(hidden_size * expand_v)
     out_std = init_std if output_init_std is None else output_init_std
@@ -135,7 +138,7 @@ class GatedLinearAttention(TokenMixer):
     self.use_short_conv, self.chunk_size, self.backend = use_short_conv, chunk_size, backend
     self.conv_size = conv_size
     self.seq_axis, self.seq_method, self.num_blocks = seq_axis, seq_method, num_blocks
-    self.batch_axes = batch_axes
+    self.group_size, self.batch_axes = group_size, batch_axes
     # Creation order fixes which random draws each parameter gets: keep it.
     init_qkv(self, rngs, D, Kd, Vd, init_std)
     self.g_proj = normal_param(rngs, (D, Vd), init_std, ("embed", "heads"))  # output gate
@@ -174,7 +177,8 @@ class GatedLinearAttention(TokenMixer):
         mesh=mesh, seq_axis=self.seq_axis, tails=tails)
     g = self._log_decay(x_BxTxD).reshape(B, T, H, -1)
     out = gla_op(q, k, v, g, mesh=mesh, seq_axis=self.seq_axis, seq_method=self.seq_method,
-                 num_blocks=self.num_blocks, chunk_size=self.chunk_size, backend=self.backend,
+                 num_blocks=self.num_blocks, group_size=self.group_size,
+                 chunk_size=self.chunk_size, backend=self.backend,
                  segment_ids=segment_ids, batch_axes=self.batch_axes,
                  output_final_state=tails)
     o, state = out if tails else (out, None)
