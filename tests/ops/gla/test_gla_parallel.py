@@ -43,9 +43,10 @@ def test_zeco_gla_matches_recurrence(n, method, num_blocks, T):
 
 
 @pytest.mark.parametrize("n,group_size,decay,initial", [
-    (8, 3, "dim", True), (8, 4, "scalar", False), (4, 2, None, True)])
+    (8, 3, "dim", True), (8, 4, "scalar", False), (4, 2, None, True), (2, 1, "dim", True)])
 def test_zeco_gla_two_level_groups(n, group_size, decay, initial):
-  # Groups of 3 leave a short last group; 4 and 2 cut P in equal groups.
+  # Groups of 3 leave a short last group; 4 and 2 cut P in equal groups; groups of one
+  # rank at P = 2 leave all to level 2.
   op = functools.partial(zeco_gla, mesh=seq_mesh(n), method="all_scan_2level",
                          group_size=group_size, num_blocks=2, chunk_size=16)
   check_gla_against_recurrence(op, 40 + n, B, 160 if n == 8 else 64, H, K, V, decay=decay,
