@@ -151,8 +151,9 @@ def main():
     cells = [f"{measured[(P, m)][0]:.2f} | {measured[(P, m)][1]:.2f}" for m in methods]
     lines.append(f"| {P} | " + " | ".join(cells) + " |")
   lines += ["", "Gated DeltaNet (`zeco_gated_delta_rule`, docs/design.md §9), same state; its "
-            f"transition is a K x K matrix (K^2/(K V) = {K / V:.2f} of a state), which only "
-            "all_gather and tree send:", "",
+            f"transition is a K x K matrix (K^2/(K V) = {K / V:.2f} of a state), which "
+            "all_gather and tree send, and all_scan_2level along each group (its prefix "
+            "transitions):", "",
             "| P | " + " | ".join(f"{m} fwd | {m} fwd+bwd" for m in methods) + " |",
             "|---|" + "---|" * (2 * len(methods))]
   for P in Ps:
@@ -217,6 +218,17 @@ def main():
             f"{measured[(hi, 'gdn all_gather')][1]:.2f} (its K x K transitions too); tree "
             f"{measured[(hi, 'tree')][1]:.2f} (about 2 log2 P); ring is All-Scan's bytes "
             "without the overlap.",
+            "- all_scan_2level (groups of G ranks by the model: "
+            + ", ".join(f"G = {scan_lib.default_group_size(P, M)} at P = {P}" for P in Ps)
+            + "; G = 1 is the All-Scan itself) sends at most "
+            f"{max(measured[(P, 'all_scan_2level')][0] for P in Ps):.2f} states per rank "
+            f"forward and {worst('all_scan_2level'):.2f} forward + backward (a middle group's "
+            "last rank sends two states in its scan; the reverse scan's groups are cut from "
+            "the other end, so that rank is mostly a member there), flat in P; Gated "
+            "DeltaNet's "
+            f"{max(measured[(P, 'gdn all_scan_2level')][1] for P in Ps):.2f} (a K x K "
+            "prefix transition per member). Its point is latency (about 2 sqrt(P) hops "
+            "instead of P): benchmarks/results/scale_aot.md compiles it for up to 2048 chips.",
             "- The model's times are a prediction from bytes and hops, not a measurement; the "
             "paper's H100 columns are its published figures.",
             f"- A softmax layer moves far more than a linear one: at P = {hiP} Ulysses sends "
