@@ -5,9 +5,10 @@ and the program checks (what a compiled program sends, what a traced one waits f
   abstract GPU or TPU device to trace or lower for that target on this CPU host.
 * Errors: :func:`rel_err` (float32 results against any reference), :func:`rel_err64`
   (against a float64 truth kept in float64), :func:`assert_within` (a table of errors).
-* GLA and Gated DeltaNet: random inputs (never zeros), the value and gradients of one
-  scalar loss, the comparison with the token-by-token reference or the float64 truth of
-  ``zeco_jax.ops.*.reference``; packed documents and mixed log-decays in float64.
+* GLA, Gated DeltaNet and Kimi Delta Attention: random inputs (never zeros), the value
+  and gradients of one scalar loss, the comparison with the token-by-token reference or
+  the float64 truth of ``zeco_jax.ops.*.reference``; packed documents and mixed
+  log-decays in float64.
 * Programs: the equations of a jaxpr, whether the local pass waits for a collective, and
   how many K x V states each rank sends in a compiled program.
 * The trainer: the tiny config, ``train.py`` as a subprocess, a persistent compilation
@@ -347,6 +348,88 @@ def check_gdn_documents(op, inputs, weights, ids, tol=(1e-5, 1e-4)):
 # token (t = 16, 48), inside ranks, padding across the boundary at t = 32.
 GDN_SHARD_DOC_IDS = np.array([[0] * 16 + [1] * 10 + [-1] * 12 + [2] * 10 + [3] * 16,
                               [5] * 3 + [6] * 45 + [7] * 16])
+
+
+# --- Kimi Delta Attention ----------------------------------------------------------------
+
+def kda_log_decay(r, shape, decay):
+  """Per-channel log-decays (numpy float64) of ``decay``: ``"mild"`` uniform in (-0.5, 0);
+  ``"strong"`` uniform in (-5, 0) (a 64-token chunk sums to about -160 per channel, -320
+  at worst); ``"mix"``: 2% at -1e4 (a channel emptied, as a document start empties them
+  all), 28% uniform in (-5, -1), the rest log-uniform in [-0.5, -1e-3]."""
+  if decay == "mild":
+    return r.uniform(-0.5, 0.0, shape)
+  if decay == "strong":
+    return r.uniform(-5.0, 0.0, shape)
+  weak = -np.exp(r.uniform(np.log(1e-3), np.log(0.5), shape))
+  u = r.uniform(size=shape)
+  return np.where(u < 0.02, -1e4, np.where(u < 0.3, r.uniform(-5.0, -1.0, shape), weak))
+
+
+def kda_inputs(seed, B, T, H, K, V, *, decay="mix", beta_low=0.05, beta_high=0.9999,
+               dtype=jnp.float32, initial=True):
+  """Random q, v, l2-normalised k, per-channel log-decay g ``[B, T, H, K]`` float32
+  (:func:`kda_log_decay`), beta in (beta_low, beta_high), h0 (or None) and the loss
+  weights (do, dht): ``(q, k, v, g, beta, h0), (do, dht)``."""
+  from zeco_jax._linalg import l2norm
+  r = np.random.default_rng(seed)
+  n = lambda *s: r.standard_normal(s)
+  q = jnp.asarray(n(B, T, H, K), dtype)
+  k = l2norm(jnp.asarray(n(B, T, H, K), jnp.float32)).astype(dtype)
+  v = jnp.asarray(n(B, T, H, V), dtype)
+  g = jnp.asarray(kda_log_decay(r, (B, T, H, K), decay), jnp.float32)
+  beta = jnp.asarray(r.uniform(beta_low, beta_high, (B, T, H)), dtype)
+  h0 = jnp.asarray(n(B, H, K, V), jnp.float32) if initial else None
+  do, dht = jnp.asarray(n(B, T, H, V), jnp.float32), jnp.asarray(n(B, H, K, V), jnp.float32)
+  return (q, k, v, g, beta, h0), (do, dht)
+
+
+@functools.lru_cache(maxsize=None)
+def delta_vjp(op):
+  """One jitted ``(q, k, v, g, beta, h0, do, dht, segment_ids) -> (o, final, grads)`` per
+  delta-rule op (``op(q, k, v, g, beta, initial_state=, output_final_state=,
+  segment_ids=)``), reused across inputs of one shape: o, the final state and the vjp of
+  (do, dht), ``{"q", "k", "v", "g", "beta"(, "h0")}``. ``h0`` and ``segment_ids`` may be
+  None (then neither reaches the op; a program of its own)."""
+  def run(q, k, v, g, beta, h0, do, dht, segment_ids):
+    options = {} if segment_ids is None else dict(segment_ids=segment_ids)
+    (o, final), pull = jax.vjp(
+        lambda q, k, v, g, beta, h0: op(q, k, v, g, beta, initial_state=h0,
+                                        output_final_state=True, **options),
+        q, k, v, g, beta, h0)
+    grads = pull((do.astype(o.dtype), dht))
+    return o, final, {n: d for n, d in zip("q k v g beta h0".split(), grads) if d is not None}
+  return jax.jit(run)
+
+
+def check_kda_against_float64(op, inputs, weights, fwd_tol=1e-5, grad_tol=1e-4, ids=None):
+  """A KDA op on :func:`kda_inputs` (with ``segment_ids=ids`` if given) against
+  ``kda_float64`` (``kda_float64_documents`` with ids), both its truth kept in float64:
+  o (v's dtype and shape) and the final state within ``fwd_tol``, every gradient (q, k,
+  v, g, beta, and h0 when given) within ``grad_tol``; with ids, zero outputs and q, k, v
+  gradients on padding. Returns the errors ``{name: relative norm}``."""
+  from zeco_jax.ops.kda.reference import kda_float64, kda_float64_documents
+  if ids is None:
+    o64, s64, g64 = kda_float64(*inputs, *weights)
+  else:
+    o64, s64, g64 = kda_float64_documents(*inputs, *weights, ids)
+  o, s, grads = delta_vjp(op)(*inputs, *weights, None if ids is None else jnp.asarray(ids))
+  assert o.dtype == inputs[2].dtype and o.shape == o64.shape
+  assert set(grads) == set(g64), (set(grads), set(g64))
+  errors = {"o": rel_err64(o, o64), "final": rel_err64(s, s64)}
+  errors.update({"d" + name: rel_err64(grads[name], g64[name]) for name in g64})
+  assert_within(errors, fwd_tol, grad_tol)
+  if ids is not None:
+    pad = np.asarray(ids) < 0
+    assert not np.any(np.asarray(o)[pad]), "padding tokens must output zero"
+    for name in ("q", "k", "v"):
+      assert not np.any(np.asarray(grads[name])[pad]), f"padding must get zero d{name}"
+  return errors
+
+
+def check_kda_documents(op, inputs, weights, ids, fwd_tol=1e-5, grad_tol=1e-4):
+  """:func:`check_kda_against_float64` on packed documents ``ids`` (``[B, T]``)."""
+  return check_kda_against_float64(op, inputs, weights, fwd_tol, grad_tol, ids=ids)
 
 
 # --- programs: traced equations, compiled collectives -------------------------------------

@@ -10,6 +10,12 @@ Public API:
   chunk_gated_delta_rule               the chunked WY/UT op
   zeco_gated_delta_rule,               sequence-parallel Gated DeltaNet (All-Scan over
   zeco_gated_delta_rule_local          matrix transitions)
+  recurrent_kda, chunk_kda,            Kimi Delta Attention (per-channel decay, delta rule):
+  fused_recurrent_kda                  the float32 token loop (the spec), the chunked WY/UT
+                                       op, the token recurrence for decoding
+  zeco_kda, zeco_kda_local             sequence-parallel KDA (All-Scan over matrix transitions)
+  kda_gate                             FLA's KDA gate: the per-channel log-decay from the
+                                       layer's gate projection
   sp_attention, sp_attention_local     softmax attention over the same sequence mesh (hybrid
   ATTENTION_METHODS                    models): "ulysses", "all_gather" (zigzag), "ring"
   all_scan                             the exclusive state scan over a mesh axis (in shard_map)
@@ -45,6 +51,11 @@ from zeco_jax.ops.gla.op import chunk_gla
 from zeco_jax.ops.gla.parallel import zeco_gla, zeco_gla_local
 from zeco_jax.ops.gla.recurrent import fused_recurrent_gla
 from zeco_jax.ops.gla.reference import chunk_gla_reference, recurrent_gla
+from zeco_jax.ops.kda.gate import kda_gate
+from zeco_jax.ops.kda.op import chunk_kda
+from zeco_jax.ops.kda.parallel import zeco_kda, zeco_kda_local
+from zeco_jax.ops.kda.recurrent import fused_recurrent_kda
+from zeco_jax.ops.kda.reference import recurrent_kda
 from zeco_jax.sp import transitions
 from zeco_jax.sp.scan import SCAN_METHODS, ScanMethod, all_scan
 from zeco_jax.sp.transitions import (DenseTransition, DiagonalDecay, Identity, ScalarDecay,
@@ -52,8 +63,10 @@ from zeco_jax.sp.transitions import (DenseTransition, DiagonalDecay, Identity, S
 
 __all__ = ["ATTENTION_METHODS", "DenseTransition", "DiagonalDecay", "Identity", "SCAN_METHODS",
            "ScalarDecay", "ScanMethod", "Transition", "all_scan", "chunk_gated_delta_rule",
-           "chunk_gla", "chunk_gla_reference", "debug", "fused_recurrent_gated_delta_rule",
-           "fused_recurrent_gla", "losses", "recurrent_gated_delta_rule", "recurrent_gla",
+           "chunk_gla", "chunk_gla_reference", "chunk_kda", "debug",
+           "fused_recurrent_gated_delta_rule", "fused_recurrent_gla", "fused_recurrent_kda",
+           "kda_gate", "losses", "recurrent_gated_delta_rule", "recurrent_gla", "recurrent_kda",
            "segments", "sp_attention", "sp_attention_local", "transitions",
-           "zeco_gated_delta_rule", "zeco_gated_delta_rule_local", "zeco_gla", "zeco_gla_local"]
+           "zeco_gated_delta_rule", "zeco_gated_delta_rule_local", "zeco_gla", "zeco_gla_local",
+           "zeco_kda", "zeco_kda_local"]
 __version__ = "0.1.0"

@@ -1,8 +1,9 @@
-"""Small numerical helpers every family shares: the matmul precision, einsum, and the guard
-that keeps a possibly constant state out of XLA:CPU's YNN fusions.
+"""Small numerical helpers every family shares: the matmul precision, einsum, FLA's l2norm
+(the delta-rule families' ``use_qk_l2norm``), and the guard that keeps a possibly constant
+state out of XLA:CPU's YNN fusions.
 
-What it does not hold: anything family-specific (decays, chunk layouts live with the
-family).
+What it does not hold: anything family-specific (decays live with the family; the
+delta-rule families' chunk layout and recurrence are ``zeco_jax._chunks``).
 """
 from __future__ import annotations
 
@@ -17,6 +18,15 @@ paths are tested to 1e-5 against float64."""
 def ein(eq, *xs):
   """``jnp.einsum`` at :data:`HI` with float32 accumulation."""
   return jnp.einsum(eq, *xs, precision=HI, preferred_element_type=jnp.float32)
+
+
+L2NORM_EPS = 1e-6      # FLA's l2norm: x / sqrt(sum x^2 + eps)
+
+
+def l2norm(x):
+  """FLA's ``l2norm`` over the last axis, in float32, returned in x's dtype."""
+  x32 = x.astype(jnp.float32)
+  return (x32 * lax.rsqrt(jnp.sum(x32 * x32, -1, keepdims=True) + L2NORM_EPS)).astype(x.dtype)
 
 
 def opaque(x):

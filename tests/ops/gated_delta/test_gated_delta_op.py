@@ -96,7 +96,7 @@ def test_argument_errors():
 
 @pytest.mark.parametrize("C", [16, 48, 64])
 def test_ut_inverse_matches_float64(C):
-  from zeco_jax.ops.gated_delta.chunked import unit_lower_inverse
+  from zeco_jax._chunks import unit_lower_inverse
   A = np.tril(np.random.default_rng(C).uniform(-1, 1, (3, C, C)), -1)
   X = jax.jit(unit_lower_inverse)(jnp.asarray(A, jnp.float32))
   assert rel_err(X, np.linalg.inv(np.eye(C) + A)) <= 1e-5

@@ -2,25 +2,18 @@
 
 q, k ``[B, T, H, K]``, v ``[B, T, H, V]``, the log-decay g ``[B, T, H]`` (<= 0), the write
 strength beta ``[B, T, H]`` in (0, 1) and float32 states ``[B, H, K, V]``. The argument
-checks (:func:`check_inputs`) and FLA's ``l2norm`` are here; the chunked form is
+checks (:func:`check_inputs`) are here; FLA's ``l2norm`` is :func:`zeco_jax._linalg.l2norm`
+(imported here for the family's other modules); the chunked form is
 :mod:`zeco_jax.ops.gated_delta.chunked`. What it does not do: Pallas kernels.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 
 from zeco_jax import _checks
 from zeco_jax import segments
+from zeco_jax._linalg import l2norm
 from zeco_jax.ops.gated_delta.chunked import chunk_recurrence
-
-L2NORM_EPS = 1e-6      # FLA's l2norm: x / sqrt(sum x^2 + eps)
-
-
-def l2norm(x):
-  """FLA's ``l2norm`` over the last axis, in float32, returned in x's dtype."""
-  x32 = x.astype(jnp.float32)
-  return (x32 * lax.rsqrt(jnp.sum(x32 * x32, -1, keepdims=True) + L2NORM_EPS)).astype(x.dtype)
 
 
 def check_inputs(q, k, v, g, beta, initial_state, scale, *, name, chunk_size=None):

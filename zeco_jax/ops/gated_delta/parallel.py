@@ -27,16 +27,13 @@ the chunked op from the received state after the scan.
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
-from jax import lax
 
+from zeco_jax import _chunks
 from zeco_jax import segments
-from zeco_jax._linalg import HI as _HI
 from zeco_jax.ops.gated_delta.chunked import chunk_recurrence
 from zeco_jax.ops.gated_delta.op import check_inputs, chunk_gated_delta_rule, l2norm
 from zeco_jax.sp import scan as _scan
 from zeco_jax.sp import shard
-from zeco_jax.sp import transitions
 
 
 def _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, group_size, *,
@@ -46,18 +43,6 @@ def _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, grou
   _scan.get_method(method, name=name)
   _scan.check_group_size(group_size, method, name=name)
   return args
-
-
-def segment_pass(q, k, v, g, beta, *, scale, chunk_size=64):
-  """Step 1 on one segment: ``(o_local, S_p, M_p, R)``, all float32.
-
-  o_local ``[B, L, H, V]`` (outputs from a zero entering state), S_p ``[B, H, K, V]``,
-  M_p ``[B, H, K, K]`` (the segment transition) and R ``[B, L, H, K]`` (fix-up rows:
-  ``o = o_local + R X`` for entering state X).
-  """
-  V = v.shape[-1]
-  out, end = chunk_recurrence(q, k, v, g, beta, None, scale, chunk_size, True)
-  return out[..., :V], end[..., :V], end[..., V:], out[..., V:]
 
 
 def zeco_gated_delta_rule_local(q, k, v, g, beta, *, axis_name, method="all_scan",
@@ -75,36 +60,13 @@ def zeco_gated_delta_rule_local(q, k, v, g, beta, *, axis_name, method="all_scan
   name = "zeco_gated_delta_rule_local"
   args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, group_size,
                      name=name)
-  B, H, K, V, scale = args.B, args.H, args.K, args.V, args.scale
   if use_qk_l2norm:
     q, k = l2norm(q), l2norm(k)
-  first_starts = None
-  if segment_ids is not None:
-    # Starts inside the segment go into the local pass (from zero, a start on its first
-    # token changes nothing); whether the first token starts a document (one ppermute of
-    # the previous rank's last id) only zeroes the transition and the fix-up rows.
-    segments.check_segment_ids(segment_ids, B, args.T, name=name)
-    q, k, g = segments.apply(q, k, g, segment_ids)
-    first_starts = shard.first_token_starts(segment_ids, axis_name)
-  nb = _scan.resolve_num_blocks(num_blocks, method, lax.axis_size(axis_name),
-                                4 * B * H * K * V, V, name=name, group_size=group_size)
-  o_local, seg_state, seg_matrix, rows = segment_pass(q, k, v, g, beta, scale=scale,
-                                                      chunk_size=chunk_size)
-  if first_starts is not None:
-    seg_matrix = jnp.where(first_starts[:, None, None, None], 0.0, seg_matrix)
-    rows = jnp.where(first_starts[:, None, None, None], 0.0, rows)
-  entering, after = _scan.all_scan(seg_state, transitions.DenseTransition(seg_matrix),
-                                   axis_name, num_blocks=nb, method=method,
-                                   initial=initial_state, group_size=group_size)
-  if _scan.SCAN_METHODS[method].overlaps_local:
-    fix = jnp.einsum("bthk,bhkv->bthv", rows, entering, precision=_HI)
-    o = (o_local + fix).astype(v.dtype)
-  else:
-    # LASP-1: compute after receive, the whole chunked pass from the received state.
-    if first_starts is not None:
-      g = segments.reset_first_token(g, first_starts)
-    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=entering,
-                                  chunk_size=chunk_size)
+  o, after = _chunks.local_pass(
+      q, k, v, g, beta, recurrence=chunk_recurrence, chunked_op=chunk_gated_delta_rule,
+      axis_name=axis_name, method=method, num_blocks=num_blocks, group_size=group_size,
+      chunk_size=chunk_size, scale=args.scale, initial_state=initial_state,
+      segment_ids=segment_ids, name=name)
   return o, (after if output_final_state else None)
 
 

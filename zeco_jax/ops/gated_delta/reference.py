@@ -110,37 +110,8 @@ def gdn_float64(q, k, v, g, beta, h0, do, dht, scale=None):
 
 
 def gdn_float64_documents(q, k, v, g, beta, h0, do, dht, segment_ids, scale=None):
-  """gdn_float64 run document by document (packed rows, docs/design.md §10): every
-  document starts from zero except the one holding token 0 (from h0); negative ids are
-  padding (output 0, zero gradients); the final state is the last document's."""
-  f = lambda x: np.asarray(x, np.float64)
-  q, k, v, g, beta, do, dht = map(f, (q, k, v, g, beta, do, dht))
-  ids = np.asarray(segment_ids)
-  B, T, H, K = q.shape
-  scale = K ** -0.5 if scale is None else scale
-  o = np.zeros(v.shape)
-  final = np.zeros((B, H, K, v.shape[-1])) if h0 is None else f(h0).copy()
-  grads = {n: np.zeros_like(x) for n, x in zip("q k v g beta".split(), (q, k, v, g, beta))}
-  if h0 is not None:
-    grads["h0"] = np.zeros(final.shape)
-  for b in range(B):
-    docs = segments.document_spans(ids[b])
-    for n, (s, e) in enumerate(docs):
-      first = s == 0
-      last = n == len(docs) - 1
-      seeded = h0 is not None and first
-      sl = lambda x: x[b:b + 1, s:e]
-      start = f(h0)[b:b + 1] if seeded else None
-      d_final = dht[b:b + 1] if last else np.zeros((1,) + dht.shape[1:])
-      o_d, fin, gr = gdn_float64(*(sl(x) for x in (q, k, v, g, beta)), start,
-                                 sl(do), d_final, scale)
-      o[b, s:e] = o_d[0]
-      if last:
-        final[b] = fin[0]
-      for nm in "q k v g beta".split():
-        grads[nm][b, s:e] = gr[nm][0]
-      if seeded:
-        grads["h0"][b] = gr["h0"][0]
-    if not docs and h0 is not None:
-      grads["h0"][b] = dht[b]
-  return o, final, grads
+  """:func:`gdn_float64` run document by document
+  (:func:`zeco_jax.segments.delta_float64_documents`): every document from zero except the
+  one holding token 0 (from h0); padding gets zero outputs and gradients."""
+  return segments.delta_float64_documents(gdn_float64, q, k, v, g, beta, h0, do, dht,
+                                          segment_ids, scale)

@@ -1,0 +1,251 @@
+"""What the delta-rule families share: the chunk layout, exact segment sums of log-decays,
+the UT transform, and the recurrence over chunks with dense ``K x K`` transitions and its
+custom_vjp (``docs/design.md`` §9, §13).
+
+A delta-rule family (Gated DeltaNet, Kimi Delta Attention) reduces every chunk of C tokens
+to four arrays, computed chunk-parallel by the family's own ``terms`` function:
+``Qeff [C, K]``, the chunk transition ``M [K, K]``, the chunk's own state ``Sc [K, V]``
+and its own outputs ``Oc [C, V]``, such that a chunk entered with state ``Y`` leaves with
+``M Y + Sc`` and outputs ``Oc + Qeff Y``. :func:`chunk_recurrence` runs the only
+sequential part, that recurrence over chunks, and its backward; what the chunk terms are
+(per-head or per-channel decay, which gates) is the family's.
+
+:func:`local_pass` is a delta-rule family's per-shard body over the sequence mesh (the
+local pass widened by K identity columns, the scan of its dense transition, the fix-up).
+
+What it does not hold: a family's maths (``ops/<family>/chunked.py``), or GLA's chunked
+form (diagonal transitions, ``ops/gla/chunked.py``).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from zeco_jax import segments
+from zeco_jax._linalg import HI as _HI
+from zeco_jax._linalg import opaque
+from zeco_jax._vma import match_varying
+from zeco_jax.sp import scan as _scan
+from zeco_jax.sp import shard
+from zeco_jax.sp import transitions
+
+
+def to_chunks(x, C):
+  """``[B, T, H, ...]`` -> float32 ``[B, H, N, C, ...]``, the tail zero-padded to N C."""
+  T = x.shape[1]
+  pad = -T % C
+  x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+  x = jnp.moveaxis(x, 2, 1)                                   # [B, H, T', ...]
+  return x.reshape(x.shape[:2] + ((T + pad) // C, C) + x.shape[3:])
+
+
+def from_chunks(x, T):
+  """``[B, H, N, C, D]`` -> ``[B, T, H, D]``."""
+  B, H, N, C, D = x.shape
+  return jnp.moveaxis(x.reshape(B, H, N * C, D), 1, 2)[:, :T]
+
+
+def segment_sums(g, channel_axes=0):
+  """``out[.., i, j, *ch] = sum_{j < m <= i} g[.., m, *ch]`` for i >= j (an exact sum,
+  <= 0), 0 above the diagonal (masked by the caller): the log of the decay from token j
+  to token i.
+
+  g is ``[.., C]`` (one decay per head) or ``[.., C, *ch]`` with ``channel_axes`` trailing
+  channel axes (a decay per key channel). Each entry is a cumulative sum of g over exactly
+  the tokens it spans, never the difference of two cumulative sums, so it keeps float32's
+  relative precision whatever the decay (``docs/design.md`` §2). Costs ``C x C`` entries
+  per channel: ``[.., C, C, K]`` for a per-channel decay.
+  """
+  C = g.shape[-1 - channel_axes]
+  later = jnp.tril(jnp.ones((C, C), bool), -1)                 # m > j
+  later = later.reshape((C, C) + (1,) * channel_axes)
+  spread = jnp.where(later, jnp.expand_dims(g, -1 - channel_axes), 0.0)   # [.., m, j, *ch]
+  return jnp.cumsum(spread, axis=-2 - channel_axes)             # sum over m <= i
+
+
+def masked_exp(x, mask):
+  """``exp(x)`` where ``mask``, else 0; the masked entries never reach ``exp``."""
+  return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
+
+
+INVERSE_BLOCK = 16   # the diagonal blocks unit_lower_inverse inverts by substitution
+
+
+def unit_lower_inverse(A):
+  """``(I + A)^{-1}`` for strictly lower-triangular ``A [..., C, C]`` (the UT transform).
+
+  Plain XLA ops, no LAPACK: the 16 x 16 diagonal blocks by forward substitution (a loop
+  of 16 row steps, all blocks at once), then blocks merged pairwise,
+  ``[[X11, 0], [A21, X22]]^{-1} = [[X11, 0], [-X22 A21 X11, X22]]``, as FLA's
+  ``solve_tril``. Why not ``jax.scipy.linalg.solve_triangular``: on XLA:CPU (jax 0.10.2)
+  its LAPACK call waits on the thread pool that the simulated devices' collectives block,
+  so a sequence-parallel program that holds both can deadlock.
+  """
+  C = A.shape[-1]
+  b = INVERSE_BLOCK if C % INVERSE_BLOCK == 0 else C
+  eye_b = jnp.eye(b, dtype=A.dtype)
+  blocks = jnp.stack([A[..., i:i + b, i:i + b] for i in range(0, C, b)], -3)   # [.., n, b, b]
+  def substitute(i, X):
+    # Row i of the inverse: e_i - A[i, :i] X[:i]; A is strictly lower and the rows of X
+    # from i on are still zero, so the whole row of A may be used.
+    row = eye_b[i] - jnp.einsum("...j,...jc->...c", blocks[..., i, :], X, precision=_HI)
+    return lax.dynamic_update_index_in_dim(X, row, i, -2)
+
+  diag = lax.fori_loop(0, b, substitute, jnp.zeros_like(blocks))               # [.., n, b, b]
+  # (start row, inverse) per diagonal block; neighbours merged until one block is left.
+  inverses = [(i * b, x) for i, x in enumerate(jnp.moveaxis(diag, -3, 0))]
+  while len(inverses) > 1:
+    merged = []
+    for (r0, x11), (r1, x22) in zip(inverses[0::2], inverses[1::2]):
+      a21 = A[..., r1:r1 + x22.shape[-1], r0:r1]
+      x21 = -jnp.einsum("...ij,...jk,...kl->...il", x22, a21, x11, precision=_HI)
+      top = jnp.concatenate([x11, jnp.zeros(x11.shape[:-1] + x22.shape[-1:], x11.dtype)], -1)
+      merged.append((r0, jnp.concatenate([top, jnp.concatenate([x21, x22], -1)], -2)))
+    inverses = merged + inverses[len(merged) * 2:]         # an odd one out waits a level
+  return inverses[0][1]
+
+
+# --- the recurrence over chunks -----------------------------------------------------------
+
+def _terms(terms, q, k, v, g, beta, C, augment):
+  """``terms`` on the chunked inputs; ``augment`` widens Sc and Oc by K zero columns (the
+  prefix-product columns, which have no local part)."""
+  Qeff, M, Sc, Oc = terms(*(to_chunks(x, C) for x in (q, k, v, g, beta)))
+  if augment:
+    K = M.shape[-1]
+    Sc = jnp.concatenate([Sc, jnp.zeros(Sc.shape[:-1] + (K,), Sc.dtype)], -1)
+    Oc = jnp.concatenate([Oc, jnp.zeros(Oc.shape[:-1] + (K,), Oc.dtype)], -1)
+  return Qeff, M, Sc, Oc
+
+
+def _initial(h0, M, Sc, augment):
+  """The state entering chunk 0: h0 (zeros if None), widened by the identity if augment."""
+  B, H, _, K, Wd = Sc.shape
+  V = Wd - K if augment else Wd
+  Y0 = jnp.zeros((B, H, K, V), jnp.float32) if h0 is None else h0.astype(jnp.float32)
+  if augment:
+    Y0 = jnp.concatenate([Y0, jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, H, K, K))],
+                         -1)
+  # opaque: a zero (or identity) Y0 must not reach a dot as a constant when one chunk
+  # inlines the scan (XLA:CPU miscompiles that; see zeco_jax._linalg.opaque).
+  return opaque(match_varying(Y0, M, Sc))
+
+
+def _states(M, Sc, Y0):
+  """The state entering every chunk, ``[B, H, N, K, W]``, and the final state."""
+  def step(Y, xs):
+    M_n, Sc_n = xs
+    return jnp.einsum("bhij,bhjw->bhiw", M_n, Y, precision=_HI) + Sc_n, Y
+
+  final, Ys = lax.scan(step, Y0, (jnp.moveaxis(M, 2, 0), jnp.moveaxis(Sc, 2, 0)))
+  return jnp.moveaxis(Ys, 0, 2), final
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 7, 8))
+def chunk_recurrence(terms, q, k, v, g, beta, h0, C, augment):
+  """Outputs ``[B, T, H, W]`` float32 and final state ``[B, H, K, W]`` of a chunked
+  delta-rule form.
+
+  ``terms(q, k, v, g, beta)`` takes the float32 chunks ``[B, H, N, C, ...]`` (the tail
+  padded with zeros: k = q = v = 0, beta = 0, g = 0, identity transitions) and returns
+  ``(Qeff [.., C, K], M [.., K, K], Sc [.., K, V], Oc [.., C, V])`` per chunk; it is
+  differentiated by JAX in the backward, recomputed from the inputs.
+
+  ``W = V``; with ``augment`` ``W = V + K``: the extra columns start as the identity, so
+  they carry the prefix products of the chunk transitions. Then ``out[..., V:]`` holds the
+  rows ``Qeff_n (M_{n-1} ... M_0)`` that map a state entering the sequence to each
+  token's output, and ``final[..., V:]`` the product of every chunk transition.
+
+  Memory: the custom_vjp keeps the inputs and the state entering each chunk
+  (``[B, H, N, K, W]``), never a state per token.
+  """
+  return _forward(terms, q, k, v, g, beta, h0, C, augment)[0]
+
+
+def _forward(terms, q, k, v, g, beta, h0, C, augment):
+  Qeff, M, Sc, Oc = _terms(terms, q, k, v, g, beta, C, augment)
+  Ys, final = _states(M, Sc, _initial(h0, M, Sc, augment))
+  out = Oc + jnp.einsum("bhnck,bhnkw->bhncw", Qeff, Ys, precision=_HI)
+  return (from_chunks(out, q.shape[1]), final), Ys
+
+
+def _chunk_recurrence_fwd(terms, q, k, v, g, beta, h0, C, augment):
+  outs, Ys = _forward(terms, q, k, v, g, beta, h0, C, augment)
+  return outs, (q, k, v, g, beta, h0, Ys)        # the inputs and one state per chunk
+
+
+def _chunk_recurrence_bwd(terms, C, augment, residuals, cotangents):
+  """The reverse recurrence over chunks, then the chunk terms' own vjp (recomputed).
+
+  With dY the cotangent of the state leaving chunk n: dM_n = dY Y_n^T, dSc_n = dY,
+  dQeff_n = dOut_n Y_n^T, and the state entering n gets M_n^T dY + Qeff_n^T dOut_n.
+  """
+  q, k, v, g, beta, h0, Ys = residuals
+  d_out, d_final = cotangents
+  (Qeff, M, Sc, Oc), terms_vjp = jax.vjp(
+      lambda *a: _terms(terms, *a, C, augment), q, k, v, g, beta)
+  d_out = to_chunks(d_out, C)                                 # [B, H, N, C, W]
+  G = jnp.einsum("bhnck,bhncw->bhnkw", Qeff, d_out, precision=_HI)
+
+  def step(dY, xs):
+    M_n, G_n = xs
+    return jnp.einsum("bhji,bhjw->bhiw", M_n, dY, precision=_HI) + G_n, dY
+
+  d_final = opaque(match_varying(d_final.astype(jnp.float32), M, G))
+  dY0, dYs = lax.scan(step, d_final, (jnp.moveaxis(M, 2, 0), jnp.moveaxis(G, 2, 0)),
+                      reverse=True)
+  dYs = jnp.moveaxis(dYs, 0, 2)                               # dY leaving each chunk
+  dM = jnp.einsum("bhniw,bhnjw->bhnij", dYs, Ys, precision=_HI)
+  dQeff = jnp.einsum("bhncw,bhnkw->bhnck", d_out, Ys, precision=_HI)
+  dq, dk, dv, dg, dbeta = terms_vjp((dQeff, dM, dYs, d_out))
+  dh0 = None if h0 is None else dY0[..., :h0.shape[-1]].astype(h0.dtype)
+  return dq, dk, dv, dg, dbeta, dh0
+
+
+chunk_recurrence.defvjp(_chunk_recurrence_fwd, _chunk_recurrence_bwd)
+
+
+def local_pass(q, k, v, g, beta, *, recurrence, chunked_op, axis_name, method, num_blocks,
+               group_size, chunk_size, scale, initial_state, segment_ids, name):
+  """A delta-rule family's per-shard body (docs/design.md §9): ``(o, state after the
+  segment)`` on this rank's checked, l2-normalised segment.
+
+  1. ``recurrence(q, k, v, g, beta, None, scale, C, True)`` (the family's chunked form,
+     widened by K identity columns) from a zero state: the local outputs, the segment's own
+     state S_p, its transition M_p and the fix-up rows R. Nothing waits for another rank.
+  2. The scan of ``(S_p, DenseTransition(M_p))`` over ``axis_name`` -> X_p.
+  3. The fix-up ``o += R X_p``, one GEMM. A method without overlap (LASP-1's ``"ring"``)
+     instead runs ``chunked_op`` from the received state.
+
+  Packed documents: the starts inside the segment go into the local pass; a start on the
+  first token (one ppermute of the previous rank's last id) zeroes M_p and R only.
+  """
+  B, L, H, K = q.shape
+  V = v.shape[-1]
+  first_starts = None
+  if segment_ids is not None:
+    segments.check_segment_ids(segment_ids, B, L, name=name)
+    q, k, g = segments.apply(q, k, g, segment_ids)
+    first_starts = shard.first_token_starts(segment_ids, axis_name)
+  nb = _scan.resolve_num_blocks(num_blocks, method, lax.axis_size(axis_name),
+                                4 * B * H * K * V, V, name=name, group_size=group_size)
+  out, end = recurrence(q, k, v, g, beta, None, scale, chunk_size, True)
+  o_local, seg_state, seg_matrix, rows = out[..., :V], end[..., :V], end[..., V:], out[..., V:]
+  if first_starts is not None:
+    seg_matrix = jnp.where(first_starts[:, None, None, None], 0.0, seg_matrix)
+    rows = jnp.where(first_starts[:, None, None, None], 0.0, rows)
+  entering, after = _scan.all_scan(seg_state, transitions.DenseTransition(seg_matrix),
+                                   axis_name, num_blocks=nb, method=method,
+                                   initial=initial_state, group_size=group_size)
+  if _scan.SCAN_METHODS[method].overlaps_local:
+    fix = jnp.einsum("bthk,bhkv->bthv", rows, entering, precision=_HI)
+    return (o_local + fix).astype(v.dtype), after
+  # LASP-1: compute after receive, the whole chunked pass from the received state.
+  if first_starts is not None:
+    g = segments.reset_first_token(g, first_starts)
+  o, _ = chunked_op(q, k, v, g, beta, scale=scale, initial_state=entering,
+                    chunk_size=chunk_size)
+  return o, after

@@ -1,0 +1,100 @@
+"""``chunk_kda``: Kimi Delta Attention on one device, FLA's name and layout.
+
+q, k ``[B, T, H, K]``, v ``[B, T, H, V]``, the log-decay g ``[B, T, H, K]`` (<= 0, one
+per key channel), the write strength beta ``[B, T, H]`` in (0, 1) and float32 states
+``[B, H, K, V]``. The argument checks (:func:`check_inputs`) are here; the chunked form is
+:mod:`zeco_jax.ops.kda.chunked`; FLA's gate (``g`` from the layer's projections) is
+:func:`zeco_jax.ops.kda.gate.kda_gate`.
+
+What it does not do: Pallas kernels (``backend="pallas"`` is refused, never silently
+replaced by the jnp path), grouped value heads (FLA's ``HV > H``), the gate or
+``sigmoid(beta)`` inside the op (FLA's ``use_gate_in_kernel``,
+``use_beta_sigmoid_in_kernel``: call :func:`~zeco_jax.ops.kda.gate.kda_gate` and
+``jax.nn.sigmoid`` first).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from zeco_jax import _checks
+from zeco_jax import segments
+from zeco_jax._linalg import l2norm
+from zeco_jax.ops._dispatch import BACKENDS
+from zeco_jax.ops.kda.chunked import chunk_recurrence
+
+
+def check_inputs(q, k, v, g, beta, initial_state, scale, *, name, chunk_size=None):
+  """Validates the KDA signature; returns the sizes and the resolved scale."""
+  args = _checks.check_gla_inputs(q, k, v, None, initial_state, scale, name=name,
+                                  chunk_size=chunk_size)
+  want = (args.B, args.T, args.H, args.K)
+  if g is None or tuple(getattr(g, "shape", ())) != want:
+    raise ValueError(f"{name}: `g` (log-decay per key channel, <= 0) must be [B, T, H, K] = "
+                     f"{want}, got {getattr(g, 'shape', g)}. KDA decays every key channel "
+                     "separately; for one decay per head broadcast it over K "
+                     "(g[..., None] * ones(K)) or use Gated DeltaNet.")
+  if not jnp.issubdtype(g.dtype, jnp.floating):
+    raise ValueError(f"{name}: `g` must be floating point (a log-decay <= 0), got {g.dtype}.")
+  if tuple(getattr(beta, "shape", ())) != (args.B, args.T, args.H):
+    raise ValueError(f"{name}: `beta` must be [B, T, H] = {(args.B, args.T, args.H)} "
+                     f"(write strength in (0, 1)), got {getattr(beta, 'shape', beta)}.")
+  if not jnp.issubdtype(beta.dtype, jnp.floating):
+    raise ValueError(f"{name}: `beta` must be floating point, got {beta.dtype}.")
+  return args
+
+
+def check_backend(backend, kernel_config, *, name):
+  """``backend`` is one of ``BACKENDS`` and runs the jnp path: KDA has no kernels yet."""
+  _checks.check_choice(backend, BACKENDS, arg="backend", name=name)
+  if backend == "pallas":
+    raise ValueError(f"{name}: backend='pallas': KDA has no Pallas kernels yet (only GLA "
+                     "does). Use backend='jax' or 'auto', which run the jnp chunked form.")
+  if kernel_config is not None:
+    raise ValueError(f"{name}: `kernel_config` must be None, got {kernel_config!r}: KDA has "
+                     "no Pallas kernels yet, so there is nothing to configure.")
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm=False, chunk_size=64, segment_ids=None, backend="auto",
+              kernel_config=None):
+  """Chunked Kimi Delta Attention (WY / UT form), FLA's ``chunk_kda`` in jnp.
+
+  Args:
+    q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]`` (one floating dtype, e.g. bfloat16).
+    g: ``[B, T, H, K]`` log-decay per key channel (<= 0; exact down to any per-token
+      value: every exponent is a sum over the tokens it spans); beta: ``[B, T, H]`` in
+      (0, 1). k unit-norm over K unless ``use_qk_l2norm``.
+    scale: defaults to ``K ** -0.5``.
+    initial_state: ``[B, H, K, V]`` or None (zeros).
+    output_final_state: also return the float32 state after the last token.
+    use_qk_l2norm: l2-normalise q and k over K first (FLA's ``use_qk_l2norm_in_kernel``).
+    chunk_size: tokens per chunk; T need not be a multiple (the tail is padded with
+      tokens that change nothing: k = 0, beta = 0, g = 0).
+    segment_ids: None or integer ``[B, T]`` packed documents (docs/design.md §10): a
+      document start gets the log-decay ``segments.RESET_LOG_DECAY`` on every channel;
+      negative ids are padding.
+    backend: ``"auto"`` or ``"jax"``: the jnp chunked form (the only one; ``"pallas"``
+      raises a ValueError until KDA has kernels).
+    kernel_config: must be None (no kernels to configure).
+
+  Returns:
+    ``(o, final_state)``: o ``[B, T, H, V]`` in v's dtype; final_state float32 or None.
+
+  Example::
+
+    g = zeco_jax.kda_gate(g_raw, A_log, dt_bias)           # [B, T, H, K], <= 0
+    o, state = zeco_jax.chunk_kda(q, k, v, g, jax.nn.sigmoid(b_raw),
+                                  use_qk_l2norm=True, output_final_state=True)
+  """
+  name = "chunk_kda"
+  args = check_inputs(q, k, v, g, beta, initial_state, scale, name=name,
+                      chunk_size=chunk_size)
+  check_backend(backend, kernel_config, name=name)
+  if use_qk_l2norm:
+    q, k = l2norm(q), l2norm(k)
+  if segment_ids is not None:
+    segments.check_segment_ids(segment_ids, args.B, args.T, name=name)
+    q, k, g = segments.apply(q, k, g, segment_ids)
+  h0 = None if initial_state is None else initial_state.astype(jnp.float32)
+  o, final = chunk_recurrence(q, k, v, g, beta, h0, args.scale, chunk_size, False)
+  return o.astype(v.dtype), (final if output_final_state else None)

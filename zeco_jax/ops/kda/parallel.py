@@ -1,0 +1,120 @@
+"""Sequence-parallel Kimi Delta Attention: ``zeco_kda`` and its per-shard body.
+
+Same mesh contract as :func:`zeco_jax.zeco_gla` (global arrays whose T axis is split over
+``seq_axis``; other mesh axes kept; under jit and grad), and the same three steps as
+Gated DeltaNet's (docs/design.md §9, §13). On the rank holding a contiguous segment:
+
+1. the local pass from a zero state, widened by K columns that start as the identity
+   (:func:`zeco_jax.ops.kda.chunked.chunk_recurrence` with ``augment=True``). It gives the
+   local outputs, the segment's own state ``S_p`` and, from the identity columns, the
+   segment transition ``M_p`` (the product of its chunk transitions
+   ``Diag(e^{b_C}) - K_end^T W``, a dense ``K x K``) and one fix-up row per token,
+   ``R_t = Qeff_n (M_{n-1} ... M_0)``. None of it waits for another rank;
+2. the scan of ``(S_p, DenseTransition(M_p))`` over ``seq_axis`` (any method of
+   :data:`zeco_jax.SCAN_METHODS`; the All-Scan sends one K x V state per rank and
+   ``M_p`` never leaves its rank) -> ``X_p``, the state entering the segment;
+3. the fix-up, one GEMM: ``o_t += R_t X_p``.
+
+Packed documents (``segment_ids``, docs/design.md §10): the starts inside the segment go
+into the local pass as the sentinel log-decay on every channel, which zeroes the widened
+state's identity columns from the start on (so ``M_p = 0`` and the rows after it are 0); a
+start on the segment's first token (known from the previous rank's last id) zeroes
+``M_p`` and ``R``.
+
+The backward composes the parts' own backwards: the fix-up's transpose, the scan's
+reverse (under ``M_p^T``), and the local pass's reverse recurrence over chunks on the
+widened state. ``"ring"`` (LASP-1) has no overlap: it runs the chunked op from the
+received state after the scan.
+"""
+from __future__ import annotations
+
+
+from zeco_jax import _chunks
+from zeco_jax import segments
+from zeco_jax._linalg import l2norm
+from zeco_jax.ops.kda.chunked import chunk_recurrence
+from zeco_jax.ops.kda.op import check_inputs, chunk_kda
+from zeco_jax.sp import scan as _scan
+from zeco_jax.sp import shard
+
+
+def _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, group_size, *,
+                name):
+  args = check_inputs(q, k, v, g, beta, initial_state, scale, name=name,
+                      chunk_size=chunk_size)
+  _scan.get_method(method, name=name)
+  _scan.check_group_size(group_size, method, name=name)
+  return args
+
+
+def zeco_kda_local(q, k, v, g, beta, *, axis_name, method="all_scan", num_blocks=None,
+                   chunk_size=64, scale=None, initial_state=None, output_final_state=False,
+                   use_qk_l2norm=False, segment_ids=None, group_size=None):
+  """The per-shard body of :func:`zeco_kda`, inside the caller's shard_map.
+
+  Takes this rank's contiguous segment (``q, k, g [B, L, H, K]``, ``beta [B, L, H]``) and
+  the mesh axis the sequence is split over; ``initial_state`` is the state before the
+  whole sequence (the same on every rank). Returns ``(o, state_after_segment)``; on the
+  last rank that state is the final state of the sequence. ``segment_ids`` ``[B, L]`` is
+  this rank's slice of the packed rows' document ids (docs/design.md §10).
+  """
+  name = "zeco_kda_local"
+  args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, group_size,
+                     name=name)
+  if use_qk_l2norm:
+    q, k = l2norm(q), l2norm(k)
+  o, after = _chunks.local_pass(
+      q, k, v, g, beta, recurrence=chunk_recurrence, chunked_op=chunk_kda, axis_name=axis_name,
+      method=method, num_blocks=num_blocks, group_size=group_size, chunk_size=chunk_size,
+      scale=args.scale, initial_state=initial_state, segment_ids=segment_ids, name=name)
+  return o, (after if output_final_state else None)
+
+
+def zeco_kda(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method="all_scan",
+             num_blocks=None, chunk_size=64, scale=None, initial_state=None,
+             output_final_state=False, use_qk_l2norm=False, segment_ids=None,
+             group_size=None):
+  """Sequence-parallel Kimi Delta Attention over the mesh axis ``seq_axis`` (docs/design.md
+  §13).
+
+  Args:
+    q, k: ``[B, T, H, K]``; v ``[B, T, H, V]``; g ``[B, T, H, K]`` (log-decay per key
+      channel, <= 0); beta ``[B, T, H]`` in (0, 1): global arrays whose T axis is split
+      contiguously over ``seq_axis`` (T divisible by its size; a segment need not be a
+      multiple of ``chunk_size``).
+    mesh, seq_axis, method, num_blocks, group_size: as in :func:`zeco_jax.zeco_gla`.
+      ``"all_scan"`` sends one K x V state per rank; ``"all_gather"`` gathers every
+      (S_p, M_p) pair; ``"tree"`` runs ceil(log2 P) rounds of pairs; ``"ring"`` waits for
+      the state; ``"all_scan_2level"`` runs All-Scans inside groups of ``group_size``
+      ranks and across the groups.
+    chunk_size, scale, initial_state, output_final_state, use_qk_l2norm: as in
+      :func:`zeco_jax.chunk_kda`.
+    segment_ids: None or integer ``[B, T]`` (split over ``seq_axis`` like q): packed
+      documents (docs/design.md §10); a rank holding a document start has transition 0.
+
+  Returns:
+    ``(o, final_state)``: o sharded like q; the float32 final state replicated over
+    ``seq_axis``, or None.
+  """
+  name = "zeco_kda"
+  args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, group_size,
+                     name=name)
+  spec = shard.shard_spec(q, mesh=mesh, seq_axis=seq_axis, name=name)
+  _scan.resolve_num_blocks(num_blocks, method, spec.seq_axis_size,
+                           4 * args.B * args.H * args.K * args.V, args.V, name=name,
+                           group_size=group_size)
+  if segment_ids is not None:
+    segments.check_segment_ids(segment_ids, args.B, args.T, name=name)
+  options = dict(method=method, num_blocks=num_blocks, chunk_size=chunk_size,
+                 scale=args.scale, output_final_state=output_final_state,
+                 use_qk_l2norm=use_qk_l2norm, group_size=group_size)
+  arrays = (q, k, v, g, beta, segment_ids, initial_state)
+  in_specs = tuple(None if x is None else spec.tokens(x.ndim) for x in arrays[:6]) + (
+      None if initial_state is None else spec.state(),)
+  return shard.sharded(_local, spec, arrays, in_specs, options=options,
+                       out_spec=spec.tokens(4), final_state=output_final_state)
+
+
+def _local(q, k, v, g, beta, ids, h0, **options):
+  """:func:`zeco_kda_local` on one shard (``shard.sharded``'s body)."""
+  return zeco_kda_local(q, k, v, g, beta, initial_state=h0, segment_ids=ids, **options)
