@@ -119,8 +119,8 @@ def _doc(field: Field, doc: str) -> Field:
 
 SCHEMA: dict[str, Field] = {name: _doc(field, doc) for name, (field, doc) in {
     # model: every family's fields (models.all_fields); model.family picks the family
-    "model.family": (choice("gla", "gdn", note="models.FAMILIES"),
-                     "the token mixer: GLA or Gated DeltaNet"),
+    "model.family": (choice("gla", "gdn", "kda", note="models.FAMILIES"),
+                     "the token mixer: GLA, Gated DeltaNet or Kimi Delta Attention"),
     "model.vocab_size": (integer(1), "tokens in the vocabulary (embedding and tied head)"),
     "model.hidden_size": (integer(1), "model width"),
     "model.num_layers": (integer(1), "blocks (mixer + SwiGLU)"),
@@ -132,6 +132,8 @@ SCHEMA: dict[str, Field] = {name: _doc(field, doc) for name, (field, doc) in {
     "model.intermediate_size": (integer(1, optional=True, note="None: from hidden_ratio"),
                                 "SwiGLU width"),
     "model.gate_low_rank_dim": (integer(1), "GLA: rank of the decay gate's projection"),
+    "model.kda_lower_bound": (number(hi=0, hi_open=True, optional=True, note="None: unbounded"),
+                              "KDA: lower bound of the log-decay (FLA's lower_bound, e.g. -5)"),
     "model.gate_logit_normalizer": (number(0, lo_open=True),
                                     "GLA: g = logsigmoid(...) / this"),
     "model.gate_bias_init": (number(), "GLA: initial gate bias (> 0: slower decay)"),

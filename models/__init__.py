@@ -2,7 +2,8 @@
 token mixer, the families' registry, the data and the sharding rules.
 
 :data:`FAMILIES` maps ``model.family`` to its :class:`Family`: the config class (a frozen
-dataclass with its own fields and checks, :mod:`models.gla`, :mod:`models.gdn`) and the
+dataclass with its own fields and checks, :mod:`models.gla`, :mod:`models.gdn`,
+:mod:`models.kda`) and the
 function that builds its token mixer. :func:`model_from_config` turns a config's ``model``
 section into the family's config and :class:`~models.lm.LM`.
 """
@@ -16,6 +17,7 @@ from models import sharding
 from models.config import LMConfig
 from models.gdn import GDNConfig, gdn_layer
 from models.gla import GLAConfig, gla_layer
+from models.kda import KDAConfig, kda_layer
 from models.lm import LM, Block, SwiGLU, num_params
 
 
@@ -30,6 +32,7 @@ class Family:
 FAMILIES: Mapping[str, Family] = types.MappingProxyType({f.name: f for f in (
     Family("gla", GLAConfig, gla_layer),
     Family("gdn", GDNConfig, gdn_layer),
+    Family("kda", KDAConfig, kda_layer),
 )})
 
 
@@ -71,5 +74,6 @@ def model_from_config(model: dict):
   return cls(**{k: v for k, v in fields.items() if k in own}), LM
 
 
-__all__ = ["Block", "FAMILIES", "Family", "GDNConfig", "GLAConfig", "LM", "LMConfig", "SwiGLU",
+__all__ = ["Block", "FAMILIES", "Family", "GDNConfig", "GLAConfig", "KDAConfig", "LM",
+           "LMConfig", "SwiGLU",
            "all_fields", "family_of", "model_from_config", "num_params", "sharding"]

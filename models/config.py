@@ -72,6 +72,16 @@ class LMConfig:
     pattern = self.layer_pattern or "L"
     return (pattern * (self.num_layers // len(pattern) + 1))[:self.num_layers]
 
+  def validate_heads(self) -> None:
+    """The delta-rule families' checks (a key and a value dim split evenly over the heads)."""
+    for name in ("hidden_size", "num_heads", "chunk_size", "conv_size"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+    for name, dim in (("key", self.key_dim), ("value", self.value_dim)):
+      if dim <= 0 or dim % self.num_heads:
+        raise ValueError(f"model: {name} dim {dim} (hidden_size * expand_{name[0]}) must be "
+                         f"positive and divisible by num_heads={self.num_heads}")
+
   def validate_lm(self) -> None:
     """The LM's own checks (the mixer's are the family's ``validate``)."""
     for name in ("vocab_size", "num_layers"):

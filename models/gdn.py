@@ -36,13 +36,7 @@ class GDNConfig(LMConfig):
 
   def validate(self) -> None:
     self.validate_lm()
-    for name in ("hidden_size", "num_heads", "chunk_size", "conv_size"):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
-    for name, dim in (("key", self.key_dim), ("value", self.value_dim)):
-      if dim <= 0 or dim % self.num_heads:
-        raise ValueError(f"model: {name} dim {dim} (hidden_size * expand_{name[0]}) must be "
-                         f"positive and divisible by num_heads={self.num_heads}")
+    self.validate_heads()
     if self.seq_method not in SCAN_METHODS:
       raise ValueError(f"model: seq_method must be one of {tuple(SCAN_METHODS)}, got "
                        f"{self.seq_method!r}")

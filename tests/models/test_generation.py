@@ -14,13 +14,15 @@ import pytest
 from flax import nnx
 
 from helpers import rel_err
-from models import GDNConfig, GLAConfig, LM
+from models import GDNConfig, GLAConfig, KDAConfig, LM
 from models.generation import Sampling
 
 CONFIGS = {
     "gla": GLAConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2,
                      use_short_conv=True, expand_k=1.0),
     "gdn": GDNConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2,
+                     use_short_conv=True, expand_k=1.0, expand_v=1.0),
+    "kda": KDAConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2,
                      use_short_conv=True, expand_k=1.0, expand_v=1.0),
     # A hybrid: a GLA block, then softmax attention with grouped key heads (a KV cache).
     "hybrid": GLAConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2,

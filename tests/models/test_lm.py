@@ -5,10 +5,11 @@ sequence shards equal to one device on packed documents."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from helpers import GDN_SHARD_DOC_IDS, find_eqns, rel_err, seq_mesh, tiny_model_config
-from models import LM, GDNConfig, model_from_config
+from models import LM, GDNConfig, KDAConfig, model_from_config
 
 SMALL = tiny_model_config()
 
@@ -78,14 +79,18 @@ def test_model_resets_at_document_starts():
   assert float(jnp.max(jnp.abs(model(tokens)[:, 21:] - alone))) > 1e-3   # no reset: differs
 
 
-def test_gdn_lm_on_four_seq_shards_matches_one_device():
-  # The LM of configs/gdn_*.py (models/gdn.py, models/lm.py), picked by model.family: its
-  # logits and parameter gradients through zeco_gated_delta_rule on 4 seq shards equal those
-  # of the single-device chunked op, on packed documents (short convolutions and states reset).
-  cfg, cls = model_from_config(dict(family="gdn", vocab_size=32, hidden_size=32,
+@pytest.mark.parametrize("family,extra,config_cls", [
+    ("gdn", {}, GDNConfig), ("kda", {"kda_lower_bound": -5.0}, KDAConfig)])
+def test_delta_lm_on_four_seq_shards_matches_one_device(family, extra, config_cls):
+  # The LMs of configs/gdn_*.py and configs/kda_*.py (models/gdn.py, models/kda.py), picked
+  # by model.family: logits and parameter gradients through zeco_gated_delta_rule / zeco_kda
+  # on 4 seq shards equal those of the single-device chunked op, on packed documents (short
+  # convolutions and states reset); KDA with FLA's bounded gate.
+  cfg, cls = model_from_config(dict(family=family, vocab_size=32, hidden_size=32,
                                     num_layers=1, num_heads=2, expand_k=0.5, expand_v=1.0,
-                                    intermediate_size=64, chunk_size=16, use_short_conv=True))
-  assert cls is LM and type(cfg) is GDNConfig and cfg.head_dim == 8
+                                    intermediate_size=64, chunk_size=16, use_short_conv=True,
+                                    **extra))
+  assert cls is LM and type(cfg) is config_cls and cfg.head_dim == 8
   graphdef, params = nnx.split(cls(cfg, rngs=nnx.Rngs(0)))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 64)), jnp.int32)
   ids = jnp.asarray(GDN_SHARD_DOC_IDS)

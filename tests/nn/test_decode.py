@@ -1,6 +1,7 @@
 """Decoding with the layers (zeco_jax.nn): ``prefill`` (the chunked op with its final state
 and the short convolutions' last inputs) then ``decode`` one token at a time equals the
-layer over the whole sequence, for GLA and Gated DeltaNet, with short convolutions, K = 64;
+layer over the whole sequence, for GLA, Gated DeltaNet and KDA, with short convolutions,
+K = 64;
 packed documents and left or right padding in the prompt continue the row's last document;
 the softmax attention layer (its KV cache; also with a sliding window, and with heads of
 128) likewise;
@@ -16,7 +17,7 @@ import pytest
 from flax import nnx
 
 from helpers import rel_err
-from zeco_jax.nn import GatedAttention, GatedDeltaNet, GatedLinearAttention
+from zeco_jax.nn import GatedAttention, GatedDeltaNet, GatedLinearAttention, KimiDeltaAttention
 
 D, T0, T1 = 128, 64, 4
 
@@ -27,6 +28,10 @@ def gla():
 
 def gdn():
   return GatedDeltaNet(D, 2, head_dim=64, expand_v=1.0, rngs=nnx.Rngs(0))
+
+
+def kda():
+  return KimiDeltaAttention(D, 2, head_dim=64, expand_v=1.0, rngs=nnx.Rngs(0))
 
 
 def attn():
@@ -41,7 +46,7 @@ def attn_head128():
   return GatedAttention(D, 4, num_kv_heads=2, head_dim=128, rngs=nnx.Rngs(0))
 
 
-LAYERS = {"gla": gla, "gdn": gdn, "attn": attn, "attn_window": attn_window,
+LAYERS = {"gla": gla, "gdn": gdn, "kda": kda, "attn": attn, "attn_window": attn_window,
           "attn_head128": attn_head128}
 
 

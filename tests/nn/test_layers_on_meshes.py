@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from helpers import rel_err
-from zeco_jax.nn import GatedDeltaNet, GatedLinearAttention
+from zeco_jax.nn import GatedDeltaNet, GatedLinearAttention, KimiDeltaAttention
 
 B, T, D = 2, 256, 128
 # Row 0: documents starting 2 tokens after a shard boundary, 1 token before one, and
@@ -34,7 +34,8 @@ def _layers():
                                              rngs=nnx.Rngs(0)),
           "gdn_2level": GatedDeltaNet(D, 2, head_dim=64, expand_v=1.0,
                                       seq_method="all_scan_2level", group_size=2,
-                                      rngs=nnx.Rngs(0))}
+                                      rngs=nnx.Rngs(0)),
+          "kda": KimiDeltaAttention(D, 2, head_dim=64, expand_v=1.0, rngs=nnx.Rngs(0))}
 
 
 def _loss_and_grads(layer, x, ids, mesh=None):
@@ -50,7 +51,7 @@ def _loss_and_grads(layer, x, ids, mesh=None):
 
 @pytest.mark.parametrize("name,axes", [
     (name, axes) for name in ("gla", "gla_k64", "gdn") for axes in ("explicit", "auto")]
-    + [("gla_2level", "auto"), ("gdn_2level", "explicit")])
+    + [("gla_2level", "auto"), ("gdn_2level", "explicit"), ("kda", "explicit")])
 def test_layer_on_a_mesh_equals_one_device(name, axes, devices):
   layer = _layers()[name]
   x = jnp.asarray(np.random.default_rng(1).standard_normal((B, T, D)), jnp.float32)

@@ -1,6 +1,7 @@
 """Flax NNX layers: token mixers another model can drop in, one file per family.
 
-    from zeco_jax.nn import GatedAttention, GatedLinearAttention, GatedDeltaNet
+    from zeco_jax.nn import (GatedAttention, GatedLinearAttention, GatedDeltaNet,
+                             KimiDeltaAttention)
     attn = GatedLinearAttention(hidden_size=256, num_heads=4, rngs=nnx.Rngs(0))
     y_BxTxD = attn(x_BxTxD, mesh=mesh)       # [B, T, 256] -> [B, T, 256]
 
@@ -20,7 +21,9 @@ from zeco_jax.nn.common import (LOGICAL_AXES_KEY, LayerCache, RMSNorm, ShortConv
 from zeco_jax.nn.attention import GatedAttention, KVCache
 from zeco_jax.nn.gated_delta import GatedDeltaNet, gated_delta_op
 from zeco_jax.nn.gla import GatedLinearAttention, check_gla_args, gla_op
+from zeco_jax.nn.kda import KimiDeltaAttention, kda_op
 
 __all__ = ["GatedAttention", "GatedDeltaNet", "GatedLinearAttention", "KVCache",
-           "LOGICAL_AXES_KEY", "LayerCache", "RMSNorm", "ShortConvolution", "check_gla_args",
-           "constant_param", "gated_delta_op", "gla_op", "normal_param", "remat_call"]
+           "KimiDeltaAttention", "LOGICAL_AXES_KEY", "LayerCache", "RMSNorm",
+           "ShortConvolution", "check_gla_args", "constant_param", "gated_delta_op", "gla_op",
+           "kda_op", "normal_param", "remat_call"]
