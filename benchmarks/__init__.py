@@ -20,8 +20,9 @@ Kernels and ops (one GPU unless said):
 * ``decay_range``: accuracy under log-decays down to -1e4 in one chunk against the float64
   loop: our jnp path (any CPU), our Pallas kernels and FLA's ``chunk_gla`` /
   ``chunk_simple_gla`` (a GPU with FLA). -> results/decay_range.md
-* ``gdn_h200``: Gated DeltaNet, our jnp ``chunk_gated_delta_rule`` against FLA's: time and
-  agreement (torch + FLA; ``--no-fla`` without). -> results/gdn_h200.md
+* ``delta_h200``: the delta-rule families, our ``chunk_gated_delta_rule`` (``--family gdn``)
+  or ``chunk_kda`` (``--family kda``) against FLA's: time and agreement (torch + FLA;
+  ``--no-fla`` without). -> results/gdn_h200.md, results/kda_h200.md
 
 Training step (one GPU):
 

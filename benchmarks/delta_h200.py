@@ -1,17 +1,19 @@
-"""Our jnp chunk_gated_delta_rule beside flash-linear-attention's, on one GPU.
+"""Our delta-rule ops beside flash-linear-attention's, on one GPU: Gated DeltaNet
+(``chunk_gated_delta_rule``) or Kimi Delta Attention (``chunk_kda``).
 
-    python -m benchmarks.gdn_h200 [--shapes 1,16384,16,128,128 8,4096,16,128,128]
-        [--iters 10 --reps 5] [--no-fla] [--json out.json]
+    python -m benchmarks.delta_h200 [--family gdn|kda]
+        [--shapes 1,16384,16,128,128 8,4096,16,128,128] [--iters 10 --reps 5] [--no-fla]
+        [--json out.json]
 
-Results: benchmarks/results/gdn_h200.md. With --json, the environment record goes beside it
-(``<json>.env.json``).
+Results: benchmarks/results/gdn_h200.md and kda_h200.md. With --json, the environment
+record goes beside it (``<json>.env.json``).
 
 For each shape (B, T, H, K, V; bf16 q, k, v, beta, float32 g, l2-normalised keys, chunk
-64): times jit(chunk_gated_delta_rule) forward and forward + backward (grad of
-sum(o * do) for q, k, v, g, beta), then FLA 0.6.0's ``fla.ops.gated_delta_rule.
-chunk_gated_delta_rule`` on the same inputs (after its autotuning), and reports the
-relative difference of o and of the gradients between the two (bf16 outputs, so ~1e-2 is
-agreement). Median over ``reps`` of the mean of ``iters`` calls after one warm-up call
+64; g per head for gdn, per key channel for kda: ``logsigmoid(N(0, 1))`` clipped at -5):
+times jit(our op) forward and forward + backward (grad of sum(o * do) for q, k, v, g,
+beta), then FLA 0.6.0's ``chunk_gated_delta_rule`` or ``chunk_kda`` on the same inputs
+(after its autotuning), and reports the relative difference of o and of the gradients
+between the two (bf16 outputs, so ~1e-2 is agreement). Median over ``reps`` of the mean of ``iters`` calls after one warm-up call
 (``benchmarks._harness.time_loop``). JAX and torch share the
 GPU in one process: XLA_PYTHON_CLIENT_PREALLOCATE=false is set before jax starts.
 """
@@ -34,6 +36,7 @@ def time_loop(fn, sync, iters, reps):
 
 def main():
   ap = argparse.ArgumentParser()
+  ap.add_argument("--family", choices=("gdn", "kda"), default="gdn")
   ap.add_argument("--shapes", nargs="+", default=["1,16384,16,128,128", "8,4096,16,128,128"])
   ap.add_argument("--iters", type=int, default=10)
   ap.add_argument("--reps", type=int, default=5)
@@ -43,32 +46,39 @@ def main():
 
   import jax
   import jax.numpy as jnp
-  from zeco_jax import chunk_gated_delta_rule
+  import numpy as np
+  from zeco_jax import chunk_gated_delta_rule, chunk_kda
+  ours = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}[args.family]
 
   log = lambda *a: print(*a, flush=True)
   log(f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
   fla = None
   if not args.no_fla:
     import torch
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
     import fla as fla_pkg
-    fla = (torch, fla_gdn)
+    if args.family == "gdn":
+      from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
+    else:
+      from fla.ops.kda import chunk_kda as fla_op
+    fla = (torch, fla_op)
     log(f"torch {torch.__version__}, fla {getattr(fla_pkg, '__version__', '?')}, "
         f"{torch.cuda.get_device_name()}")
   rows = []
   for shape in args.shapes:
     B, T, H, K, V = map(int, shape.split(","))
     qn, kn, vn, gn, bn, don = harness.gdn_inputs(0, B, T, H, K, V)
+    if args.family == "kda":     # a decay per key channel, down to -5 per token
+      z = np.random.default_rng(1).standard_normal((B, T, H, K))
+      gn = np.maximum(-np.logaddexp(0.0, -z), -5.0).astype(np.float32)
     bf = jnp.bfloat16
     q, k, v, beta, do = (jnp.asarray(x, bf) for x in (qn, kn, vn, bn, don))
     g = jnp.asarray(gn)
-    name = f"B{B} T{T} H{H} K{K} V{V}"
+    name = f"{args.family} B{B} T{T} H{H} K{K} V{V}"
     row = {"shape": name}
-    fwd = jax.jit(lambda *a: chunk_gated_delta_rule(*a)[0])
+    fwd = jax.jit(lambda *a: ours(*a)[0])
 
     def loss(q, k, v, g, beta):
-      return jnp.sum(chunk_gated_delta_rule(q, k, v, g, beta)[0].astype(jnp.float32)
-                     * do.astype(jnp.float32))
+      return jnp.sum(ours(q, k, v, g, beta)[0].astype(jnp.float32) * do.astype(jnp.float32))
 
     fb = jax.jit(jax.grad(loss, (0, 1, 2, 3, 4)))
     sync = jax.block_until_ready
@@ -106,7 +116,7 @@ def main():
       row["rel o (ours vs fla)"] = rel(o_j.astype(jnp.float32), to_np(o_f))
       row["jnp / fla fwd"] = row["jnp fwd ms"] / row["fla fwd ms"]
       try:
-        # FLA 0.6.0 refuses its backward on Hopper with Triton 3.4 <= v < 3.7.1 (its
+        # FLA 0.6.0 refuses its GDN backward on Hopper with Triton 3.4 <= v < 3.7.1 (its
         # issue #640: wrong gradients); then only the forward is compared.
         grads_f = ffb()
       except RuntimeError as e:
