@@ -4,7 +4,7 @@
 
 Any machine (simulated CPU devices, a few CPU-minutes). Compiles jit(grad(zeco_gla)) and
 jit(grad(zeco_gated_delta_rule)) (forward + backward) and the forwards alone for
-P = 2 .. max-devices, and one softmax attention layer (``sp_attention``, every method of
+P = 2 .. max-devices (and jit(grad(zeco_kda))), and one softmax attention layer (``sp_attention``, every method of
 ATTENTION_METHODS, P = 2 .. 8, hybrid_340m's attention shape), counts the collective bytes
 per rank in the HLO
 (zeco_jax.runtime.hlo_stats), and prints them in units of one state M, for every method of
@@ -120,15 +120,20 @@ def main():
       f = sum(collective_bytes(fwd, P).values()).max() / M
       fb = sum(collective_bytes(both, P).values()).max() / M
       measured[(P, method)] = (f, fb)
-      # Gated DeltaNet (docs/design.md §9): the same state, a K x K transition.
-      gdn_shapes = shapes[:3] + [jax.ShapeDtypeStruct((B, T, H), jnp.float32)] * 2
-      gdn = lambda q, k, v, g, beta: zeco_jax.zeco_gated_delta_rule(
-          q, k, v, g, beta, mesh=mesh, method=method, num_blocks=4, chunk_size=C)[0]
-      fwd = jax.jit(gdn).lower(*gdn_shapes).compile().as_text()
-      both = jax.jit(jax.grad(lambda *a: jnp.sum(gdn(*a)), (0, 1, 2, 3, 4)))
-      both = both.lower(*gdn_shapes).compile().as_text()
-      measured[(P, "gdn " + method)] = (sum(collective_bytes(fwd, P).values()).max() / M,
-                                        sum(collective_bytes(both, P).values()).max() / M)
+      # The delta-rule families (docs/design.md §9, §13): the same state, a K x K
+      # transition; Gated DeltaNet's decay per head, KDA's per key channel.
+      for family, op_fn, g_dims in (("gdn", zeco_jax.zeco_gated_delta_rule, ()),
+                                    ("kda", zeco_jax.zeco_kda, (K,))):
+        delta_shapes = shapes[:3] + [jax.ShapeDtypeStruct((B, T, H, *g_dims), jnp.float32),
+                                     jax.ShapeDtypeStruct((B, T, H), jnp.float32)]
+        delta = lambda q, k, v, g, beta, op_fn=op_fn: op_fn(
+            q, k, v, g, beta, mesh=mesh, method=method, num_blocks=4, chunk_size=C)[0]
+        fwd = jax.jit(delta).lower(*delta_shapes).compile().as_text()
+        both = jax.jit(jax.grad(lambda *a, delta=delta: jnp.sum(delta(*a)), (0, 1, 2, 3, 4)))
+        both = both.lower(*delta_shapes).compile().as_text()
+        measured[(P, f"{family} {method}")] = (
+            sum(collective_bytes(fwd, P).values()).max() / M,
+            sum(collective_bytes(both, P).values()).max() / M)
 
   # Softmax attention (hybrid models), P = 2 .. 8, and the fold counts of the causal work.
   from zeco_jax.ops.attention.parallel import ATTENTION_METHODS
@@ -158,6 +163,15 @@ def main():
             "|---|" + "---|" * (2 * len(methods))]
   for P in Ps:
     cells = [f"{measured[(P, 'gdn ' + m)][0]:.2f} | {measured[(P, 'gdn ' + m)][1]:.2f}"
+             for m in methods]
+    lines.append(f"| {P} | " + " | ".join(cells) + " |")
+  lines += ["", "Kimi Delta Attention (`zeco_kda`, docs/design.md §13), same state; its "
+            "transition is a K x K matrix too (its decay per key channel changes what the "
+            "local pass computes, not what is sent):", "",
+            "| P | " + " | ".join(f"{m} fwd | {m} fwd+bwd" for m in methods) + " |",
+            "|---|" + "---|" * (2 * len(methods))]
+  for P in Ps:
+    cells = [f"{measured[(P, 'kda ' + m)][0]:.2f} | {measured[(P, 'kda ' + m)][1]:.2f}"
              for m in methods]
     lines.append(f"| {P} | " + " | ".join(cells) + " |")
 
@@ -210,9 +224,11 @@ def main():
   hi = Ps[-1]
   worst = lambda m: max(measured[(P, m)][1] for P in Ps if P > 2)
   lines += ["", "What it means:", "",
-            f"- All-Scan sends at most {worst('all_scan'):.2f} states per rank forward + "
+            f"- All-Scan sends at most "
+            f"{max(worst(f + 'all_scan') for f in ('', 'gdn ', 'kda ')):.2f} states per rank "
+            "forward + "
             f"backward at every P from 4 to {hi} (one in the forward scan, one in the reverse "
-            "scan), for GLA and Gated DeltaNet alike: its bytes do not grow with P.",
+            "scan), for GLA, Gated DeltaNet and KDA alike: its bytes do not grow with P.",
             f"- all_gather (LASP-2) sends {measured[(hi, 'all_gather')][1]:.2f} states per rank "
             f"at P = {hi} (2 (P - 1), plus the decays), Gated DeltaNet's "
             f"{measured[(hi, 'gdn all_gather')][1]:.2f} (its K x K transitions too); tree "
