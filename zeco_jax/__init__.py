@@ -20,7 +20,8 @@ Public API:
   ATTENTION_METHODS                    models): "ulysses", "all_gather" (zigzag), "ring"
   all_scan                             the exclusive state scan over a mesh axis (in shard_map)
   SCAN_METHODS, ScanMethod             the scan methods by name ("all_scan", "all_gather",
-                                       "ring", "tree"): the one vocabulary of ``method=``
+                                       "ring", "tree", "all_scan_2level"): the one
+                                       vocabulary of ``method=``
   Transition, Identity, ScalarDecay,   what a rank applies to the state it receives
   DiagonalDecay, DenseTransition       (zeco_jax.transitions)
   debug.checked                        checkify wrapper that reports inputs outside an op's

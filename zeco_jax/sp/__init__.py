@@ -1,7 +1,8 @@
 """The sequence-parallel layer every family shares; it knows Transitions, not families.
 
 * :mod:`zeco_jax.sp.scan`: the exclusive scan of states over a mesh axis and its methods
-  (the registry ``SCAN_METHODS``: All-Scan, all-gather, ring, tree), with their cost models;
+  (the registry ``SCAN_METHODS``: All-Scan, all-gather, ring, tree, the two-level
+  All-Scan), with their cost models;
 * :mod:`zeco_jax.sp.transitions`: what a rank applies to the state it receives (the
   algebra the scan is written against);
 * :mod:`zeco_jax.sp.shard`: the mesh half: checks, the :class:`~zeco_jax.sp.shard.ShardSpec`

@@ -26,6 +26,10 @@ and the configs' ``seq_method`` take its keys:
   pass waits for the state (``overlaps_local=False``).
 * ``"tree"``: recursive doubling on ``(A, S)`` pairs (as MaxText), ceil(log2 P) rounds
   plus a one-hop shift to make it exclusive; any P.
+* ``"all_scan_2level"``: the ranks in contiguous groups of ``group_size``: All-Scans inside
+  the groups and across their last ranks, then each group's entering state spread over its
+  members (:func:`_two_level_scan`): at most two states per rank in about
+  ``2 sqrt(P)`` hops instead of ``P``; its backward the same scan run the other way.
 
 All are exact and differentiable; the tree and all-gather are differentiated by JAX (the
 transpose of a ``ppermute`` is the reverse ``ppermute``; of an all-gather, a
