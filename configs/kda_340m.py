@@ -9,7 +9,7 @@ On:    GPUs/TPUs; sequence length 16384 split over ``seq`` (zeco_kda's All-Scan)
        batch 8 over ``data``; bf16 compute, float32 params.
 Size:  354.2M parameters (the benchmark's count; FLA would add an untied 32.8M head).
 Op:    the jnp chunked path (no Pallas kernels for KDA yet): one H200 trains 1 x 16384
-       tokens at 9,404 tokens/s in 41.2 GiB, against GLA-340M's 163,139
+       tokens at 15,188 tokens/s in 40.8 GiB, against GLA-340M's 163,139
        (benchmarks/results/kda_h200.md).
 Reach: not measured (no corpus or long GPU run here).
 """

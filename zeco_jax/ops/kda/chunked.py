@@ -22,23 +22,24 @@ segment transition and per-token fix-up rows of the sequence-parallel op) are th
 delta-rule families' shared :func:`zeco_jax._chunks.chunk_recurrence`.
 
 Exactness: every exponent is a sum of g over exactly the tokens it spans (the per-channel
-segment sums of :func:`zeco_jax._chunks.segment_sums`, the inclusive cumsum from the chunk
-start, the suffix ``b_C - b_j`` read off the segment sums), never the difference of two
-cumulative sums and never positive. So decays down to g = -5 per token and channel (-320
-over a 64-token chunk, e^{-320} far below float32's range) and the documents' -1e4
-sentinel are exact to float32 rounding.
+segment sums of :func:`zeco_jax._chunks.segment_sums` inside a sub-chunk, the inclusive
+cumsum from the chunk or sub-chunk start, reverse cumsums for what follows a token, whole
+sub-chunks' totals between them), never the difference of two cumulative sums and never
+positive. So decays down to g = -5 per token and channel (-320 over a 64-token chunk,
+e^{-320} far below float32's range) and the documents' -1e4 sentinel are exact to float32
+rounding.
 
-Memory and cost: the pairwise decays are a ``[C, C, K]`` tensor per chunk (the segment
-sums and their exp, ``C K`` floats per token: 32 KiB per token and head at C = 64,
-K = 128), where Gated DeltaNet needs ``[C, C]``; A and Pm contract it elementwise (two
-``[C, C, K]`` products summed over K per chunk, no matmul). They are never formed for the
-whole sequence at once: :func:`chunk_terms_bounded` computes the chunk terms
-``TERMS_BYTES_PER_STEP`` of pairwise decays at a time (a ``lax.map`` over groups of chunks,
-each group rematerialised in the backward), and for short sequences all chunks at once.
-Measured once by hand on an H200 (jax 0.11.2, bf16 inputs, B1 T16384 H16 K=V=128; no
-benchmark script yet): forward 31.5 ms, forward + backward 129 ms, 3.0 GiB of temporaries
-with the default 256 MiB (Gated DeltaNet's jnp path: 6.8 and 18.6 ms); every chunk at once
-78 ms forward + backward but 17 GiB.
+Memory and cost: A and Pm are formed in sub-chunks of 16 tokens (:func:`_pairs`). A
+diagonal sub-chunk contracts its ``[16, 16, K]`` decays elementwise; a block below the
+diagonal is one matmul of decay-scaled rows and columns (its exponent split at a sub-chunk
+boundary into two such sums). The pairwise decays are then ``16 K`` floats per token and
+head, against ``C K`` for the whole ``[C, C, K]`` (4x less at C = 64) and Gated DeltaNet's
+``C``. They are never formed for the whole sequence at once: :func:`chunk_terms_bounded`
+computes the chunk terms in groups of chunks (``TERMS_BYTES_PER_STEP``, still counted as
+``[C, C, K]`` per chunk), each group rematerialised in the backward, and for short
+sequences all chunks at once. On the H200 (benchmarks/results/kda_h200.md, B1 T16384 H16
+K=V=128): forward 15.9 ms and forward + backward 76.2 ms, against 30.7 and 127.9 with the
+whole ``[C, C, K]`` per chunk, and FLA's 1.23 and 5.76.
 """
 from __future__ import annotations
 
@@ -59,6 +60,51 @@ chunk-term map may hold (c >= 1): 256 MiB is 8 chunks of 64 tokens at B = 1, H =
 K = 128. The step's intermediates are a few times this."""
 
 
+SUB_CHUNK = 16
+"""Tokens per sub-chunk of :func:`_pairs`: the diagonal blocks it forms per channel."""
+
+
+def _after(g):
+  """``out[.., j, d] = sum_{m > j} g[.., m, d]`` over the chunk axis (-2): a reverse
+  cumulative sum shifted by one token, a sum of the tokens it spans (0 on the last)."""
+  rev = jnp.flip(jnp.cumsum(jnp.flip(g, -2), -2), -2)        # sum_{m >= j}
+  return jnp.concatenate([rev[..., 1:, :], jnp.zeros_like(rev[..., :1, :])], -2)
+
+
+def _pairs(x, *, k, g):
+  """``out[.., i, j] = sum_d x[i, d] k[j, d] Ga[i, j, d]`` for j <= i, 0 above, with
+  ``Ga[i, j, d] = e^{sum_{j < m <= i} g[m, d]}`` (the per-channel decay from j to i).
+
+  In sub-chunks of :data:`SUB_CHUNK` tokens. A diagonal block forms its ``[s, s, K]``
+  decays from segment sums; a block of rows I below the diagonal against columns J < I
+  splits every exponent at the end of sub-chunk I - 1 into two sums of g over the tokens
+  they span, ``e^{sum over I up to i}`` (rows) times ``e^{sum from after j to the end of
+  I - 1}`` (columns, the rest of J plus the whole sub-chunks between), each <= 1, and is
+  one matmul. So the pairwise decays cost ``C s K`` floats per chunk instead of
+  ``C C K``, and no exponent is a difference of sums or positive.
+  """
+  C, K = k.shape[-2], k.shape[-1]
+  s = SUB_CHUNK if C % SUB_CHUNK == 0 else C
+  n = C // s
+  blocks = lambda a: [a[..., i * s:(i + 1) * s, :] for i in range(n)]
+  xb, kb, gb = blocks(x), blocks(k), blocks(g)
+  incl = jnp.tril(jnp.ones((s, s), bool))[..., None]
+  rows = []
+  for I in range(n):
+    row = []
+    into = jnp.exp(jnp.cumsum(gb[I], -2))                   # e^{sum over I up to i}
+    for J in range(I):
+      span = _after(gb[J]) + sum((jnp.sum(gb[M], -2, keepdims=True) for M in range(J + 1, I)),
+                                 jnp.zeros_like(gb[J][..., :1, :]))
+      row.append(jnp.einsum("...ik,...jk->...ij", xb[I] * into, kb[J] * jnp.exp(span),
+                            precision=_HI))
+    decay = masked_exp(segment_sums(gb[I], channel_axes=1), incl)   # [.., s, s, K]
+    row.append(jnp.sum(xb[I][..., :, None, :] * kb[I][..., None, :, :] * decay, -1))
+    row += [jnp.zeros(x.shape[:-2] + (s, s), x.dtype)] * (n - I - 1)
+    rows.append(jnp.concatenate(row, -1))
+  return jnp.concatenate(rows, -2)
+
+
 def chunk_terms(q, k, v, g, beta, scale):
   """Per-chunk arrays of the WY / UT form with per-channel decay, chunk-parallel.
 
@@ -67,17 +113,9 @@ def chunk_terms(q, k, v, g, beta, scale):
   M [.., K, K], Sc [.., K, V], Oc [.., C, V])`` (the module docstring has the formulas).
   """
   C, K = k.shape[-2], k.shape[-1]
-  seg = segment_sums(g, channel_axes=1)                     # [.., C(i), C(j), K], <= 0
-  incl = jnp.tril(jnp.ones((C, C), bool))
-  decay = masked_exp(seg, incl[..., None])                  # Ga[i, j, d] (j <= i), else 0
   from_start = jnp.exp(jnp.cumsum(g, -2))                   # e^{b_i}: since the chunk start
-  to_end = jnp.exp(seg[..., -1, :, :])                      # e^{b_C - b_j}: to the chunk end
-
-  def pair(x):
-    # sum_d x[i, d] k[j, d] Ga[i, j, d]: elementwise and a sum over K (no matmul, so no
-    # matmul precision to choose), one [C, C, K] product per chunk.
-    return jnp.sum(x[..., :, None, :] * k[..., None, :, :] * decay, -1)
-
+  to_end = jnp.exp(_after(g))                               # e^{b_C - b_j}: to the chunk end
+  pair = functools.partial(_pairs, k=k, g=g)
   strict = jnp.tril(jnp.ones((C, C), bool), -1)
   A = jnp.where(strict, beta[..., :, None] * pair(k), 0.0)
   Pm = pair(q)
