@@ -68,6 +68,13 @@ def resolve_backend(backend: str, *, family: str = "gla", name: str = "chunk_gla
       return "jax"
     raise ValueError(f"{name}: backend='pallas': `{KERNEL_PACKAGE}` has no kernels for "
                      f"{family!r} (it has {', '.join(package.FAMILIES)}); use backend='jax'.")
+  if platform not in package.KERNEL_PLATFORMS[family]:
+    reason = (f"`{KERNEL_PACKAGE}` has no {platform} kernels for {family} (only "
+              f"{', '.join(package.KERNEL_PLATFORMS[family])})")
+    if backend == "auto":
+      say_jax_fallback(platform, reason)
+      return "jax"
+    raise ValueError(f"{name}: backend='pallas': {reason}; use backend='jax'.")
   kernels(family, platform)
   return "pallas"
 

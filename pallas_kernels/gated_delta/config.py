@@ -1,0 +1,108 @@
+"""Launch configuration of the Gated DeltaNet Pallas kernels: one frozen, hashable value.
+
+:class:`KernelConfig` says which platform's kernels run, whether in the Pallas
+interpreter, and each GPU kernel's launch (a :class:`pallas_kernels.Launch` per stage,
+the GLA kernels' launch type). ``zeco_jax.chunk_gated_delta_rule`` passes it to its
+custom_vjp as a static argument, so two configurations are two programs and nothing else
+is read while tracing. :func:`default_config` is the one place defaults are chosen
+(the measurements behind them: ``benchmarks/results/gdn_h200.md``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from pallas_kernels.gla.config import PLATFORMS, Launch
+
+# Every kernel's launch, by stage (module docstring of pallas_kernels.gated_delta.gpu).
+STAGE_DEFAULTS = {
+    "inv": Launch(warps=2, stages=1),           # A and its UT inverse per chunk
+    "wu": Launch(bv=64, warps=4, stages=1),     # w, u, kd per chunk (bv: the K / V tile)
+    "walk": Launch(bv=16, warps=4, stages=2),   # the forward state walk (h, v_new)
+    "out": Launch(bv=128, warps=4, stages=2),   # the output per chunk and V tile
+    "vnew": Launch(bv=128, warps=4, stages=2),  # backward: v_new and the local dv per V tile
+    "dwalk": Launch(bv=16, warps=4, stages=2),  # backward: the state-gradient walk
+    "dqk": Launch(bv=64, warps=4, stages=1),    # backward: dq, dk, dw, dg per chunk
+    "dwy": Launch(bv=64, warps=4, stages=1),    # backward: through w, u and A per chunk
+}
+FLAGS = ("interpret", "states_in_input_dtype")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Which Gated DeltaNet kernels run and how: one frozen, hashable value.
+
+  ``platform``: ``"gpu"`` (Triton lowering), ``"tpu"`` (Mosaic), ``"cpu"`` (the GPU
+  kernels in the Pallas interpreter). ``interpret``: run in the interpreter (required for
+  ``"cpu"``). One :class:`~pallas_kernels.Launch` per GPU stage (:data:`STAGE_DEFAULTS`);
+  ``bv`` is a cap on the V tile. ``states_in_input_dtype``: the chunk states kept for the
+  backward and their cotangents are stored in the input dtype (the dots read them so),
+  else float32.
+
+  Change one with :meth:`replace` (``cfg.replace(walk_bv=32, dqk_warps=4)``).
+  """
+  platform: str = "gpu"
+  interpret: bool = False
+  inv: Launch = STAGE_DEFAULTS["inv"]
+  wu: Launch = STAGE_DEFAULTS["wu"]
+  walk: Launch = STAGE_DEFAULTS["walk"]
+  out: Launch = STAGE_DEFAULTS["out"]
+  vnew: Launch = STAGE_DEFAULTS["vnew"]
+  dwalk: Launch = STAGE_DEFAULTS["dwalk"]
+  dqk: Launch = STAGE_DEFAULTS["dqk"]
+  dwy: Launch = STAGE_DEFAULTS["dwy"]
+  states_in_input_dtype: bool = True
+
+  def __post_init__(self):
+    if self.platform not in PLATFORMS:
+      raise ValueError(f"gated_delta KernelConfig: unknown `platform` {self.platform!r}; "
+                       f"choose one of {', '.join(map(repr, PLATFORMS))}.")
+    for name in FLAGS:
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"gated_delta KernelConfig: `{name}` must be True or False, got "
+                         f"{getattr(self, name)!r}.")
+    for stage, default in STAGE_DEFAULTS.items():
+      launch = getattr(self, stage)
+      if not isinstance(launch, Launch):
+        raise ValueError(f"gated_delta KernelConfig: `{stage}` must be a "
+                         f"pallas_kernels.Launch, got {launch!r}.")
+      missing = [f for f in default.set() if getattr(launch, f) is None]
+      if missing:
+        raise ValueError(f"gated_delta KernelConfig: stage `{stage}` needs "
+                         f"{', '.join(missing)} (its default is {default}).")
+    if self.platform == "cpu" and not self.interpret:
+      raise ValueError("gated_delta KernelConfig: platform 'cpu' has only the Pallas "
+                       "interpreter; set interpret=True (default_config('cpu', ...) does).")
+
+  def replace(self, **changes) -> "KernelConfig":
+    """A copy with ``changes``: flags, whole stages or ``<stage>_<field>`` names."""
+    top, stages = {}, {}
+    for name, value in changes.items():
+      if name in ("platform", *FLAGS, *STAGE_DEFAULTS):
+        top[name] = value
+        continue
+      stage, _, field = name.partition("_")
+      if stage not in STAGE_DEFAULTS or field not in ("bv", "warps", "stages"):
+        names = [f"{s}_{f}" for s, d in STAGE_DEFAULTS.items() for f in d.set()]
+        raise ValueError(f"gated_delta KernelConfig: unknown setting {name!r}; the stage "
+                         f"fields are {', '.join(names)}; the flags {', '.join(FLAGS)}.")
+      stages.setdefault(stage, {})[field] = value
+    for stage, fields in stages.items():
+      top[stage] = dataclasses.replace(top.get(stage, getattr(self, stage)), **fields)
+    return dataclasses.replace(self, **top)
+
+
+def default_config(platform: str, B: int, T: int, H: int, K: int, V: int, dtype, *,
+                   sm_count: Optional[int] = None) -> KernelConfig:
+  """The default :class:`KernelConfig` for a target: the stages' measured defaults
+  (:data:`STAGE_DEFAULTS`, chosen at B1 T16384 H16 K=V=128 bf16 on an H200). The walks
+  take V tiles of 16 whatever the shape: with the next chunk's operands prefetched in the
+  loop carry, smaller tiles were faster at B1 H16 (0.44 / 0.50 / 0.72 ms for 16 / 32 / 64);
+  at B8 T4096 H16 a tile of 128 (one program per SM, the GLA walks' rule) made the
+  forward 2.38 ms. Tile 16 at B8 is not measured yet (benchmarks/results/gdn_h200.md).
+  The shape and ``sm_count`` are in the signature for per-shape defaults to come."""
+  del B, T, H, K, V, dtype, sm_count
+  if platform not in PLATFORMS:
+    raise ValueError(f"gated_delta default_config: unknown `platform` {platform!r}; choose "
+                     f"one of {', '.join(map(repr, PLATFORMS))}.")
+  return KernelConfig(platform=platform, interpret=platform == "cpu")

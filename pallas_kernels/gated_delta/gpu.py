@@ -1,0 +1,86 @@
+"""The GPU backend of Gated DeltaNet: Pallas kernels lowered through Triton, composed into
+fwd / bwd (with ``config.interpret`` the same kernels run in the Pallas interpreter).
+
+Same contract as ``zeco_jax.ops.gated_delta.chunked`` (padded, validated inputs; layout
+``[B, T, H, D]``; g and beta float32 ``[B, T, H]``; T a multiple of the chunk), plus the
+launch configuration ``config`` (:class:`pallas_kernels.gated_delta.KernelConfig`):
+
+  fwd: UT inverse T per chunk -> w, u, kd, gc (full-chunk tiles) -> state walk (h,
+       v_new, final) -> output
+  bwd: T, w, u, kd, gc (recomputed) and qb = scale e^{b} q -> v_new and its local cotangent (from the kept states)
+       -> state-gradient walk (dH, dv_new, dh0) -> dq, dk, dw, dg per chunk
+       -> the WY backward (dk, dv, dbeta, dg through w, u and A)
+
+The forward keeps the chunk states h ``[B, H, N, K, V]`` (one state per chunk, nothing
+per token) as its :class:`Residual`; the backward recomputes everything per token.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+
+from pallas_kernels._launch import F32
+from pallas_kernels.gated_delta import chunk
+from pallas_kernels.gated_delta import walk
+
+
+class Residual(NamedTuple):
+  """What ``fwd_res`` keeps for ``bwd_res``: the state entering each chunk."""
+  h: jax.Array
+
+
+def check_dims(K: int, V: int, C: int) -> None:
+  """K and the chunk are whole tiles (powers of two >= 16); V is tiled (a multiple of 16)."""
+  for name, d in (("K", K), ("chunk_size", C)):
+    if d < 16 or d & (d - 1):
+      raise ValueError(f"pallas_kernels.gated_delta: {name} must be a power of two >= 16 "
+                       f"for the Pallas kernels, got {d}; use backend='jax' for other sizes.")
+  if V < 16 or V % 16:
+    raise ValueError(f"pallas_kernels.gated_delta: V must be a multiple of 16 for the Pallas "
+                     f"kernels, got {V}; use backend='jax' for other sizes.")
+
+
+def _store(config, dtype):
+  return dtype if config.states_in_input_dtype else F32
+
+
+def fwd_res(q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
+  """((o, final_state), :class:`Residual`)."""
+  check_dims(q.shape[-1], v.shape[-1], chunk_size)
+  kw = dict(chunk_size=chunk_size, config=config)
+  _, w, u, kd, gc = chunk.wy(k, v, g, beta, **kw)
+  h, vn, final = walk.state_walk(w, u, kd, gc, initial_state, store_dtype=_store(config, k.dtype),
+                                 **kw)
+  o = chunk.output(q, k, g, gc, vn, h, scale=scale, **kw)
+  return (o, final), Residual(h)
+
+
+def fwd(q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
+  return fwd_res(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                 chunk_size=chunk_size, config=config)[0]
+
+
+def bwd_res(res, q, k, v, g, beta, do, dht, *, scale, initial_state, chunk_size, config):
+  """(dq, dk, dv float32 [B, T, H, D], dg, dbeta float32 [B, T, H], dh0): the backward;
+  ``res`` is ``fwd_res``'s :class:`Residual`, or None (the states are recomputed)."""
+  check_dims(q.shape[-1], v.shape[-1], chunk_size)
+  kw = dict(chunk_size=chunk_size, config=config)
+  store = _store(config, k.dtype)
+  do = do.astype(v.dtype)
+  Tinv, w, u, kd, gc, qb = chunk.wy(k, v, g, beta, q=q, scale=scale, **kw)
+  if res is None:
+    h, _, _ = walk.state_walk(w, u, kd, gc, initial_state, store_dtype=store, **kw)
+  else:
+    h = res.h
+  vn, dvl = chunk.vnew(q, k, g, w, u, h, do, scale=scale, **kw)
+  dH, dvn, dh0 = walk.grad_walk(qb, gc, w, kd, do, dvl, dht.astype(F32), store_dtype=store,
+                                **kw)
+  dq, dk1, dw, dg1 = chunk.dqk(q, k, g, gc, vn, dvn, do, h, dH, scale=scale, **kw)
+  dk2, dv, dbeta, dg2 = chunk.dwy(Tinv, k, v, g, beta, dw, dvn, **kw)
+  return dq, dk1 + dk2, dv, dg1 + dg2, dbeta, dh0
+
+
+def bwd(q, k, v, g, beta, do, dht, *, scale, initial_state, chunk_size, config):
+  return bwd_res(None, q, k, v, g, beta, do, dht, scale=scale, initial_state=initial_state,
+                 chunk_size=chunk_size, config=config)

@@ -1,0 +1,167 @@
+"""Gated DeltaNet's Pallas kernels (pallas_kernels/gated_delta, the GPU kernels in the
+Pallas interpreter on CPU) against the float64 token loop and the jnp path, through
+``chunk_gated_delta_rule(backend="pallas")`` and ``zeco_gated_delta_rule``; their launch
+configuration, the dispatch, the argument errors, and the lowering to Triton for an H200
+on this CPU host.
+
+Tolerances are relative norms: float32 forward <= 1e-5, gradients <= 1e-4; bf16 <= 2e-2.
+Shapes: K and V from 16 to 128, T below, at and above a chunk (63, 64, 65 at C = 64),
+several chunks with a padded tail, jit and eager; g down to -5 per token, beta up to
+0.9999, random inputs (never zeros).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import (GDN_SHARD_DOC_IDS, abstract_mesh, check_gdn_against_float64,
+                     check_gdn_documents, gdn_inputs, rel_err, seq_mesh)
+from zeco_jax import chunk_gated_delta_rule, zeco_gated_delta_rule
+
+pallas_kernels = pytest.importorskip("pallas_kernels")
+from pallas_kernels import gated_delta  # noqa: E402
+from pallas_kernels.gated_delta import gpu  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("compile_cache")
+
+
+def _kernel_op(chunk_size, **kw):
+  return functools.partial(chunk_gated_delta_rule, chunk_size=chunk_size, backend="pallas",
+                           **kw)
+
+
+# (B, T, H, K, V, C): several chunks and a padded tail; K != V.
+@pytest.mark.parametrize("shape", [(2, 72, 2, 16, 32, 16), (1, 50, 1, 32, 16, 32)],
+                         ids=["K16-V32-C16", "K32-V16-C32"])
+def test_kernels_match_float64(shape):
+  B, T, H, K, V, C = shape
+  inputs, weights = gdn_inputs(0, B, T, H, K, V, g_low=-5.0, beta_high=0.9999)
+  check_gdn_against_float64(_kernel_op(C), inputs, weights)
+
+
+def test_kernels_without_initial_state_and_bf16():
+  inputs, weights = gdn_inputs(1, 1, 48, 2, 16, 16, initial=False)
+  check_gdn_against_float64(_kernel_op(16), inputs, weights)
+  inputs, weights = gdn_inputs(2, 1, 48, 2, 16, 16, dtype=jnp.bfloat16)
+  check_gdn_against_float64(_kernel_op(16), inputs, weights, fwd_tol=2e-2, grad_tol=2e-2)
+
+
+def test_kernels_packed_documents():
+  ids = np.array([[0] * 5 + [1] * 11 + [2] * 16 + [-1] * 3 + [3] * 30 + [4] + [-1] * 6])
+  inputs, weights = gdn_inputs(3, 1, 72, 2, 16, 16, g_low=-5.0)
+  check_gdn_documents(_kernel_op(16), inputs, weights, ids)
+
+
+# The head sizes users run (K = V = 128) around one 64-token chunk: the silent-garbage
+# box of the GLA issue. jit and eager give the same as the jnp path.
+@pytest.mark.parametrize("T", [63, 65])
+def test_kernels_head_128_around_one_chunk(T):
+  (q, k, v, g, beta, h0), (do, dht) = gdn_inputs(4, 1, T, 1, 128, 128, g_low=-5.0,
+                                                   beta_high=0.9999)
+
+  def run(backend, jit):
+    f = lambda *a: chunk_gated_delta_rule(*a[:5], initial_state=a[5], output_final_state=True,
+                                          backend=backend)
+    f = jax.jit(f) if jit else f
+    (o, s), vjp = jax.vjp(f, q, k, v, g, beta, h0)
+    return (o, s) + vjp((do.astype(o.dtype), dht))
+
+  want = run("jax", True)
+  for jit in (True, False):
+    got = run("pallas", jit)
+    errs = [rel_err(a, b) for a, b in zip(got, want)]
+    assert max(errs[:2]) <= 1e-5 and max(errs[2:]) <= 1e-4, (jit, errs)
+
+
+def test_backward_keeps_inputs_and_one_state_per_chunk():
+  T, C, H, K, V = 128, 16, 2, 16, 16
+  (q, k, v, g, beta, h0), _ = gdn_inputs(5, 1, T, H, K, V)
+  _, vjp_fn = jax.vjp(lambda *a: chunk_gated_delta_rule(*a[:5], initial_state=a[5],
+                                                       chunk_size=C, backend="pallas")[0],
+                      q, k, v, g, beta, h0)
+  leaves = jax.tree.leaves(vjp_fn)
+  inputs = sum(x.size for x in (q, k, v, g, beta, h0))
+  assert sum(x.size for x in leaves) - inputs <= (T // C) * H * K * V
+  assert not any(x.size >= T * H * K * V for x in leaves)
+
+
+def test_stages_match_the_jnp_chunk_terms():
+  """The UT inverse kernel against ``unit_lower_inverse`` of the jnp path's A."""
+  from zeco_jax._chunks import masked_exp, segment_sums, to_chunks, unit_lower_inverse
+  from pallas_kernels.gated_delta import chunk
+  (q, k, v, g, beta, h0), _ = gdn_inputs(6, 1, 128, 1, 16, 16, g_low=-5.0, beta_high=0.9999)
+  C = 64
+  config = gated_delta.default_config("cpu", 1, 128, 1, 16, 16, jnp.float32)
+  Tinv = chunk.inverse(k, g, beta, chunk_size=C, config=config)        # [B, T, H, C]
+  kc, gc, bc = to_chunks(k, C), to_chunks(g, C), to_chunks(beta, C)
+  strict = jnp.tril(jnp.ones((C, C), bool), -1)
+  A = bc[..., :, None] * masked_exp(segment_sums(gc), strict) * jnp.einsum(
+      "...ik,...jk->...ij", kc, kc, precision="highest")
+  want = unit_lower_inverse(A)                                           # [B, H, N, C, C]
+  got = jnp.moveaxis(Tinv.reshape(1, 2, C, 1, C), 3, 1)
+  assert rel_err(got, want) <= 1e-6
+
+
+@pytest.mark.parametrize("method", ["all_scan", "ring"])
+def test_sequence_parallel_local_pass_on_kernels(method):
+  """zeco_gated_delta_rule with the kernels in its local pass (the widened state as V + K
+  value columns) equals the float64 truth on 4 ranks, documents crossing ranks."""
+  inputs, weights = gdn_inputs(7, 2, 64, 2, 16, 16, g_low=-5.0)
+  op = functools.partial(zeco_gated_delta_rule, mesh=seq_mesh(4), method=method, chunk_size=16,
+                         backend="pallas")
+  check_gdn_documents(op, inputs, weights, GDN_SHARD_DOC_IDS)
+
+
+def test_default_config_and_errors():
+  cfg = gated_delta.default_config("gpu", 1, 16384, 16, 128, 128, jnp.bfloat16)
+  assert cfg.platform == "gpu" and not cfg.interpret and cfg.walk.bv == 16
+  assert hash(cfg) == hash(gated_delta.default_config("gpu", 1, 16384, 16, 128, 128,
+                                                      jnp.bfloat16))
+  assert cfg.replace(dqk_warps=8).dqk.warps == 8
+  assert gated_delta.default_config("cpu", 1, 64, 1, 16, 16, jnp.float32).interpret
+  with pytest.raises(ValueError, match="platform 'cpu' has only the Pallas interpreter"):
+    gated_delta.KernelConfig(platform="cpu")
+  with pytest.raises(ValueError, match="unknown setting 'walk_kd'"):
+    cfg.replace(walk_kd=4)
+  assert pallas_kernels.backend("gated_delta", "gpu") is gpu
+  assert pallas_kernels.backend("gated_delta", "cpu") is gpu
+  assert isinstance(gpu, pallas_kernels.ChunkKernels)
+  (q, k, v, g, beta, _), _ = gdn_inputs(8, 1, 32, 1, 8, 16)
+  with pytest.raises(ValueError, match=r"needs K \(q.shape\[-1\]\) a power of two >= 16, "
+                                       r"got 8; use backend='jax'"):
+    chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, backend="pallas")
+  (q, k, v, g, beta, _), _ = gdn_inputs(8, 1, 32, 1, 16, 16)
+  with pytest.raises(ValueError, match="`kernel_config` must be a pallas_kernels.gated_delta"):
+    chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, backend="pallas",
+                           kernel_config=pallas_kernels.KernelConfig(platform="cpu",
+                                                                     interpret=True))
+  # On CPU "auto" is the jnp path: its output equals backend="jax" exactly.
+  o_auto, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16)
+  o_jax, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, backend="jax")
+  assert np.array_equal(np.asarray(o_auto), np.asarray(o_jax))
+
+
+def test_kernels_lower_to_triton_for_a_gpu_target():
+  """Every GPU kernel of the forward and backward lowers through Pallas's Triton lowering
+  for an H200 on this CPU host (an abstract device): what the interpreter does not check."""
+  mesh = abstract_mesh("gpu", "NVIDIA H200", 132)
+  B, T, H, K, V = 1, 256, 2, 128, 128
+  config = gated_delta.default_config("gpu", B, T, H, K, V, jnp.bfloat16)
+  kw = dict(scale=K ** -0.5, initial_state=jnp.zeros((B, H, K, V)), chunk_size=64,
+            config=config)
+
+  def fwd_bwd(q, k, v, g, beta, do):
+    (o, _), res = gpu.fwd_res(q, k, v, g, beta, **kw)
+    return o, gpu.bwd_res(res, q, k, v, g, beta, do, jnp.zeros((B, H, K, V)), **kw)
+
+  sd = jax.ShapeDtypeStruct
+  bf, f32 = jnp.bfloat16, jnp.float32
+  args = [sd((B, T, H, K), bf)] * 2 + [sd((B, T, H, V), bf), sd((B, T, H), f32),
+                                       sd((B, T, H), f32), sd((B, T, H, V), bf)]
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.jit(fwd_bwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  names = ("gdn_ut_inverse", "gdn_wu", "gdn_state_walk", "gdn_output", "gdn_vnew",
+           "gdn_grad_walk", "gdn_dqk", "gdn_dwy")
+  assert all(name in text for name in names), [n for n in names if n not in text]
