@@ -11,8 +11,10 @@ families that have kernels and :data:`KERNEL_PLATFORMS` the platforms each has t
   a TPU chip), ``"cpu"`` the GPU kernels in the Pallas interpreter (tests). Its launch
   configuration: :class:`KernelConfig` and :func:`default_config` (``docs/kernels.md``).
 * ``"gated_delta"`` (:mod:`pallas_kernels.gated_delta`): Gated DeltaNet, ``"gpu"``
-  Triton-lowered kernels (:mod:`pallas_kernels.gated_delta.gpu`), ``"cpu"`` the same in
-  the interpreter. Its launch configuration: ``gated_delta.KernelConfig`` and
+  Triton-lowered kernels (:mod:`pallas_kernels.gated_delta.gpu`), ``"tpu"`` Mosaic TPU
+  kernels (:mod:`pallas_kernels.gated_delta.tpu`, compiled ahead of time for v5e / v5p /
+  v6e and checked in the interpreter; not yet run on a TPU chip), ``"cpu"`` the GPU
+  kernels in the interpreter. Its launch configuration: ``gated_delta.KernelConfig`` and
   ``gated_delta.default_config`` (:func:`config_type`, :func:`family_default_config`).
 
 Shared by every family: :mod:`pallas_kernels._launch` (the launch, dots, tiles) and
@@ -24,7 +26,7 @@ from pallas_kernels.gla.config import PLATFORMS, KernelConfig, Launch, default_c
 from pallas_kernels.protocol import ChunkKernels
 
 FAMILIES = ("gla", "gated_delta")
-KERNEL_PLATFORMS = {"gla": ("cpu", "gpu", "tpu"), "gated_delta": ("cpu", "gpu")}
+KERNEL_PLATFORMS = {"gla": ("cpu", "gpu", "tpu"), "gated_delta": ("cpu", "gpu", "tpu")}
 
 
 def _check_family(family: str) -> None:

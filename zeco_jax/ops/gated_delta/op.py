@@ -8,9 +8,9 @@ checks (:func:`check_inputs`) are here; FLA's ``l2norm`` is :func:`zeco_jax._lin
 Two implementations, chosen by ``backend=`` (:func:`resolve_backend`): ``"jax"`` the jnp
 chunked form (:mod:`zeco_jax.ops.gated_delta.chunked`, any platform), ``"pallas"`` the
 family's Pallas kernels (``pallas_kernels.backend("gated_delta", platform)``: Triton on
-GPU, the GPU kernels in the interpreter on CPU), behind one custom_vjp (:func:`_core`)
-that keeps the inputs and the kernels' chunk states. ``"auto"``: the kernels on GPU, the
-jnp path on CPU and TPU (no Mosaic kernels for this family yet: said once).
+GPU, Mosaic on TPU, the GPU kernels in the interpreter on CPU), behind one custom_vjp
+(:func:`_core`) that keeps the inputs and the kernels' chunk states. ``"auto"``: the
+kernels on GPU and TPU, the jnp path on CPU.
 """
 from __future__ import annotations
 
