@@ -19,12 +19,15 @@ from flax import nnx
 from models.config import LMConfig
 from models.lm import residual_out_std
 from zeco_jax.nn import GatedDeltaNet
+from zeco_jax.ops._dispatch import BACKENDS
 from zeco_jax.sp.scan import SCAN_METHODS
 
 
 @dataclasses.dataclass(frozen=True)
 class GDNConfig(LMConfig):
-  """The Gated DeltaNet model: :class:`~models.config.LMConfig`'s fields."""
+  """The Gated DeltaNet model: :class:`~models.config.LMConfig`'s fields and the op's
+  backend."""
+  backend: str = "auto"                     # chunk_gated_delta_rule / zeco_gated_delta_rule
 
   @property
   def head_dim(self) -> int:
@@ -37,6 +40,8 @@ class GDNConfig(LMConfig):
   def validate(self) -> None:
     self.validate_lm()
     self.validate_heads()
+    if self.backend not in BACKENDS:
+      raise ValueError(f"model: backend must be one of {BACKENDS}, got {self.backend!r}")
     if self.seq_method not in SCAN_METHODS:
       raise ValueError(f"model: seq_method must be one of {tuple(SCAN_METHODS)}, got "
                        f"{self.seq_method!r}")
@@ -48,4 +53,4 @@ def gdn_layer(cfg: GDNConfig, *, rngs: nnx.Rngs) -> GatedDeltaNet:
       use_gate=True, use_short_conv=cfg.use_short_conv, conv_size=cfg.conv_size,
       norm_eps=cfg.norm_eps, init_std=cfg.init_std, output_init_std=residual_out_std(cfg),
       chunk_size=cfg.chunk_size, seq_axis=cfg.seq_axis, seq_method=cfg.seq_method,
-      num_blocks=cfg.num_blocks, group_size=cfg.seq_group_size, rngs=rngs)
+      num_blocks=cfg.num_blocks, group_size=cfg.seq_group_size, backend=cfg.backend, rngs=rngs)

@@ -165,3 +165,24 @@ def test_kernels_lower_to_triton_for_a_gpu_target():
   names = ("gdn_ut_inverse", "gdn_wu", "gdn_state_walk", "gdn_output", "gdn_vnew",
            "gdn_grad_walk", "gdn_dqk", "gdn_dwy")
   assert all(name in text for name in names), [n for n in names if n not in text]
+
+
+def test_layer_and_model_take_the_backend():
+  """GatedDeltaNet(backend="pallas") equals backend="jax" (forward and the input's
+  gradient); the model config checks the name."""
+  from flax import nnx
+  from models import GDNConfig
+  from zeco_jax.nn import GatedDeltaNet
+  x = jax.random.normal(jax.random.PRNGKey(9), (1, 40, 32), jnp.float32)
+  outs = []
+  for backend in ("jax", "pallas"):
+    layer = GatedDeltaNet(32, 2, head_dim=16, expand_v=1.0, chunk_size=16, backend=backend,
+                          rngs=nnx.Rngs(0))
+    y, vjp = jax.vjp(lambda x: layer(x), x)
+    outs.append((y, vjp(jnp.cos(y))[0]))
+  assert rel_err(outs[1][0], outs[0][0]) <= 1e-5 and rel_err(outs[1][1], outs[0][1]) <= 1e-4
+  with pytest.raises(ValueError, match="GatedDeltaNet: unknown `backend` .triton.; choose one of"):
+    GatedDeltaNet(32, 2, head_dim=16, backend="triton", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="model: backend must be one of"):
+    GDNConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2,
+              backend="cuda").validate()

@@ -38,6 +38,8 @@ from zeco_jax.nn.common import (LOGICAL_AXES_KEY, LayerCache, RMSNorm, TokenMixe
 from zeco_jax.ops.gated_delta.op import chunk_gated_delta_rule
 from zeco_jax.ops.gated_delta.parallel import zeco_gated_delta_rule
 from zeco_jax.ops.gated_delta.recurrent import fused_recurrent_gated_delta_rule
+from zeco_jax._checks import check_choice
+from zeco_jax.ops._dispatch import BACKENDS
 from zeco_jax.sp import shard
 from zeco_jax.sp.scan import SCAN_METHODS, check_group_size
 
@@ -45,7 +47,7 @@ from zeco_jax.sp.scan import SCAN_METHODS, check_group_size
 def gated_delta_op(q, k, v, g, beta, *, mesh=None, seq_axis: str = "seq",
                    seq_method: str = "all_scan", num_blocks: Optional[int] = None,
                    chunk_size: int = 64, segment_ids=None, output_final_state: bool = False,
-                   group_size: Optional[int] = None):
+                   group_size: Optional[int] = None, backend: str = "auto"):
   """Gated DeltaNet with l2-normalised q, k: ``zeco_gated_delta_rule`` over ``seq_axis``
   when that mesh axis has size > 1, else ``chunk_gated_delta_rule``. Returns o, and with
   ``output_final_state`` ``(o, final_state)``."""
@@ -53,12 +55,13 @@ def gated_delta_op(q, k, v, g, beta, *, mesh=None, seq_axis: str = "seq",
     o, final = zeco_gated_delta_rule(q, k, v, g, beta, mesh=mesh, seq_axis=seq_axis,
                                      method=seq_method, num_blocks=num_blocks,
                                      group_size=group_size, chunk_size=chunk_size,
-                                     use_qk_l2norm=True,
+                                     use_qk_l2norm=True, backend=backend,
                                      segment_ids=segment_ids,
                                      output_final_state=output_final_state)
   else:
     o, final = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size,
                                       use_qk_l2norm=True, segment_ids=segment_ids,
+                                      backend=backend,
                                       output_final_state=output_final_state)
   return (o, final) if output_final_state else o
 
@@ -73,7 +76,9 @@ class GatedDeltaNet(TokenMixer):
     use_short_conv, conv_size: causal short convolution (+ SiLU) on q, k and v.
     norm_eps, init_std, output_init_std: the output norm's epsilon; std of the
       projections and of the output projection (default ``init_std``).
-    chunk_size, seq_axis, seq_method, num_blocks, group_size: passed to the op.
+    chunk_size, seq_axis, seq_method, num_blocks, group_size, backend: passed to the op
+      (``backend``: ``"auto"``, ``"jax"`` or ``"pallas"``, as in
+      :func:`zeco_jax.chunk_gated_delta_rule`).
   """
 
   def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int, expand_v: float = 2.0,
@@ -82,7 +87,7 @@ class GatedDeltaNet(TokenMixer):
                output_init_std: Optional[float] = None, chunk_size: int = 64,
                seq_axis: str = "seq", seq_method: str = "all_scan",
                num_blocks: Optional[int] = None, group_size: Optional[int] = None,
-               rngs: nnx.Rngs):
+               backend: str = "auto", rngs: nnx.Rngs):
     for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads),
                         ("head_dim", head_dim), ("chunk_size", chunk_size),
                         ("conv_size", conv_size)):
@@ -96,12 +101,14 @@ class GatedDeltaNet(TokenMixer):
       raise ValueError(f"GatedDeltaNet: seq_method must be one of {tuple(SCAN_METHODS)}, got "
                        f"{seq_method!r}")
     check_group_size(group_size, seq_method, name="GatedDeltaNet")
+    check_choice(backend, BACKENDS, arg="backend", name="GatedDeltaNet")
     D, H = hidden_size, num_heads
     Kd, Vd = H * head_dim, H * int(round(head_v))
     out_std = init_std if output_init_std is None else output_init_std
     self.num_heads, self.use_gate, self.use_short_conv = H, use_gate, use_short_conv
     self.chunk_size, self.seq_axis, self.conv_size = chunk_size, seq_axis, conv_size
     self.seq_method, self.num_blocks, self.group_size = seq_method, num_blocks, group_size
+    self.backend = backend
     init_qkv(self, rngs, D, Kd, Vd, init_std)
     self.a_proj = normal_param(rngs, (D, H), init_std, ("embed", None))
     self.b_proj = normal_param(rngs, (D, H), init_std, ("embed", None))
@@ -148,7 +155,7 @@ class GatedDeltaNet(TokenMixer):
     out = gated_delta_op(q, k, v, g, beta.astype(v.dtype), mesh=mesh, seq_axis=self.seq_axis,
                          seq_method=self.seq_method, num_blocks=self.num_blocks,
                          group_size=self.group_size, chunk_size=self.chunk_size,
-                         segment_ids=segment_ids,
+                         segment_ids=segment_ids, backend=self.backend,
                          output_final_state=tails)
     o, state = out if tails else (out, None)
     return self._output(o, x_BxTxD), (LayerCache(state, conv) if tails else None)

@@ -24,16 +24,40 @@ The backward composes the parts' own backwards: the fix-up's transpose (``dX = R
 ``dR = dO X^T``), the scan's reverse (under ``M_p^T``), and the local pass's reverse
 recurrence over chunks on the widened state. ``"ring"`` (LASP-1) has no overlap: it runs
 the chunked op from the received state after the scan.
+
+Backends: the local pass runs the jnp chunked form or the family's Pallas kernels
+(``backend=``, as :func:`zeco_jax.chunk_gated_delta_rule`). The kernels take the widened
+state as V + K value columns: v padded with K zero columns, the initial state ``[0, I]``.
 """
 from __future__ import annotations
 
+import functools
+
+import jax.numpy as jnp
 
 from zeco_jax import _chunks
 from zeco_jax import segments
 from zeco_jax.ops.gated_delta.chunked import chunk_recurrence
-from zeco_jax.ops.gated_delta.op import check_inputs, chunk_gated_delta_rule, l2norm
+from zeco_jax.ops.gated_delta.op import (check_inputs, check_kernel_config, check_kernel_dims,
+                                         chunk_gated_delta_rule, kernel_recurrence,
+                                         kernel_setup, l2norm, resolve_backend)
+from zeco_jax.runtime.target import platform_of
 from zeco_jax.sp import scan as _scan
 from zeco_jax.sp import shard
+
+
+def _kernel_widened(q, k, v, g, beta, h0, scale, C, augment, *, config):
+  """:func:`~zeco_jax.ops.gated_delta.chunked.chunk_recurrence`'s contract on the kernels:
+  with ``augment`` the state is widened by K columns (v gets K zero columns, the initial
+  state the identity there), so the kernels carry the prefix products of the transitions."""
+  if augment:
+    B, _, H, K = q.shape
+    V = v.shape[-1]
+    v = jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (K,), v.dtype)], -1)
+    base = jnp.zeros((B, H, K, V), jnp.float32) if h0 is None else h0.astype(jnp.float32)
+    h0 = jnp.concatenate([base, jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, H, K, K))],
+                         -1)
+  return kernel_recurrence(q, k, v, g, beta, h0, scale, C, config)
 
 
 def _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, group_size, *,
@@ -48,7 +72,8 @@ def _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, grou
 def zeco_gated_delta_rule_local(q, k, v, g, beta, *, axis_name, method="all_scan",
                                 num_blocks=None, chunk_size=64, scale=None,
                                 initial_state=None, output_final_state=False,
-                                use_qk_l2norm=False, segment_ids=None, group_size=None):
+                                use_qk_l2norm=False, segment_ids=None, group_size=None,
+                                backend="auto", kernel_config=None):
   """The per-shard body of :func:`zeco_gated_delta_rule`, inside the caller's shard_map.
 
   Takes this rank's contiguous segment (``q, k [B, L, H, K]``, ``g, beta [B, L, H]``)
@@ -56,14 +81,25 @@ def zeco_gated_delta_rule_local(q, k, v, g, beta, *, axis_name, method="all_scan
   whole sequence (the same on every rank). Returns ``(o, state_after_segment)``; on the
   last rank that state is the final state of the sequence. ``segment_ids`` ``[B, L]`` is
   this rank's slice of the packed rows' document ids (docs/design.md §9, §10).
+  ``backend``, ``kernel_config``: as in :func:`zeco_jax.chunk_gated_delta_rule`; the
+  kernels run on V + K value columns (the widened state), so a ``kernel_config`` is for
+  that width.
   """
   name = "zeco_gated_delta_rule_local"
   args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, group_size,
                      name=name)
+  backend, config = kernel_setup(backend, kernel_config, (q,), args.B, args.T, args.H,
+                                 args.K, args.V + args.K, q.dtype, name=name)
+  recurrence, chunked_op = chunk_recurrence, chunk_gated_delta_rule
+  if backend == "pallas":
+    check_kernel_dims(args.K, args.V, chunk_size, name=name)
+    recurrence = functools.partial(_kernel_widened, config=config)
+    chunked_op = functools.partial(chunk_gated_delta_rule, backend="pallas",
+                                   kernel_config=kernel_config)
   if use_qk_l2norm:
     q, k = l2norm(q), l2norm(k)
   o, after = _chunks.local_pass(
-      q, k, v, g, beta, recurrence=chunk_recurrence, chunked_op=chunk_gated_delta_rule,
+      q, k, v, g, beta, recurrence=recurrence, chunked_op=chunked_op,
       axis_name=axis_name, method=method, num_blocks=num_blocks, group_size=group_size,
       chunk_size=chunk_size, scale=args.scale, initial_state=initial_state,
       segment_ids=segment_ids, name=name)
@@ -73,7 +109,7 @@ def zeco_gated_delta_rule_local(q, k, v, g, beta, *, axis_name, method="all_scan
 def zeco_gated_delta_rule(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method="all_scan",
                           num_blocks=None, chunk_size=64, scale=None, initial_state=None,
                           output_final_state=False, use_qk_l2norm=False, segment_ids=None,
-                          group_size=None):
+                          group_size=None, backend="auto", kernel_config=None):
   """Sequence-parallel Gated DeltaNet over the mesh axis ``seq_axis`` (docs/design.md §9).
 
   Args:
@@ -90,6 +126,9 @@ def zeco_gated_delta_rule(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method
       :func:`zeco_jax.chunk_gated_delta_rule`.
     segment_ids: None or integer ``[B, T]`` (split over ``seq_axis`` like q): packed
       documents (docs/design.md §10); a rank holding a document start has transition 0.
+    backend, kernel_config: the local pass's implementation, as in
+      :func:`zeco_jax.chunk_gated_delta_rule`; ``"auto"`` picks by the mesh's platform.
+      With the kernels the shard_map is manual over every mesh axis.
 
   Returns:
     ``(o, final_state)``: o sharded like q; the float32 final state replicated over
@@ -98,7 +137,15 @@ def zeco_gated_delta_rule(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method
   name = "zeco_gated_delta_rule"
   args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, group_size,
                      name=name)
-  spec = shard.shard_spec(q, mesh=mesh, seq_axis=seq_axis, name=name)
+  mesh = shard.mesh_or_context(mesh, name=name)
+  check_kernel_config(kernel_config, name=name)
+  backend = resolve_backend(backend, name=name, platform=platform_of(q, mesh=mesh))
+  if backend == "pallas":
+    check_kernel_dims(args.K, args.V, chunk_size, name=name)
+  # Pallas calls do not carry shard_map's varying-axes types through their bodies, so that
+  # check is off around them (as zeco_gla does).
+  spec = shard.shard_spec(q, mesh=mesh, seq_axis=seq_axis, every_axis=backend == "pallas",
+                          check_vma=backend != "pallas", name=name)
   _scan.resolve_num_blocks(num_blocks, method, spec.seq_axis_size,
                            4 * args.B * args.H * args.K * args.V, args.V, name=name,
                            group_size=group_size)
@@ -106,7 +153,8 @@ def zeco_gated_delta_rule(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method
     segments.check_segment_ids(segment_ids, args.B, args.T, name=name)
   options = dict(method=method, num_blocks=num_blocks, chunk_size=chunk_size,
                  scale=args.scale, output_final_state=output_final_state,
-                 use_qk_l2norm=use_qk_l2norm, group_size=group_size)
+                 use_qk_l2norm=use_qk_l2norm, group_size=group_size, backend=backend,
+                 kernel_config=kernel_config)
   arrays = (q, k, v, g, beta, segment_ids, initial_state)
   in_specs = tuple(None if x is None else spec.tokens(x.ndim) for x in arrays[:6]) + (
       None if initial_state is None else spec.state(),)
