@@ -1,7 +1,7 @@
 """Our delta-rule ops beside flash-linear-attention's, on one GPU: Gated DeltaNet
 (``chunk_gated_delta_rule``) or Kimi Delta Attention (``chunk_kda``).
 
-    python -m benchmarks.delta_h200 [--family gdn|kda]
+    python -m benchmarks.delta_h200 [--family gdn|kda] [--backend jax|pallas|auto]
         [--shapes 1,16384,16,128,128 8,4096,16,128,128] [--iters 10 --reps 5] [--no-fla]
         [--json out.json]
 
@@ -10,16 +10,19 @@ record goes beside it (``<json>.env.json``).
 
 For each shape (B, T, H, K, V; bf16 q, k, v, beta, float32 g, l2-normalised keys, chunk
 64; g per head for gdn, per key channel for kda: ``logsigmoid(N(0, 1))`` clipped at -5):
-times jit(our op) forward and forward + backward (grad of sum(o * do) for q, k, v, g,
-beta), then FLA 0.6.0's ``chunk_gated_delta_rule`` or ``chunk_kda`` on the same inputs
-(after its autotuning), and reports the relative difference of o and of the gradients
-between the two (bf16 outputs, so ~1e-2 is agreement). Median over ``reps`` of the mean of ``iters`` calls after one warm-up call
-(``benchmarks._harness.time_loop``). JAX and torch share the
-GPU in one process: XLA_PYTHON_CLIENT_PREALLOCATE=false is set before jax starts.
+times jit(our op) with ``--backend`` (default "jax", the jnp path, whose rows are
+labelled "jnp"; else labelled by the backend's name), forward and forward + backward (grad
+of sum(o * do) for q, k, v, g, beta), then FLA 0.6.0's ``chunk_gated_delta_rule`` or
+``chunk_kda`` on the same inputs (after its autotuning), and reports the relative
+difference of o and of the gradients between the two (bf16 outputs, so ~1e-2 is
+agreement). Median over ``reps`` of the mean of ``iters`` calls after one warm-up call
+(``benchmarks._harness.time_loop``). JAX and torch share the GPU in one process:
+XLA_PYTHON_CLIENT_PREALLOCATE=false is set before jax starts.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -41,6 +44,7 @@ def main():
   ap.add_argument("--iters", type=int, default=10)
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--no-fla", action="store_true")
+  ap.add_argument("--backend", choices=("jax", "pallas", "auto"), default="jax")
   ap.add_argument("--json", default=None)
   args = ap.parse_args()
 
@@ -48,7 +52,9 @@ def main():
   import jax.numpy as jnp
   import numpy as np
   from zeco_jax import chunk_gated_delta_rule, chunk_kda
-  ours = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}[args.family]
+  ours = functools.partial({"gdn": chunk_gated_delta_rule, "kda": chunk_kda}[args.family],
+                           backend=args.backend)
+  tag = "jnp" if args.backend == "jax" else args.backend
 
   log = lambda *a: print(*a, flush=True)
   log(f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
@@ -85,11 +91,13 @@ def main():
     t0 = time.perf_counter()
     o_j = sync(fwd(q, k, v, g, beta))
     grads_j = sync(fb(q, k, v, g, beta))
-    log(f"{name} jnp: compiled + first call {time.perf_counter() - t0:.1f} s")
-    row["jnp fwd ms"] = time_loop(lambda: fwd(q, k, v, g, beta), sync, args.iters, args.reps)
-    row["jnp fwd+bwd ms"] = time_loop(lambda: fb(q, k, v, g, beta), sync, args.iters,
-                                      args.reps)
-    log(f"{name} jnp: fwd {row['jnp fwd ms']:.3f} ms, fwd+bwd {row['jnp fwd+bwd ms']:.3f} ms")
+    log(f"{name} {tag}: compiled + first call {time.perf_counter() - t0:.1f} s")
+    row[f"{tag} fwd ms"] = time_loop(lambda: fwd(q, k, v, g, beta), sync, args.iters,
+                                     args.reps)
+    row[f"{tag} fwd+bwd ms"] = time_loop(lambda: fb(q, k, v, g, beta), sync, args.iters,
+                                         args.reps)
+    log(f"{name} {tag}: fwd {row[f'{tag} fwd ms']:.3f} ms, fwd+bwd "
+        f"{row[f'{tag} fwd+bwd ms']:.3f} ms")
     if fla is not None:
       torch, fla_fn = fla
       dev = "cuda"
@@ -114,7 +122,7 @@ def main():
         row["fla fwd ms"] = time_loop(ffwd, tsync, args.iters, args.reps)
       to_np = lambda x: x.detach().float().cpu().numpy()
       row["rel o (ours vs fla)"] = rel(o_j.astype(jnp.float32), to_np(o_f))
-      row["jnp / fla fwd"] = row["jnp fwd ms"] / row["fla fwd ms"]
+      row[f"{tag} / fla fwd"] = row[f"{tag} fwd ms"] / row["fla fwd ms"]
       try:
         # FLA 0.6.0 refuses its GDN backward on Hopper with Triton 3.4 <= v < 3.7.1 (its
         # issue #640: wrong gradients); then only the forward is compared.
@@ -126,7 +134,7 @@ def main():
         row["fla fwd+bwd ms"] = time_loop(ffb, tsync, args.iters, args.reps)
         for nm, a, b in zip("q k v g beta".split(), grads_j, grads_f):
           row[f"rel d{nm}"] = rel(a.astype(jnp.float32), to_np(b))
-        row["jnp / fla fwd+bwd"] = row["jnp fwd+bwd ms"] / row["fla fwd+bwd ms"]
+        row[f"{tag} / fla fwd+bwd"] = row[f"{tag} fwd+bwd ms"] / row["fla fwd+bwd ms"]
       agreement = {k2: round(v2, 5) for k2, v2 in row.items() if k2.startswith("rel")}
       log(f"{name} fla: fwd {row['fla fwd ms']:.3f} ms; agreement {json.dumps(agreement)}")
     rows.append(row)

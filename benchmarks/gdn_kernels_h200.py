@@ -1,0 +1,182 @@
+"""Gated DeltaNet's Pallas kernels on one GPU: each stage's launch options, the op, our GLA
+beside it, and the sequence-parallel local pass.
+
+    python -m benchmarks.gdn_kernels_h200 [--sweep] [--json out.json]
+
+Results: benchmarks/results/gdn_h200.md (FLA beside the op: ``benchmarks.delta_h200``).
+
+* ``--sweep``: at B1 T16384 H16 K=V=128 bf16, every kernel of
+  :mod:`pallas_kernels.gated_delta` timed alone under each launch in :data:`OPTIONS`
+  (the other stages at their defaults), then the walks' options at B8 T4096 H16.
+* always: ``chunk_gated_delta_rule`` (the default kernel configuration) forward and
+  forward + backward (grad of sum(o * do) for q, k, v, g, beta) at B1 T16384 and B8 T4096
+  (H16, K=V=128, bf16), our ``chunk_gla`` forward + backward on the same tokens (g
+  broadcast over K), and one rank's local pass: ``zeco_gated_delta_rule`` on a one-device
+  mesh (the widened-state kernels and the fix-up; the scan over one rank is trivial)
+  against ``chunk_gated_delta_rule`` on the same 2048 tokens (B1 H16, forward + backward).
+
+Inputs: q, k unit-norm over K, v ~ N(0, 1), g ~ U(-1, 0) per head, beta ~ U(0.05,
+0.9999), do ~ N(0, 1). Median over 3 repeats of the mean of 10 calls after one warm-up
+call (``benchmarks._harness.time_loop``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from benchmarks import _harness as harness
+
+SHAPES = ((1, 16384, 16, 128, 128), (8, 4096, 16, 128, 128))
+
+
+def _options():
+  from pallas_kernels import Launch
+  L = Launch
+  walk = [L(bv=16, warps=4, stages=2), L(bv=32, warps=4, stages=2),
+          L(bv=64, warps=4, stages=2), L(bv=32, warps=2, stages=2)]
+  return {
+      "inv": [L(warps=1, stages=1), L(warps=2, stages=1), L(warps=4, stages=1)],
+      "wu": [L(bv=64, warps=4, stages=1), L(bv=128, warps=4, stages=1),
+             L(bv=64, warps=2, stages=1)],
+      "walk": walk,
+      "out": [L(bv=64, warps=4, stages=2), L(bv=128, warps=4, stages=2),
+              L(bv=128, warps=8, stages=2)],
+      "vnew": [L(bv=64, warps=4, stages=2), L(bv=128, warps=4, stages=2),
+               L(bv=128, warps=8, stages=2)],
+      "dwalk": walk,
+      "dqk": [L(bv=64, warps=4, stages=1), L(bv=64, warps=8, stages=1),
+              L(bv=128, warps=8, stages=1)],
+      "dwy": [L(bv=64, warps=4, stages=1), L(bv=64, warps=8, stages=1),
+              L(bv=128, warps=8, stages=1)],
+  }
+
+
+def inputs(B, T, H, K, V, dtype, seed=0):
+  import jax
+  import jax.numpy as jnp
+  ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  q = unit(jax.random.normal(ks[0], (B, T, H, K)))
+  k = unit(jax.random.normal(ks[1], (B, T, H, K)))
+  v = jax.random.normal(ks[2], (B, T, H, V))
+  g = -jax.random.uniform(ks[3], (B, T, H))
+  beta = jax.random.uniform(ks[4], (B, T, H), minval=0.05, maxval=0.9999)
+  do = jax.random.normal(ks[6], (B, T, H, V))
+  c = lambda x: x.astype(dtype)
+  return c(q), c(k), c(v), g, c(beta), c(do)
+
+
+def sweep(shape, stages, log):
+  """Each stage's kernel alone under each launch option; the fastest per stage."""
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels.gated_delta import chunk, default_config, walk
+  B, T, H, K, V = shape
+  q, k, v, g, beta, do = inputs(B, T, H, K, V, jnp.bfloat16)
+  bf = beta.astype(jnp.float32)
+  h0, dht = jnp.zeros((B, H, K, V)), jnp.ones((B, H, K, V))
+  base = default_config("gpu", B, T, H, K, V, q.dtype)
+  sc, C = K ** -0.5, 64
+  kw = dict(chunk_size=C, config=base)
+  Tv = jax.jit(lambda: chunk.inverse(k, g, bf, **kw))()
+  w, u, kd, gc, qb = jax.jit(lambda: chunk.wu(Tv, k, v, g, bf, q=q, scale=sc, **kw))()
+  h, vn, _ = jax.jit(lambda: walk.state_walk(w, u, kd, gc, h0, store_dtype=q.dtype, **kw))()
+  vn2, dvl = jax.jit(lambda: chunk.vnew(q, k, g, w, u, h, do, scale=sc, **kw))()
+  dH, dvn, _ = jax.jit(lambda: walk.grad_walk(qb, gc, w, kd, do, dvl, dht,
+                                              store_dtype=q.dtype, **kw))()
+  _, _, dw, _ = jax.jit(lambda: chunk.dqk(q, k, g, gc, vn2, dvn, do, h, dH, scale=sc, **kw))()
+  fns = {
+      "inv": lambda c: chunk.inverse(k, g, bf, chunk_size=C, config=c),
+      "wu": lambda c: chunk.wu(Tv, k, v, g, bf, chunk_size=C, config=c),
+      "walk": lambda c: walk.state_walk(w, u, kd, gc, h0, store_dtype=q.dtype, chunk_size=C,
+                                        config=c),
+      "out": lambda c: chunk.output(q, k, g, gc, vn, h, scale=sc, chunk_size=C, config=c),
+      "vnew": lambda c: chunk.vnew(q, k, g, w, u, h, do, scale=sc, chunk_size=C, config=c),
+      "dwalk": lambda c: walk.grad_walk(qb, gc, w, kd, do, dvl, dht, store_dtype=q.dtype,
+                                        chunk_size=C, config=c),
+      "dqk": lambda c: chunk.dqk(q, k, g, gc, vn2, dvn, do, h, dH, scale=sc, chunk_size=C,
+                                 config=c),
+      "dwy": lambda c: chunk.dwy(Tv, k, v, g, bf, dw, dvn, chunk_size=C, config=c),
+  }
+  rows = []
+  for stage, options in _options().items():
+    if stage not in stages:
+      continue
+    for launch in options:
+      cfg = base.replace(**{stage: launch})
+      f = jax.jit(lambda cfg=cfg, stage=stage: fns[stage](cfg))
+      ms = harness.time_loop(f, jax.block_until_ready, 10, 3, warmup=1)
+      rows.append({"shape": shape, "stage": stage, "launch": launch.set(), "ms": ms})
+      log(rows[-1])
+  return rows
+
+
+def op_times(shape, log):
+  """The op (default kernels) forward, forward + backward, and our GLA's forward + backward."""
+  import jax
+  import jax.numpy as jnp
+  from zeco_jax import chunk_gated_delta_rule, chunk_gla
+  B, T, H, K, V = shape
+  q, k, v, g, beta, do = inputs(B, T, H, K, V, jnp.bfloat16)
+  tl = lambda f: harness.time_loop(f, jax.block_until_ready, 10, 3, warmup=1)
+  weight = lambda o: jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+  fwd = jax.jit(lambda *a: chunk_gated_delta_rule(*a)[0])
+  fb = jax.jit(jax.grad(lambda *a: weight(chunk_gated_delta_rule(*a)[0]), (0, 1, 2, 3, 4)))
+  gk = jnp.broadcast_to(g[..., None], q.shape)
+  fbg = jax.jit(jax.grad(lambda *a: weight(chunk_gla(*a)[0]), (0, 1, 2, 3)))
+  row = {"shape": f"B{B} T{T} H{H} K{K} V{V}",
+         "gdn fwd ms": tl(lambda: fwd(q, k, v, g, beta)),
+         "gdn fwd+bwd ms": tl(lambda: fb(q, k, v, g, beta)),
+         "gla fwd+bwd ms": tl(lambda: fbg(q, k, v, gk))}
+  row["gdn / gla fwd+bwd"] = row["gdn fwd+bwd ms"] / row["gla fwd+bwd ms"]
+  log(row)
+  return row
+
+
+def local_pass_times(log, T=2048):
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh
+  from zeco_jax import chunk_gated_delta_rule, zeco_gated_delta_rule
+  q, k, v, g, beta, do = inputs(1, T, 16, 128, 128, jnp.bfloat16)
+  mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+  tl = lambda f: harness.time_loop(f, jax.block_until_ready, 10, 3, warmup=1)
+  weight = lambda o: jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+  grad = lambda op: jax.jit(jax.grad(lambda *a: weight(op(*a)[0]), (0, 1, 2, 3, 4)))
+  fb_chunk = grad(chunk_gated_delta_rule)
+  fb_local = grad(lambda *a: zeco_gated_delta_rule(*a, mesh=mesh))
+  row = {"shape": f"local pass B1 T{T} H16 K128 V128",
+         "chunk fwd+bwd ms": tl(lambda: fb_chunk(q, k, v, g, beta)),
+         "local pass fwd+bwd ms": tl(lambda: fb_local(q, k, v, g, beta))}
+  row["local / chunk"] = row["local pass fwd+bwd ms"] / row["chunk fwd+bwd ms"]
+  log(row)
+  return row
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--sweep", action="store_true")
+  ap.add_argument("--json", default=None)
+  args = ap.parse_args()
+  t0 = time.perf_counter()
+  log = lambda row: print(json.dumps(row, default=str),
+                          f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+  rows = []
+  if args.sweep:
+    rows += sweep(SHAPES[0], tuple(_options()), log)
+    rows += sweep(SHAPES[1], ("walk", "dwalk"), log)
+  rows.append(op_times(SHAPES[0], log))
+  rows.append(local_pass_times(log))
+  rows.append(op_times(SHAPES[1], log))
+  if args.json:
+    with open(args.json, "w") as fh:
+      json.dump(rows, fh, indent=1, default=str)
+    harness.write_environment(os.path.dirname(os.path.abspath(args.json)),
+                              os.path.basename(args.json).rsplit(".", 1)[0])
+
+
+if __name__ == "__main__":
+  main()
