@@ -17,12 +17,14 @@ families that have kernels and :data:`KERNEL_PLATFORMS` the platforms each has t
   kernels in the interpreter. Its launch configuration: ``gated_delta.KernelConfig`` and
   ``gated_delta.default_config`` (:func:`config_type`, :func:`family_default_config`).
 
-Shared by every family: :mod:`pallas_kernels._launch` (the launch, dots, tiles) and
+Shared by every family: :mod:`pallas_kernels._launch` (the launch, dots, tiles, layouts),
+:mod:`pallas_kernels._config` (``Launch``, the config checks) and
 :mod:`pallas_kernels.protocol`. This package never imports ``zeco_jax``.
 """
 import importlib
 
-from pallas_kernels.gla.config import PLATFORMS, KernelConfig, Launch, default_config
+from pallas_kernels._config import PLATFORMS, Launch
+from pallas_kernels.gla.config import KernelConfig, default_config
 from pallas_kernels.protocol import ChunkKernels
 
 FAMILIES = ("gla", "gated_delta")

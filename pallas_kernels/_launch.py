@@ -49,34 +49,48 @@ def varying_axes(x):
   return frozenset(getattr(mat, "varying", ()) or ())
 
 
+def with_varying(fn, out_shape, args):
+  """``fn(out_shape=out_shape)(*args)`` for a ``pallas_call`` partial ``fn``.
+
+  Inside ``shard_map(check_vma=True)`` (a sequence-parallel local pass) pallas_call needs
+  to know how its outputs vary over the manual mesh axes: every input is cast to the union
+  of the inputs' varying axes, and the outputs are declared varying over the same axes.
+  """
+  if not check_vma_enabled():
+    return fn(out_shape=out_shape)(*args)
+  axes = frozenset().union(*(varying_axes(a) for a in args))
+  if axes:
+    args = [a if varying_axes(a) == axes else
+            jax.lax.pcast(a, tuple(sorted(axes - varying_axes(a))), to="varying")
+            for a in args]
+  mat = jax.typeof(args[0]).manual_axis_type
+  outs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat),
+                      out_shape)
+  # Note: the Pallas *interpreter* still fails here (its dynamic_slice mixes varying refs
+  # with invariant constants); call the ops with check_vma=False to interpret on CPU.
+  return fn(out_shape=outs)(*args)
+
+
 def call(kernel, out_shape, grid, *, config, num_warps, num_stages, name, aliases=None):
   """pallas_call over whole-array refs, launched as ``config`` says (the interpreter, or
-  Triton with ``num_warps`` / ``num_stages``).
-
-  Inside ``shard_map(check_vma=True)`` (zeco_gla's local pass) pallas_call needs to know
-  how its outputs vary over the manual mesh axes: every input is cast to the union of
-  the inputs' varying axes, and the outputs are declared varying over the same axes.
-  """
+  Triton with ``num_warps`` / ``num_stages``), under shard_map's varying-axes rule
+  (:func:`with_varying`)."""
   fn = functools.partial(pl.pallas_call, kernel, grid=grid, interpret=config.interpret,
                          compiler_params=compiler_params(config, num_warps, num_stages),
                          name=name, input_output_aliases=aliases or {})
+  return lambda *args: with_varying(fn, out_shape, args)
 
-  def run(*args):
-    if not check_vma_enabled():
-      return fn(out_shape=out_shape)(*args)
-    axes = frozenset().union(*(varying_axes(a) for a in args))
-    if axes:
-      args = [a if varying_axes(a) == axes else
-              jax.lax.pcast(a, tuple(sorted(axes - varying_axes(a))), to="varying")
-              for a in args]
-    mat = jax.typeof(args[0]).manual_axis_type
-    outs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat),
-                        out_shape)
-    # Note: the Pallas *interpreter* still fails here (its dynamic_slice mixes varying refs
-    # with invariant constants); call zeco_gla with check_vma=False to interpret on CPU.
-    return fn(out_shape=outs)(*args)
 
-  return run
+def head_major(x):
+  """``[B, T, H, D]`` -> ``[B*H, T, D]`` (the TPU kernels' dense ``[C, D]`` tiles)."""
+  B, T, H, D = x.shape
+  return x.transpose(0, 2, 1, 3).reshape(B * H, T, D)
+
+
+def from_head_major(x, B, H):
+  """``[B*H, T, D]`` -> ``[B, T, H, D]``."""
+  _, T, D = x.shape
+  return x.reshape(B, H, T, D).transpose(0, 2, 1, 3)
 
 
 def dot(a, b, dtype, *, ta=False, tb=False):

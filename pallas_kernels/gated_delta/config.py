@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from pallas_kernels.gla.config import PLATFORMS, Launch
+from pallas_kernels._config import PLATFORMS, Launch, check_config
 
 # Every kernel's launch, by stage (module docstring of pallas_kernels.gated_delta.gpu).
 STAGE_DEFAULTS = {
@@ -54,25 +54,8 @@ class KernelConfig:
   states_in_input_dtype: bool = True
 
   def __post_init__(self):
-    if self.platform not in PLATFORMS:
-      raise ValueError(f"gated_delta KernelConfig: unknown `platform` {self.platform!r}; "
-                       f"choose one of {', '.join(map(repr, PLATFORMS))}.")
-    for name in FLAGS:
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"gated_delta KernelConfig: `{name}` must be True or False, got "
-                         f"{getattr(self, name)!r}.")
-    for stage, default in STAGE_DEFAULTS.items():
-      launch = getattr(self, stage)
-      if not isinstance(launch, Launch):
-        raise ValueError(f"gated_delta KernelConfig: `{stage}` must be a "
-                         f"pallas_kernels.Launch, got {launch!r}.")
-      missing = [f for f in default.set() if getattr(launch, f) is None]
-      if missing:
-        raise ValueError(f"gated_delta KernelConfig: stage `{stage}` needs "
-                         f"{', '.join(missing)} (its default is {default}).")
-    if self.platform == "cpu" and not self.interpret:
-      raise ValueError("gated_delta KernelConfig: platform 'cpu' has only the Pallas "
-                       "interpreter; set interpret=True (default_config('cpu', ...) does).")
+    check_config(self, stage_defaults=STAGE_DEFAULTS, flags=FLAGS,
+                 label="gated_delta KernelConfig")
 
   def replace(self, **changes) -> "KernelConfig":
     """A copy with ``changes``: flags, whole stages or ``<stage>_<field>`` names."""

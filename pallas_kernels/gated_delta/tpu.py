@@ -45,7 +45,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._launch import F32, HI, check_vma_enabled, dot, iota, masked_exp, varying_axes
+from pallas_kernels._launch import (F32, HI, dot, from_head_major, head_major, iota, masked_exp,
+                                    with_varying)
 from pallas_kernels.gated_delta.gpu import check_dims
 
 S = 16                       # rows of a diagonal block of the UT inverse
@@ -236,16 +237,6 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, h_ref, dht_ref, dq
 
 # --- launch -------------------------------------------------------------------------------
 
-def _head_major(x):
-  B, T, H, D = x.shape
-  return x.transpose(0, 2, 1, 3).reshape(B * H, T, D)
-
-
-def _from_head_major(x, B, H):
-  BH, T, D = x.shape
-  return x.reshape(B, H, T, D).transpose(0, 2, 1, 3)
-
-
 def _chunk_rows(x, C):
   """``[B, T, H]`` -> float32 ``[B*H, N8, C]``: one row per chunk, N padded to ROWS."""
   B, T, H = x.shape
@@ -272,20 +263,7 @@ def _call(kernel, *, out_shape, in_specs, out_specs, grid, scratch, config, name
                          out_specs=out_specs, scratch_shapes=scratch,
                          compiler_params=_params(config), interpret=config.interpret,
                          name=name, cost_estimate=None if config.interpret else cost)
-
-  def run(*args):
-    if not check_vma_enabled():
-      return fn(out_shape=out_shape)(*args)
-    axes = frozenset().union(*(varying_axes(a) for a in args))
-    if axes:
-      args = [a if varying_axes(a) == axes else
-              lax.pcast(a, tuple(sorted(axes - varying_axes(a))), to="varying") for a in args]
-    mat = jax.typeof(args[0]).manual_axis_type
-    outs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat),
-                        out_shape)
-    return fn(out_shape=outs)(*args)
-
-  return run
+  return lambda *args: with_varying(fn, out_shape, args)
 
 
 def _chunk_flops(C, K, V, backward):
@@ -337,7 +315,7 @@ def _forward(q, k, v, g, beta, h0, *, scale, C, store, config):
 def _inputs(q, k, v, g, beta, initial_state, C):
   B, T, H, K = q.shape
   V = v.shape[-1]
-  return (*map(_head_major, (q, k, v)), _chunk_rows(g, C), _chunk_rows(beta, C),
+  return (*map(head_major, (q, k, v)), _chunk_rows(g, C), _chunk_rows(beta, C),
           initial_state.reshape(B * H, K, V).astype(F32))
 
 
@@ -353,7 +331,7 @@ def fwd_res(q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
   o, final, h = _forward(*_inputs(q, k, v, g, beta, initial_state, chunk_size), scale=scale,
                          C=chunk_size, store=_store(config, k.dtype), config=config)
   N = T // chunk_size
-  return ((_from_head_major(o, B, H), final.reshape(B, H, K, V)),
+  return ((from_head_major(o, B, H), final.reshape(B, H, K, V)),
           Residual(h.reshape(B, H, N, K, V)))
 
 
@@ -364,7 +342,7 @@ def fwd(q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
   check_dims(K, V, chunk_size)
   o, final, _ = _forward(*_inputs(q, k, v, g, beta, initial_state, chunk_size), scale=scale,
                          C=chunk_size, store=None, config=config)
-  return _from_head_major(o, B, H), final.reshape(B, H, K, V)
+  return from_head_major(o, B, H), final.reshape(B, H, K, V)
 
 
 def bwd_res(res: Optional[Residual], q, k, v, g, beta, do, dht, *, scale, initial_state,
@@ -383,7 +361,7 @@ def bwd_res(res: Optional[Residual], q, k, v, g, beta, do, dht, *, scale, initia
                         store=_store(config, k.dtype), config=config)
   else:
     hs = res.h.reshape(B * H, N, K, V)
-  doh = _head_major(do.astype(v.dtype))
+  doh = head_major(do.astype(v.dtype))
   tile, rows, state, chunk_state = _specs(C, K, V, N, reverse=True)
   like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
   out_shape = (like(qh), like(kh), like(vh), like(gr), like(br), like(h0))
@@ -394,7 +372,7 @@ def bwd_res(res: Optional[Residual], q, k, v, g, beta, do, dht, *, scale, initia
       out_specs=(tile(K), tile(K), tile(V), rows, rows, state), grid=(B * H, N),
       scratch=[pltpu.VMEM((K, V), F32)], config=config, name="gdn_tpu_bwd",
       cost=_cost(B * H, N, C, K, V, args, out_shape, True))(*args)
-  back = lambda x: _from_head_major(x, B, H)
+  back = lambda x: from_head_major(x, B, H)
   return (back(dq), back(dk), back(dv), _from_chunk_rows(dg, B, H, T),
           _from_chunk_rows(dbeta, B, H, T), dh0.reshape(B, H, K, V))
 

@@ -15,44 +15,12 @@ import dataclasses
 import math
 from typing import Optional
 
+from pallas_kernels._config import PLATFORMS, Launch, check_config
 from pallas_kernels._launch import block
 
-PLATFORMS = ("cpu", "gpu", "tpu")
 # Streaming multiprocessors assumed when the target GPU is not known (an H100 / H200, the
 # GPU the defaults were measured on).
 DEFAULT_SM_COUNT = 132
-
-
-@dataclasses.dataclass(frozen=True)
-class Launch:
-  """One kernel's launch (jax's flash-attention ``BlockSizes`` is the model): tile caps and
-  Triton options, None where the kernel takes none.
-
-  ``kd``: the K slice of a kernel that works on one; ``bk`` / ``bv``: K and V tiles of the
-  state-shaped kernels; ``both_bv``: the V tile of the state walks when the backward runs
-  both in one launch (twice the programs). A tile is a cap: a kernel uses the largest power
-  of two <= the cap that divides the dimension. ``warps`` / ``stages``: Triton's
-  ``num_warps`` / ``num_stages`` (ignored by the interpreter and the TPU kernels).
-  """
-  kd: Optional[int] = None
-  bk: Optional[int] = None
-  bv: Optional[int] = None
-  both_bv: Optional[int] = None
-  warps: Optional[int] = None
-  stages: Optional[int] = None
-
-  def __post_init__(self):
-    for field in dataclasses.fields(self):
-      value = getattr(self, field.name)
-      if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                or value < 1):
-        raise ValueError(f"Launch: `{field.name}` must be a positive int or None, got "
-                         f"{value!r}.")
-
-  def set(self) -> dict:
-    """The fields this launch sets (not None)."""
-    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-            if getattr(self, f.name) is not None}
 
 
 # Every kernel's launch, by stage: the defaults (measured on an H200, docs/kernels.md).
@@ -120,25 +88,7 @@ class KernelConfig:
   save_states: bool = True
 
   def __post_init__(self):
-    if self.platform not in PLATFORMS:
-      raise ValueError(f"KernelConfig: unknown `platform` {self.platform!r}; choose one of "
-                       f"{', '.join(map(repr, PLATFORMS))}.")
-    for name in FLAGS:
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"KernelConfig: `{name}` must be True or False, got "
-                         f"{getattr(self, name)!r}.")
-    for stage, default in STAGE_DEFAULTS.items():
-      launch = getattr(self, stage)
-      if not isinstance(launch, Launch):
-        raise ValueError(f"KernelConfig: `{stage}` must be a pallas_kernels.Launch, got "
-                         f"{launch!r}.")
-      missing = [f for f in default.set() if getattr(launch, f) is None]
-      if missing:
-        raise ValueError(f"KernelConfig: stage `{stage}` needs {', '.join(missing)} (its "
-                         f"default is {default}).")
-    if self.platform == "cpu" and not self.interpret:
-      raise ValueError("KernelConfig: platform 'cpu' has no compiled kernels, only the Pallas "
-                       "interpreter; set interpret=True (default_config('cpu', ...) does).")
+    check_config(self, stage_defaults=STAGE_DEFAULTS, flags=FLAGS, label="KernelConfig")
 
   def replace(self, **changes) -> "KernelConfig":
     """A copy with ``changes``: flags, whole stages (``out=Launch(...)``) or stage fields by

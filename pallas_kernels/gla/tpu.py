@@ -190,16 +190,6 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, h0_ref, o_ref, ht_ref, *h_out, scale
     ht_ref[...] = h
 
 
-def _head_major(x):
-  B, T, H, D = x.shape
-  return x.transpose(0, 2, 1, 3).reshape(B * H, T, D)
-
-
-def _from_head_major(x, B, H):
-  BH, T, D = x.shape
-  return x.reshape(B, H, T, D).transpose(0, 2, 1, 3)
-
-
 def _params(config):
   if config.interpret:
     return None
@@ -229,10 +219,10 @@ def fwd(q, k, v, g, *, scale, initial_state, chunk_size, config):
   B, T, H, K = q.shape
   C = chunk_size
   g = cm.per_dim_decay(g, q.shape)
-  o, final = _forward(*map(_head_major, (q, k, v, g)),
+  o, final = _forward(*map(cm.head_major, (q, k, v, g)),
                       initial_state.reshape(B * H, K, v.shape[-1]).astype(F32),
                       scale=scale, C=C, emit_h=False, config=config)
-  return _from_head_major(o, B, H), final.reshape(B, H, K, v.shape[-1])
+  return cm.from_head_major(o, B, H), final.reshape(B, H, K, v.shape[-1])
 
 
 def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, do_ref, h_ref, dht_ref,
@@ -280,7 +270,7 @@ def bwd(q, k, v, g, do, dht, *, scale, initial_state, chunk_size, config):
   V = v.shape[-1]
   C = chunk_size
   N = T // C
-  qh, kh, vh, gh, doh = map(_head_major, (q, k, v, cm.per_dim_decay(g, q.shape),
+  qh, kh, vh, gh, doh = map(cm.head_major, (q, k, v, cm.per_dim_decay(g, q.shape),
                                           do.astype(v.dtype)))
   _, _, hs = _forward(qh, kh, vh, gh, initial_state.reshape(B * H, K, V).astype(F32),
                       scale=scale, C=C, emit_h=True, config=config)
@@ -298,7 +288,7 @@ def bwd(q, k, v, g, do, dht, *, scale, initial_state, chunk_size, config):
       scratch_shapes=[pltpu.VMEM((K, V), F32)], compiler_params=_params(config),
       interpret=config.interpret, name="gla_tpu_bwd")(
           qh, kh, vh, gh, doh, hs, dht.reshape(B * H, K, V).astype(F32))
-  back = lambda x: _from_head_major(x, B, H)
+  back = lambda x: cm.from_head_major(x, B, H)
   return (back(dq), back(dk), back(dv), cm.decay_grad(back(dg), g),
           dh0.reshape(B, H, K, V))
 

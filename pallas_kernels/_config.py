@@ -1,0 +1,66 @@
+"""What every family's launch configuration shares: the target platforms, one kernel's
+:class:`Launch` and the checks of a family's frozen ``KernelConfig`` (:func:`check_config`).
+Each family's stages, flags and defaults are in its own ``config`` module."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+  """One kernel's launch (jax's flash-attention ``BlockSizes`` is the model): tile caps and
+  Triton options, None where the kernel takes none.
+
+  ``kd``: the K slice of a kernel that works on one; ``bk`` / ``bv``: K and V tiles of the
+  state-shaped kernels; ``both_bv``: the V tile of the state walks when the backward runs
+  both in one launch (twice the programs). A tile is a cap: a kernel uses the largest power
+  of two <= the cap that divides the dimension. ``warps`` / ``stages``: Triton's
+  ``num_warps`` / ``num_stages`` (ignored by the interpreter and the TPU kernels).
+  """
+  kd: Optional[int] = None
+  bk: Optional[int] = None
+  bv: Optional[int] = None
+  both_bv: Optional[int] = None
+  warps: Optional[int] = None
+  stages: Optional[int] = None
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                or value < 1):
+        raise ValueError(f"Launch: `{field.name}` must be a positive int or None, got "
+                         f"{value!r}.")
+
+  def set(self) -> dict:
+    """The fields this launch sets (not None)."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None}
+
+
+def check_config(cfg, *, stage_defaults: dict, flags: tuple, label: str) -> None:
+  """A family's ``KernelConfig`` checked field by field (``__post_init__``): the platform,
+  the flags (bools), every stage a :class:`Launch` setting what its default sets, and the
+  interpreter for ``"cpu"``. ``label`` opens every message."""
+  if cfg.platform not in PLATFORMS:
+    raise ValueError(f"{label}: unknown `platform` {cfg.platform!r}; choose one of "
+                     f"{', '.join(map(repr, PLATFORMS))}.")
+  for name in flags:
+    if not isinstance(getattr(cfg, name), bool):
+      raise ValueError(f"{label}: `{name}` must be True or False, got "
+                       f"{getattr(cfg, name)!r}.")
+  for stage, default in stage_defaults.items():
+    launch = getattr(cfg, stage)
+    if not isinstance(launch, Launch):
+      raise ValueError(f"{label}: `{stage}` must be a pallas_kernels.Launch, got "
+                       f"{launch!r}.")
+    missing = [f for f in default.set() if getattr(launch, f) is None]
+    if missing:
+      raise ValueError(f"{label}: stage `{stage}` needs {', '.join(missing)} (its default "
+                       f"is {default}).")
+  if cfg.platform == "cpu" and not cfg.interpret:
+    raise ValueError(f"{label}: platform 'cpu' has no compiled kernels, only the Pallas "
+                     "interpreter; set interpret=True (default_config('cpu', ...) does).")
