@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels._delta import block_inverse
 from pallas_kernels._launch import F32, block, call, dot, iota, masked_exp
 
 S = 16                       # rows of a block of the UT inverse
@@ -129,31 +130,6 @@ def block_kkt(ks, betas, dec, dt):
       E[I, J] = masked_exp(dec.mask(I, J), dec.seg(I, J))
       A[I, J] = betas[I][:, None] * E[I, J] * KK[I, J]
   return A, E, KK
-
-
-def _substitute(a):
-  """``(I + a)^{-1}`` of one strictly lower ``[S, S]`` block, row by row."""
-  r, _ = _tile()
-  x = jnp.zeros((S, S), F32)
-  for i in range(S):
-    row = jnp.sum(jnp.where(r == i, a, 0.0), axis=0)           # a[i, :] by column
-    new = jnp.where(iota((S,), 0) == i, 1.0, 0.0) - jnp.sum(row[:, None] * x, axis=0)
-    x = jnp.where(r == i, new[None, :], x)
-  return x
-
-
-def block_inverse(A, L):
-  """The blocks ``X[I, J]`` (J <= I) of ``(I + A)^{-1}``, float32."""
-  X = {(I, I): _substitute(A[I, I]) for I in range(L)}
-  for d in range(1, L):
-    for I in range(d, L):
-      J = I - d
-      acc = None
-      for M in range(J, I):
-        term = dot(A[I, M], X[M, J], F32)
-        acc = term if acc is None else acc + term
-      X[I, J] = -dot(X[I, I], acc, F32)
-  return X
 
 
 def _rows(n, C, L):

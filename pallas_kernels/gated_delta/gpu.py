@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import jax
 
+from pallas_kernels import _delta
 from pallas_kernels._launch import F32
 from pallas_kernels.gated_delta import chunk
 from pallas_kernels.gated_delta import walk
@@ -31,14 +32,7 @@ class Residual(NamedTuple):
 
 
 def check_dims(K: int, V: int, C: int) -> None:
-  """K and the chunk are whole tiles (powers of two >= 16); V is tiled (a multiple of 16)."""
-  for name, d in (("K", K), ("chunk_size", C)):
-    if d < 16 or d & (d - 1):
-      raise ValueError(f"pallas_kernels.gated_delta: {name} must be a power of two >= 16 "
-                       f"for the Pallas kernels, got {d}; use backend='jax' for other sizes.")
-  if V < 16 or V % 16:
-    raise ValueError(f"pallas_kernels.gated_delta: V must be a multiple of 16 for the Pallas "
-                     f"kernels, got {V}; use backend='jax' for other sizes.")
+  _delta.check_dims(K, V, C, family="gated_delta")
 
 
 def _store(config, dtype):

@@ -5,28 +5,22 @@ strength beta ``[B, T, H]`` in (0, 1) and float32 states ``[B, H, K, V]``. The a
 checks (:func:`check_inputs`) are here; FLA's ``l2norm`` is :func:`zeco_jax._linalg.l2norm`
 (imported here for the family's other modules).
 
-Two implementations, chosen by ``backend=`` (:func:`resolve_backend`): ``"jax"`` the jnp
+Two implementations, chosen by ``backend=`` (``zeco_jax.ops._dispatch.resolve_backend``): ``"jax"`` the jnp
 chunked form (:mod:`zeco_jax.ops.gated_delta.chunked`, any platform), ``"pallas"`` the
 family's Pallas kernels (``pallas_kernels.backend("gated_delta", platform)``: Triton on
 GPU, Mosaic on TPU, the GPU kernels in the interpreter on CPU), behind one custom_vjp
-(:func:`_core`) that keeps the inputs and the kernels' chunk states. ``"auto"``: the
+(:mod:`zeco_jax.ops._delta_kernels`) that keeps the inputs and the kernels' chunk states. ``"auto"``: the
 kernels on GPU and TPU, the jnp path on CPU.
 """
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import SymbolicZero
 
 from zeco_jax import _checks
 from zeco_jax import segments
 from zeco_jax._linalg import l2norm
-from zeco_jax._vma import match_varying
-from zeco_jax.ops import _dispatch
+from zeco_jax.ops._delta_kernels import check_kernel_dims, kernel_recurrence, kernel_setup
 from zeco_jax.ops.gated_delta.chunked import chunk_recurrence
-from zeco_jax.runtime import target
 
 FAMILY = "gated_delta"
 
@@ -44,86 +38,6 @@ def check_inputs(q, k, v, g, beta, initial_state, scale, *, name, chunk_size=Non
   if not jnp.issubdtype(beta.dtype, jnp.floating):
     raise ValueError(f"{name}: `beta` must be floating point, got {beta.dtype}.")
   return args
-
-
-def resolve_backend(backend: str, *, name: str = "chunk_gated_delta_rule",
-                    platform=None) -> str:
-  """``"jax"`` or ``"pallas"`` for Gated DeltaNet on ``platform``
-  (:func:`zeco_jax.ops._dispatch.resolve_backend`)."""
-  return _dispatch.resolve_backend(backend, family=FAMILY, name=name, platform=platform)
-
-
-def check_kernel_config(kernel_config, *, name):
-  """None, or the family's ``pallas_kernels.gated_delta.KernelConfig``."""
-  if kernel_config is None:
-    return
-  if not _dispatch.kernels_installed() or not isinstance(
-      kernel_config, _dispatch.kernel_package().config_type(FAMILY)):
-    raise ValueError(f"{name}: `kernel_config` must be a pallas_kernels.gated_delta."
-                     f"KernelConfig or None (the default for the target and shape), got "
-                     f"{kernel_config!r}. Build one with pallas_kernels.gated_delta."
-                     "default_config(platform, B, T, H, K, V, dtype).")
-
-
-def kernel_setup(backend, kernel_config, arrays, B, T, H, K, V, dtype, *, name):
-  """``(backend, config)``: the backend resolved for the platform ``arrays`` are compiled
-  for, and the kernels' launch configuration (None on the jnp path)."""
-  check_kernel_config(kernel_config, name=name)
-  found = target.target_of(*arrays)
-  backend = resolve_backend(backend, name=name, platform=found.platform)
-  if backend == "jax":
-    return backend, None
-  return backend, kernel_config or _dispatch.kernel_package().family_default_config(
-      FAMILY, found.platform, B, T, H, K, V, dtype, sm_count=found.num_cores)
-
-
-def _kernels(config):
-  return _dispatch.kernels(FAMILY, config.platform)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _core(q, k, v, g, beta, h0, scale, chunk_size, config):
-  """The kernels' chunked form on padded inputs: ``(o, final_state)``."""
-  return _kernels(config).fwd(q, k, v, g, beta, scale=scale, initial_state=h0,
-                              chunk_size=chunk_size, config=config)
-
-
-def _core_fwd(q, k, v, g, beta, h0, scale, chunk_size, config):
-  q, k, v, g, beta, h0 = (x.value for x in (q, k, v, g, beta, h0))
-  out, res = _kernels(config).fwd_res(q, k, v, g, beta, scale=scale, initial_state=h0,
-                                      chunk_size=chunk_size, config=config)
-  return out, (q, k, v, g, beta, h0, res)          # the inputs and one state per chunk
-
-
-def _core_bwd(scale, chunk_size, config, res, cotangents):
-  q, k, v, g, beta, h0, kept = res
-  do, dht = cotangents
-  if isinstance(do, SymbolicZero):
-    do = jnp.zeros(do.shape, do.dtype)
-  if isinstance(dht, SymbolicZero):
-    dht = jnp.zeros(dht.shape, dht.dtype)
-  dq, dk, dv, dg, dbeta, dh0 = _kernels(config).bwd_res(
-      kept, q, k, v, g, beta, do, dht, scale=scale, initial_state=h0, chunk_size=chunk_size,
-      config=config)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg.astype(g.dtype),
-          dbeta.astype(beta.dtype), dh0.astype(h0.dtype))
-
-
-_core.defvjp(_core_fwd, _core_bwd, symbolic_zeros=True)
-
-
-def kernel_recurrence(q, k, v, g, beta, h0, scale, C, config):
-  """``(o [B, T, H, V] in v's dtype, final float32)`` by the kernels: pads T to a multiple
-  of C (tokens that change nothing) and g, beta to float32; h0 None means zeros."""
-  B, T, H, K = q.shape
-  V = v.shape[-1]
-  h0 = jnp.zeros((B, H, K, V), jnp.float32) if h0 is None else h0.astype(jnp.float32)
-  padded = [_checks.pad_time(x, C) for x in (q, k, v, g.astype(jnp.float32),
-                                            beta.astype(jnp.float32))]
-  arrays = [*padded, h0]
-  arrays = [match_varying(x, *arrays) for x in arrays]
-  o, final = _core(*arrays, scale, C, config)
-  return o[:, :T], final
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
@@ -156,7 +70,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
   args = check_inputs(q, k, v, g, beta, initial_state, scale, name=name,
                       chunk_size=chunk_size)
   backend, config = kernel_setup(backend, kernel_config, (q, k, v, g, beta, initial_state),
-                                 args.B, args.T, args.H, args.K, args.V, q.dtype, name=name)
+                                 args.B, args.T, args.H, args.K, args.V, q.dtype,
+                                 family=FAMILY, name=name)
   if backend == "pallas":
     check_kernel_dims(args.K, args.V, chunk_size, name=name)
   if use_qk_l2norm:
@@ -166,18 +81,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
     q, k, g = segments.apply(q, k, g, segment_ids)
   h0 = None if initial_state is None else initial_state.astype(jnp.float32)
   if backend == "pallas":
-    o, final = kernel_recurrence(q, k, v, g, beta, h0, args.scale, chunk_size, config)
+    o, final = kernel_recurrence(q, k, v, g, beta, h0, args.scale, chunk_size, config,
+                                 family=FAMILY)
   else:
     o, final = chunk_recurrence(q, k, v, g, beta, h0, args.scale, chunk_size, False)
   return o.astype(v.dtype), (final if output_final_state else None)
-
-
-def check_kernel_dims(K, V, chunk_size, *, name):
-  """The kernels' shape contract, as a ValueError at trace time."""
-  for arg, d in (("K (q.shape[-1])", K), ("chunk_size", chunk_size)):
-    if d < 16 or d & (d - 1):
-      raise ValueError(f"{name}: backend='pallas' needs {arg} a power of two >= 16, got {d}; "
-                       "use backend='jax' for other sizes.")
-  if V < 16 or V % 16:
-    raise ValueError(f"{name}: backend='pallas' needs V (v.shape[-1]) a multiple of 16, got "
-                     f"{V}; use backend='jax' for other sizes.")

@@ -31,33 +31,13 @@ state as V + K value columns: v padded with K zero columns, the initial state ``
 """
 from __future__ import annotations
 
-import functools
-
-import jax.numpy as jnp
-
 from zeco_jax import _chunks
 from zeco_jax import segments
+from zeco_jax.ops._delta_kernels import local_pass_ops, sharded_backend
 from zeco_jax.ops.gated_delta.chunked import chunk_recurrence
-from zeco_jax.ops.gated_delta.op import (check_inputs, check_kernel_config, check_kernel_dims,
-                                         chunk_gated_delta_rule, kernel_recurrence,
-                                         kernel_setup, l2norm, resolve_backend)
-from zeco_jax.runtime.target import platform_of
+from zeco_jax.ops.gated_delta.op import FAMILY, check_inputs, chunk_gated_delta_rule, l2norm
 from zeco_jax.sp import scan as _scan
 from zeco_jax.sp import shard
-
-
-def _kernel_widened(q, k, v, g, beta, h0, scale, C, augment, *, config):
-  """:func:`~zeco_jax.ops.gated_delta.chunked.chunk_recurrence`'s contract on the kernels:
-  with ``augment`` the state is widened by K columns (v gets K zero columns, the initial
-  state the identity there), so the kernels carry the prefix products of the transitions."""
-  if augment:
-    B, _, H, K = q.shape
-    V = v.shape[-1]
-    v = jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (K,), v.dtype)], -1)
-    base = jnp.zeros((B, H, K, V), jnp.float32) if h0 is None else h0.astype(jnp.float32)
-    h0 = jnp.concatenate([base, jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, H, K, K))],
-                         -1)
-  return kernel_recurrence(q, k, v, g, beta, h0, scale, C, config)
 
 
 def _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, group_size, *,
@@ -88,14 +68,9 @@ def zeco_gated_delta_rule_local(q, k, v, g, beta, *, axis_name, method="all_scan
   name = "zeco_gated_delta_rule_local"
   args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, group_size,
                      name=name)
-  backend, config = kernel_setup(backend, kernel_config, (q,), args.B, args.T, args.H,
-                                 args.K, args.V + args.K, q.dtype, name=name)
-  recurrence, chunked_op = chunk_recurrence, chunk_gated_delta_rule
-  if backend == "pallas":
-    check_kernel_dims(args.K, args.V, chunk_size, name=name)
-    recurrence = functools.partial(_kernel_widened, config=config)
-    chunked_op = functools.partial(chunk_gated_delta_rule, backend="pallas",
-                                   kernel_config=kernel_config)
+  recurrence, chunked_op = local_pass_ops(
+      backend, kernel_config, q, args, chunk_size, family=FAMILY, name=name,
+      recurrence=chunk_recurrence, chunked_op=chunk_gated_delta_rule)
   if use_qk_l2norm:
     q, k = l2norm(q), l2norm(k)
   o, after = _chunks.local_pass(
@@ -138,10 +113,8 @@ def zeco_gated_delta_rule(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method
   args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, group_size,
                      name=name)
   mesh = shard.mesh_or_context(mesh, name=name)
-  check_kernel_config(kernel_config, name=name)
-  backend = resolve_backend(backend, name=name, platform=platform_of(q, mesh=mesh))
-  if backend == "pallas":
-    check_kernel_dims(args.K, args.V, chunk_size, name=name)
+  backend = sharded_backend(backend, kernel_config, q, mesh, args, chunk_size, family=FAMILY,
+                            name=name)
   # Pallas calls do not carry shard_map's varying-axes types through their bodies, so that
   # check is off around them (as zeco_gla does).
   spec = shard.shard_spec(q, mesh=mesh, seq_axis=seq_axis, every_axis=backend == "pallas",

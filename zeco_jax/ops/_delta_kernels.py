@@ -1,0 +1,149 @@
+"""The delta-rule families' kernel path (Gated DeltaNet, Kimi Delta Attention): which
+backend runs (:func:`kernel_setup`), the kernels behind one custom_vjp
+(:func:`kernel_recurrence`: keeps the inputs and the kernels' chunk states), and the
+widened state of the sequence-parallel local pass on the kernels (:func:`widened`).
+
+A family's kernels are ``pallas_kernels.backend(family, platform)`` (``fwd`` / ``fwd_res``
+/ ``bwd_res`` on padded inputs, g and beta float32, an initial state always given) with
+the family's ``KernelConfig``; its op checks its own arguments first.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
+
+from zeco_jax import _checks
+from zeco_jax._vma import match_varying
+from zeco_jax.ops import _dispatch
+from zeco_jax.runtime import target
+from zeco_jax.runtime.target import platform_of
+
+
+def check_kernel_config(kernel_config, *, family, name):
+  """None, or the family's ``pallas_kernels.<family>.KernelConfig``."""
+  if kernel_config is None:
+    return
+  if not _dispatch.kernels_installed() or not isinstance(
+      kernel_config, _dispatch.kernel_package().config_type(family)):
+    raise ValueError(f"{name}: `kernel_config` must be a pallas_kernels.{family}."
+                     f"KernelConfig or None (the default for the target and shape), got "
+                     f"{kernel_config!r}. Build one with pallas_kernels.{family}."
+                     "default_config(platform, B, T, H, K, V, dtype).")
+
+
+def kernel_setup(backend, kernel_config, arrays, B, T, H, K, V, dtype, *, family, name):
+  """``(backend, config)``: the backend resolved for the platform ``arrays`` are compiled
+  for (:func:`zeco_jax.ops._dispatch.resolve_backend`), and the kernels' launch
+  configuration (None on the jnp path)."""
+  check_kernel_config(kernel_config, family=family, name=name)
+  found = target.target_of(*arrays)
+  backend = _dispatch.resolve_backend(backend, family=family, name=name,
+                                      platform=found.platform)
+  if backend == "jax":
+    return backend, None
+  return backend, kernel_config or _dispatch.kernel_package().family_default_config(
+      family, found.platform, B, T, H, K, V, dtype, sm_count=found.num_cores)
+
+
+def check_kernel_dims(K, V, chunk_size, *, name):
+  """The kernels' shape contract, as a ValueError at trace time."""
+  for arg, d in (("K (q.shape[-1])", K), ("chunk_size", chunk_size)):
+    if d < 16 or d & (d - 1):
+      raise ValueError(f"{name}: backend='pallas' needs {arg} a power of two >= 16, got {d}; "
+                       "use backend='jax' for other sizes.")
+  if V < 16 or V % 16:
+    raise ValueError(f"{name}: backend='pallas' needs V (v.shape[-1]) a multiple of 16, got "
+                     f"{V}; use backend='jax' for other sizes.")
+
+
+def _kernels(family, config):
+  return _dispatch.kernels(family, config.platform)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _core(q, k, v, g, beta, h0, scale, chunk_size, family, config):
+  """The family's kernels on padded inputs: ``(o, final_state)``."""
+  return _kernels(family, config).fwd(q, k, v, g, beta, scale=scale, initial_state=h0,
+                                      chunk_size=chunk_size, config=config)
+
+
+def _core_fwd(q, k, v, g, beta, h0, scale, chunk_size, family, config):
+  q, k, v, g, beta, h0 = (x.value for x in (q, k, v, g, beta, h0))
+  out, res = _kernels(family, config).fwd_res(q, k, v, g, beta, scale=scale, initial_state=h0,
+                                              chunk_size=chunk_size, config=config)
+  return out, (q, k, v, g, beta, h0, res)          # the inputs and one state per chunk
+
+
+def _core_bwd(scale, chunk_size, family, config, res, cotangents):
+  q, k, v, g, beta, h0, kept = res
+  do, dht = cotangents
+  if isinstance(do, SymbolicZero):
+    do = jnp.zeros(do.shape, do.dtype)
+  if isinstance(dht, SymbolicZero):
+    dht = jnp.zeros(dht.shape, dht.dtype)
+  dq, dk, dv, dg, dbeta, dh0 = _kernels(family, config).bwd_res(
+      kept, q, k, v, g, beta, do, dht, scale=scale, initial_state=h0, chunk_size=chunk_size,
+      config=config)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg.astype(g.dtype),
+          dbeta.astype(beta.dtype), dh0.astype(h0.dtype))
+
+
+_core.defvjp(_core_fwd, _core_bwd, symbolic_zeros=True)
+
+
+def kernel_recurrence(q, k, v, g, beta, h0, scale, C, config, *, family):
+  """``(o [B, T, H, V] in v's dtype, final float32)`` by the family's kernels: pads T to a
+  multiple of C (tokens that change nothing) and g, beta to float32; h0 None means zeros."""
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  h0 = jnp.zeros((B, H, K, V), jnp.float32) if h0 is None else h0.astype(jnp.float32)
+  padded = [_checks.pad_time(x, C) for x in (q, k, v, g.astype(jnp.float32),
+                                            beta.astype(jnp.float32))]
+  arrays = [*padded, h0]
+  arrays = [match_varying(x, *arrays) for x in arrays]
+  o, final = _core(*arrays, scale, C, family, config)
+  return o[:, :T], final
+
+
+def widened(q, k, v, g, beta, h0, scale, C, augment, *, family, config):
+  """The jnp ``chunk_recurrence`` contract (``zeco_jax._chunks``) on the kernels: with
+  ``augment`` the state is widened by K columns (v gets K zero columns, the initial state
+  the identity there), so the kernels carry the prefix products of the chunk transitions
+  (the segment transition and the fix-up rows of the local pass)."""
+  if augment:
+    B, _, H, K = q.shape
+    V = v.shape[-1]
+    v = jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (K,), v.dtype)], -1)
+    base = jnp.zeros((B, H, K, V), jnp.float32) if h0 is None else h0.astype(jnp.float32)
+    h0 = jnp.concatenate([base, jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, H, K, K))],
+                         -1)
+  return kernel_recurrence(q, k, v, g, beta, h0, scale, C, config, family=family)
+
+
+def sharded_backend(backend, kernel_config, q, mesh, args, chunk_size, *, family, name):
+  """A sequence-parallel op's backend, resolved for the mesh's platform (its arguments
+  checked at trace time, before the shard_map)."""
+  check_kernel_config(kernel_config, family=family, name=name)
+  backend = _dispatch.resolve_backend(backend, family=family, name=name,
+                                      platform=platform_of(q, mesh=mesh))
+  if backend == "pallas":
+    check_kernel_dims(args.K, args.V, chunk_size, name=name)
+  return backend
+
+
+def local_pass_ops(backend, kernel_config, q, args, chunk_size, *, family, name, recurrence,
+                   chunked_op):
+  """``(recurrence, chunked_op)`` of a delta-rule family's local pass
+  (:func:`zeco_jax._chunks.local_pass`): the jnp ones given, or on the kernels the widened
+  state (:func:`widened`, a configuration for V + K columns) and the op with
+  ``backend="pallas"``."""
+  backend, config = kernel_setup(backend, kernel_config, (q,), args.B, args.T, args.H, args.K,
+                                 args.V + args.K, q.dtype, family=family, name=name)
+  if backend == "jax":
+    return recurrence, chunked_op
+  check_kernel_dims(args.K, args.V, chunk_size, name=name)
+  return (functools.partial(widened, family=family, config=config),
+          functools.partial(chunked_op, backend="pallas", kernel_config=kernel_config))
