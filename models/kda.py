@@ -20,12 +20,14 @@ from flax import nnx
 from models.config import LMConfig
 from models.lm import residual_out_std
 from zeco_jax.nn import KimiDeltaAttention
+from zeco_jax.ops._dispatch import BACKENDS
 
 
 @dataclasses.dataclass(frozen=True)
 class KDAConfig(LMConfig):
   """The KDA model: :class:`~models.config.LMConfig`'s fields and the decay's bound."""
   kda_lower_bound: Optional[float] = None   # FLA's lower_bound of the log-decay (e.g. -5)
+  backend: str = "auto"                     # chunk_kda / zeco_kda backend
 
   @property
   def head_dim(self) -> int:
@@ -41,6 +43,8 @@ class KDAConfig(LMConfig):
     if self.kda_lower_bound is not None and not self.kda_lower_bound < 0:
       raise ValueError(f"model.kda_lower_bound must be None or negative (e.g. -5), got "
                        f"{self.kda_lower_bound!r}")
+    if self.backend not in BACKENDS:
+      raise ValueError(f"model: backend must be one of {BACKENDS}, got {self.backend!r}")
 
 
 def kda_layer(cfg: KDAConfig, *, rngs: nnx.Rngs) -> KimiDeltaAttention:
@@ -50,4 +54,4 @@ def kda_layer(cfg: KDAConfig, *, rngs: nnx.Rngs) -> KimiDeltaAttention:
       conv_size=cfg.conv_size, norm_eps=cfg.norm_eps, init_std=cfg.init_std,
       output_init_std=residual_out_std(cfg), chunk_size=cfg.chunk_size, seq_axis=cfg.seq_axis,
       seq_method=cfg.seq_method, num_blocks=cfg.num_blocks, group_size=cfg.seq_group_size,
-      rngs=rngs)
+      backend=cfg.backend, rngs=rngs)

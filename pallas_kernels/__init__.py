@@ -16,6 +16,9 @@ families that have kernels and :data:`KERNEL_PLATFORMS` the platforms each has t
   v6e and checked in the interpreter; not yet run on a TPU chip), ``"cpu"`` the GPU
   kernels in the interpreter. Its launch configuration: ``gated_delta.KernelConfig`` and
   ``gated_delta.default_config`` (:func:`config_type`, :func:`family_default_config`).
+* ``"kda"`` (:mod:`pallas_kernels.kda`): Kimi Delta Attention, ``"gpu"`` Triton-lowered
+  kernels (:mod:`pallas_kernels.kda.gpu`; lowered to Triton IR on a CPU host and exact in
+  the interpreter, not yet run on a GPU) and ``"cpu"`` the same in the interpreter.
 
 Shared by every family: :mod:`pallas_kernels._launch` (the launch, dots, tiles, layouts),
 :mod:`pallas_kernels._config` (``Launch``, the config checks) and
@@ -27,8 +30,9 @@ from pallas_kernels._config import PLATFORMS, Launch
 from pallas_kernels.gla.config import KernelConfig, default_config
 from pallas_kernels.protocol import ChunkKernels
 
-FAMILIES = ("gla", "gated_delta")
-KERNEL_PLATFORMS = {"gla": ("cpu", "gpu", "tpu"), "gated_delta": ("cpu", "gpu", "tpu")}
+FAMILIES = ("gla", "gated_delta", "kda")
+KERNEL_PLATFORMS = {"gla": ("cpu", "gpu", "tpu"), "gated_delta": ("cpu", "gpu", "tpu"),
+                    "kda": ("cpu", "gpu")}
 
 
 def _check_family(family: str) -> None:

@@ -139,8 +139,8 @@ def test_backend_per_platform_and_defaults():
   assert all(isinstance(m, pallas_kernels.ChunkKernels) for m in (gpu, tpu))
   with pytest.raises(ValueError, match="platform"):
     pallas_kernels.backend("gla", "cuda")
-  with pytest.raises(ValueError, match="no kernels for family 'kda'"):
-    pallas_kernels.backend("kda", "gpu")
+  with pytest.raises(ValueError, match="no kernels for family 'mamba'"):
+    pallas_kernels.backend("mamba", "gpu")
   shape = (1, 64, 1, 64, 64, jnp.float32)
   assert pallas_kernels.default_config("cpu", *shape).interpret
   assert not pallas_kernels.default_config("gpu", *shape).interpret

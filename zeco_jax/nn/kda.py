@@ -40,23 +40,27 @@ from zeco_jax.ops.kda.op import chunk_kda
 from zeco_jax.ops.kda.parallel import zeco_kda
 from zeco_jax.ops.kda.recurrent import fused_recurrent_kda
 from zeco_jax.sp import shard
+from zeco_jax._checks import check_choice
+from zeco_jax.ops._dispatch import BACKENDS
 from zeco_jax.sp.scan import SCAN_METHODS, check_group_size
 
 
 def kda_op(q, k, v, g, beta, *, mesh=None, seq_axis: str = "seq", seq_method: str = "all_scan",
            num_blocks: Optional[int] = None, group_size: Optional[int] = None,
-           chunk_size: int = 64, segment_ids=None, output_final_state: bool = False):
+           chunk_size: int = 64, segment_ids=None, output_final_state: bool = False,
+           backend: str = "auto"):
   """KDA with l2-normalised q, k: ``zeco_kda`` over ``seq_axis`` when that mesh axis has
   size > 1, else ``chunk_kda``. Returns o, and with ``output_final_state``
   ``(o, final_state)``."""
   if shard.seq_size(mesh, seq_axis) > 1:
     o, final = zeco_kda(q, k, v, g, beta, mesh=mesh, seq_axis=seq_axis, method=seq_method,
                         num_blocks=num_blocks, group_size=group_size, chunk_size=chunk_size,
-                        use_qk_l2norm=True, segment_ids=segment_ids,
+                        use_qk_l2norm=True, segment_ids=segment_ids, backend=backend,
                         output_final_state=output_final_state)
   else:
     o, final = chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, use_qk_l2norm=True,
-                         segment_ids=segment_ids, output_final_state=output_final_state)
+                         segment_ids=segment_ids, backend=backend,
+                         output_final_state=output_final_state)
   return (o, final) if output_final_state else o
 
 
@@ -72,7 +76,8 @@ class KimiDeltaAttention(TokenMixer):
     use_short_conv, conv_size: causal short convolution (+ SiLU) on q, k and v.
     norm_eps, init_std, output_init_std: the output norm's epsilon; std of the
       projections and of the output projection (default ``init_std``).
-    chunk_size, seq_axis, seq_method, num_blocks, group_size: passed to the op.
+    chunk_size, seq_axis, seq_method, num_blocks, group_size, backend: passed to the op
+      (``backend``: ``"auto"``, ``"jax"`` or ``"pallas"``, as in :func:`zeco_jax.chunk_kda`).
   """
 
   def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int, expand_v: float = 1.0,
@@ -81,7 +86,7 @@ class KimiDeltaAttention(TokenMixer):
                output_init_std: Optional[float] = None, chunk_size: int = 64,
                seq_axis: str = "seq", seq_method: str = "all_scan",
                num_blocks: Optional[int] = None, group_size: Optional[int] = None,
-               rngs: nnx.Rngs):
+               backend: str = "auto", rngs: nnx.Rngs):
     for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads),
                         ("head_dim", head_dim), ("chunk_size", chunk_size),
                         ("conv_size", conv_size)):
@@ -98,12 +103,14 @@ class KimiDeltaAttention(TokenMixer):
       raise ValueError(f"KimiDeltaAttention: seq_method must be one of {tuple(SCAN_METHODS)}, "
                        f"got {seq_method!r}")
     check_group_size(group_size, seq_method, name="KimiDeltaAttention")
+    check_choice(backend, BACKENDS, arg="backend", name="KimiDeltaAttention")
     D, H, R = hidden_size, num_heads, int(round(head_v))
     Kd, Vd = H * head_dim, H * R
     out_std = init_std if output_init_std is None else output_init_std
     self.num_heads, self.use_short_conv, self.lower_bound = H, use_short_conv, lower_bound
     self.chunk_size, self.seq_axis, self.conv_size = chunk_size, seq_axis, conv_size
     self.seq_method, self.num_blocks, self.group_size = seq_method, num_blocks, group_size
+    self.backend = backend
     init_qkv(self, rngs, D, Kd, Vd, init_std)
     self.f_down = normal_param(rngs, (D, R), init_std, ("embed", None))
     self.f_up = normal_param(rngs, (R, Kd), init_std, (None, "heads"))
@@ -159,7 +166,7 @@ class KimiDeltaAttention(TokenMixer):
     out = kda_op(q, k, v, g, beta.astype(v.dtype), mesh=mesh, seq_axis=self.seq_axis,
                  seq_method=self.seq_method, num_blocks=self.num_blocks,
                  group_size=self.group_size, chunk_size=self.chunk_size,
-                 segment_ids=segment_ids, output_final_state=tails)
+                 segment_ids=segment_ids, backend=self.backend, output_final_state=tails)
     o, state = out if tails else (out, None)
     return self._output(o, x_BxTxD), (LayerCache(state, conv) if tails else None)
 

@@ -137,11 +137,12 @@ def test_argument_errors():
     chunk_kda(q, k, v, g, beta, initial_state=h0[..., :4])
   with pytest.raises(ValueError, match="segment_ids"):
     chunk_kda(q, k, v, g, beta, segment_ids=jnp.zeros((B, 31), jnp.int32))
-  with pytest.raises(ValueError, match="KDA has no Pallas kernels yet"):
+  with pytest.raises(ValueError, match=r"backend='pallas' needs K \(q.shape\[-1\]\) a power "
+                                       r"of two >= 16, got 8"):
     chunk_kda(q, k, v, g, beta, backend="pallas")
   with pytest.raises(ValueError, match="unknown `backend` 'triton'"):
     chunk_kda(q, k, v, g, beta, backend="triton")
-  with pytest.raises(ValueError, match="`kernel_config` must be None"):
+  with pytest.raises(ValueError, match="`kernel_config` must be a pallas_kernels.kda.KernelConfig"):
     chunk_kda(q, k, v, g, beta, kernel_config=object())
   with pytest.raises(ValueError, match="`g` \\(log-decay per key channel"):
     recurrent_kda(q, k, v, g[:, :, :1], beta)

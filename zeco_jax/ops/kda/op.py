@@ -6,8 +6,14 @@ per key channel), the write strength beta ``[B, T, H]`` in (0, 1) and float32 st
 :mod:`zeco_jax.ops.kda.chunked`; FLA's gate (``g`` from the layer's projections) is
 :func:`zeco_jax.ops.kda.gate.kda_gate`.
 
-What it does not do: Pallas kernels (``backend="pallas"`` is refused, never silently
-replaced by the jnp path), grouped value heads (FLA's ``HV > H``), the gate or
+Two implementations, chosen by ``backend=``: ``"jax"`` the jnp chunked form (any
+platform), ``"pallas"`` the family's Pallas kernels (``pallas_kernels.backend("kda",
+platform)``: Triton on GPU, the same kernels in the interpreter on CPU; no TPU kernels),
+behind the delta-rule families' custom_vjp (:mod:`zeco_jax.ops._delta_kernels`: the
+inputs and the chunk states kept). ``"auto"``: the kernels on GPU, the jnp path on CPU and
+TPU (said once).
+
+What it does not do: grouped value heads (FLA's ``HV > H``), the gate or
 ``sigmoid(beta)`` inside the op (FLA's ``use_gate_in_kernel``,
 ``use_beta_sigmoid_in_kernel``: call :func:`~zeco_jax.ops.kda.gate.kda_gate` and
 ``jax.nn.sigmoid`` first).
@@ -19,8 +25,10 @@ import jax.numpy as jnp
 from zeco_jax import _checks
 from zeco_jax import segments
 from zeco_jax._linalg import l2norm
-from zeco_jax.ops._dispatch import BACKENDS
+from zeco_jax.ops._delta_kernels import check_kernel_dims, kernel_recurrence, kernel_setup
 from zeco_jax.ops.kda.chunked import chunk_recurrence
+
+FAMILY = "kda"
 
 
 def check_inputs(q, k, v, g, beta, initial_state, scale, *, name, chunk_size=None):
@@ -43,17 +51,6 @@ def check_inputs(q, k, v, g, beta, initial_state, scale, *, name, chunk_size=Non
   return args
 
 
-def check_backend(backend, kernel_config, *, name):
-  """``backend`` is one of ``BACKENDS`` and runs the jnp path: KDA has no kernels yet."""
-  _checks.check_choice(backend, BACKENDS, arg="backend", name=name)
-  if backend == "pallas":
-    raise ValueError(f"{name}: backend='pallas': KDA has no Pallas kernels yet (only GLA "
-                     "does). Use backend='jax' or 'auto', which run the jnp chunked form.")
-  if kernel_config is not None:
-    raise ValueError(f"{name}: `kernel_config` must be None, got {kernel_config!r}: KDA has "
-                     "no Pallas kernels yet, so there is nothing to configure.")
-
-
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm=False, chunk_size=64, segment_ids=None, backend="auto",
               kernel_config=None):
@@ -73,9 +70,11 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     segment_ids: None or integer ``[B, T]`` packed documents (docs/design.md §10): a
       document start gets the log-decay ``segments.RESET_LOG_DECAY`` on every channel;
       negative ids are padding.
-    backend: ``"auto"`` or ``"jax"``: the jnp chunked form (the only one; ``"pallas"``
-      raises a ValueError until KDA has kernels).
-    kernel_config: must be None (no kernels to configure).
+    backend: ``"auto"``, ``"jax"`` or ``"pallas"`` (module docstring). The kernels need K
+      and chunk_size powers of two >= 16 and V a multiple of 16.
+    kernel_config: a ``pallas_kernels.kda.KernelConfig`` for the kernels, or None (the
+      default for the target). A static argument: each configuration compiles its own
+      program. Ignored by the jnp path.
 
   Returns:
     ``(o, final_state)``: o ``[B, T, H, V]`` in v's dtype; final_state float32 or None.
@@ -89,12 +88,20 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
   name = "chunk_kda"
   args = check_inputs(q, k, v, g, beta, initial_state, scale, name=name,
                       chunk_size=chunk_size)
-  check_backend(backend, kernel_config, name=name)
+  backend, config = kernel_setup(backend, kernel_config, (q, k, v, g, beta, initial_state),
+                                 args.B, args.T, args.H, args.K, args.V, q.dtype,
+                                 family=FAMILY, name=name)
+  if backend == "pallas":
+    check_kernel_dims(args.K, args.V, chunk_size, name=name)
   if use_qk_l2norm:
     q, k = l2norm(q), l2norm(k)
   if segment_ids is not None:
     segments.check_segment_ids(segment_ids, args.B, args.T, name=name)
     q, k, g = segments.apply(q, k, g, segment_ids)
   h0 = None if initial_state is None else initial_state.astype(jnp.float32)
-  o, final = chunk_recurrence(q, k, v, g, beta, h0, args.scale, chunk_size, False)
+  if backend == "pallas":
+    o, final = kernel_recurrence(q, k, v, g, beta, h0, args.scale, chunk_size, config,
+                                 family=FAMILY)
+  else:
+    o, final = chunk_recurrence(q, k, v, g, beta, h0, args.scale, chunk_size, False)
   return o.astype(v.dtype), (final if output_final_state else None)

@@ -32,8 +32,9 @@ from __future__ import annotations
 from zeco_jax import _chunks
 from zeco_jax import segments
 from zeco_jax._linalg import l2norm
+from zeco_jax.ops._delta_kernels import local_pass_ops, sharded_backend
 from zeco_jax.ops.kda.chunked import chunk_recurrence
-from zeco_jax.ops.kda.op import check_inputs, chunk_kda
+from zeco_jax.ops.kda.op import FAMILY, check_inputs, chunk_kda
 from zeco_jax.sp import scan as _scan
 from zeco_jax.sp import shard
 
@@ -49,7 +50,8 @@ def _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, grou
 
 def zeco_kda_local(q, k, v, g, beta, *, axis_name, method="all_scan", num_blocks=None,
                    chunk_size=64, scale=None, initial_state=None, output_final_state=False,
-                   use_qk_l2norm=False, segment_ids=None, group_size=None):
+                   use_qk_l2norm=False, segment_ids=None, group_size=None, backend="auto",
+                   kernel_config=None):
   """The per-shard body of :func:`zeco_kda`, inside the caller's shard_map.
 
   Takes this rank's contiguous segment (``q, k, g [B, L, H, K]``, ``beta [B, L, H]``) and
@@ -57,14 +59,19 @@ def zeco_kda_local(q, k, v, g, beta, *, axis_name, method="all_scan", num_blocks
   whole sequence (the same on every rank). Returns ``(o, state_after_segment)``; on the
   last rank that state is the final state of the sequence. ``segment_ids`` ``[B, L]`` is
   this rank's slice of the packed rows' document ids (docs/design.md §10).
+  ``backend``, ``kernel_config``: as in :func:`zeco_jax.chunk_kda`; the kernels run on
+  V + K value columns (the widened state), so a ``kernel_config`` is for that width.
   """
   name = "zeco_kda_local"
   args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, group_size,
                      name=name)
+  recurrence, chunked_op = local_pass_ops(
+      backend, kernel_config, q, args, chunk_size, family=FAMILY, name=name,
+      recurrence=chunk_recurrence, chunked_op=chunk_kda)
   if use_qk_l2norm:
     q, k = l2norm(q), l2norm(k)
   o, after = _chunks.local_pass(
-      q, k, v, g, beta, recurrence=chunk_recurrence, chunked_op=chunk_kda, axis_name=axis_name,
+      q, k, v, g, beta, recurrence=recurrence, chunked_op=chunked_op, axis_name=axis_name,
       method=method, num_blocks=num_blocks, group_size=group_size, chunk_size=chunk_size,
       scale=args.scale, initial_state=initial_state, segment_ids=segment_ids, name=name)
   return o, (after if output_final_state else None)
@@ -73,7 +80,7 @@ def zeco_kda_local(q, k, v, g, beta, *, axis_name, method="all_scan", num_blocks
 def zeco_kda(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method="all_scan",
              num_blocks=None, chunk_size=64, scale=None, initial_state=None,
              output_final_state=False, use_qk_l2norm=False, segment_ids=None,
-             group_size=None):
+             group_size=None, backend="auto", kernel_config=None):
   """Sequence-parallel Kimi Delta Attention over the mesh axis ``seq_axis`` (docs/design.md
   §13).
 
@@ -91,6 +98,9 @@ def zeco_kda(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method="all_scan",
       :func:`zeco_jax.chunk_kda`.
     segment_ids: None or integer ``[B, T]`` (split over ``seq_axis`` like q): packed
       documents (docs/design.md §10); a rank holding a document start has transition 0.
+    backend, kernel_config: the local pass's implementation, as in
+      :func:`zeco_jax.chunk_kda`; ``"auto"`` picks by the mesh's platform. With the
+      kernels the shard_map is manual over every mesh axis.
 
   Returns:
     ``(o, final_state)``: o sharded like q; the float32 final state replicated over
@@ -99,7 +109,13 @@ def zeco_kda(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method="all_scan",
   name = "zeco_kda"
   args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, group_size,
                      name=name)
-  spec = shard.shard_spec(q, mesh=mesh, seq_axis=seq_axis, name=name)
+  mesh = shard.mesh_or_context(mesh, name=name)
+  backend = sharded_backend(backend, kernel_config, q, mesh, args, chunk_size, family=FAMILY,
+                            name=name)
+  # Pallas calls do not carry shard_map's varying-axes types through their bodies, so that
+  # check is off around them (as zeco_gla does).
+  spec = shard.shard_spec(q, mesh=mesh, seq_axis=seq_axis, every_axis=backend == "pallas",
+                          check_vma=backend != "pallas", name=name)
   _scan.resolve_num_blocks(num_blocks, method, spec.seq_axis_size,
                            4 * args.B * args.H * args.K * args.V, args.V, name=name,
                            group_size=group_size)
@@ -107,7 +123,8 @@ def zeco_kda(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method="all_scan",
     segments.check_segment_ids(segment_ids, args.B, args.T, name=name)
   options = dict(method=method, num_blocks=num_blocks, chunk_size=chunk_size,
                  scale=args.scale, output_final_state=output_final_state,
-                 use_qk_l2norm=use_qk_l2norm, group_size=group_size)
+                 use_qk_l2norm=use_qk_l2norm, group_size=group_size, backend=backend,
+                 kernel_config=kernel_config)
   arrays = (q, k, v, g, beta, segment_ids, initial_state)
   in_specs = tuple(None if x is None else spec.tokens(x.ndim) for x in arrays[:6]) + (
       None if initial_state is None else spec.state(),)

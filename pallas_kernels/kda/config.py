@@ -1,0 +1,101 @@
+"""Launch configuration of the Kimi Delta Attention Pallas kernels: one frozen, hashable
+value.
+
+:class:`KernelConfig` says which platform's kernels run, whether in the Pallas
+interpreter, and each GPU kernel's launch (a :class:`pallas_kernels.Launch` per stage,
+the GLA kernels' launch type). An op passes it to its custom_vjp as a static argument, so
+two configurations are two programs and nothing else is read while tracing.
+:func:`default_config` is the one place defaults are chosen. They are guesses, not
+measurements: no GPU has run these kernels yet (the tiles follow Gated DeltaNet's
+measured defaults, ``benchmarks/results/gdn_h200.md``, with smaller K slices where a
+kernel holds several per-channel ``[16, kd]`` decay tiles at once).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from pallas_kernels._config import Launch, check_config
+
+# Every kernel's launch, by stage (module docstring of pallas_kernels.kda.gpu).
+STAGE_DEFAULTS = {
+    "intra": Launch(kd=64, warps=4, stages=1),   # A and P per chunk (kd: the K slice), T
+    "wu": Launch(bv=64, warps=4, stages=1),      # w, u, kd, e^gamma per chunk (K / V tile)
+    "walk": Launch(bv=16, warps=4, stages=2),    # the forward state walk (h, v_new)
+    "out": Launch(bk=64, bv=64, warps=4, stages=2),   # the output per chunk and V tile
+    "vnew": Launch(bv=128, warps=4, stages=2),   # backward: v_new and the local dv per V tile
+    "dwalk": Launch(bv=16, warps=4, stages=2),   # backward: the state-gradient walk
+    "dqk": Launch(bv=64, warps=4, stages=1),     # backward: state terms of dq, dk, dg; dw, dP
+    "dwy": Launch(bv=64, warps=4, stages=1),     # backward: through w, u and T; dA
+    "dpairs": Launch(kd=32, warps=4, stages=1),  # backward: through A and P (kd: K slice)
+}
+FLAGS = ("interpret", "states_in_input_dtype")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Which KDA kernels run and how: one frozen, hashable value.
+
+  ``platform``: ``"gpu"`` (Triton lowering) or ``"cpu"`` (the GPU kernels in the Pallas
+  interpreter); KDA has no Mosaic TPU kernels. ``interpret``: run in the interpreter
+  (required for ``"cpu"``). One :class:`~pallas_kernels.Launch` per GPU stage
+  (:data:`STAGE_DEFAULTS`); ``bv`` caps the K / V tile, ``kd`` the K slice of the kernels
+  that form per-channel pairwise decays. ``states_in_input_dtype``: the chunk states kept
+  for the backward and their cotangents are stored in the input dtype (the dots read
+  them so), else float32.
+
+  Change one with :meth:`replace` (``cfg.replace(walk_bv=32, dpairs_kd=64)``).
+  """
+  platform: str = "gpu"
+  interpret: bool = False
+  intra: Launch = STAGE_DEFAULTS["intra"]
+  wu: Launch = STAGE_DEFAULTS["wu"]
+  walk: Launch = STAGE_DEFAULTS["walk"]
+  out: Launch = STAGE_DEFAULTS["out"]
+  vnew: Launch = STAGE_DEFAULTS["vnew"]
+  dwalk: Launch = STAGE_DEFAULTS["dwalk"]
+  dqk: Launch = STAGE_DEFAULTS["dqk"]
+  dwy: Launch = STAGE_DEFAULTS["dwy"]
+  dpairs: Launch = STAGE_DEFAULTS["dpairs"]
+  states_in_input_dtype: bool = True
+
+  def __post_init__(self):
+    if self.platform == "tpu":
+      raise ValueError("kda KernelConfig: `platform` must be 'gpu' or 'cpu' (KDA has no "
+                       "TPU kernels), got 'tpu'.")
+    check_config(self, stage_defaults=STAGE_DEFAULTS, flags=FLAGS, label="kda KernelConfig")
+    for stage in STAGE_DEFAULTS:
+      launch = getattr(self, stage)
+      for field in ("kd", "bk", "bv"):
+        value = getattr(launch, field)
+        if value is not None and (value < 16 or value & (value - 1)):
+          raise ValueError(f"kda KernelConfig: `{stage}_{field}` must be a power of two "
+                           f">= 16 (a tile that feeds a dot), got {value}.")
+
+  def replace(self, **changes) -> "KernelConfig":
+    """A copy with ``changes``: flags, whole stages or ``<stage>_<field>`` names."""
+    top, stages = {}, {}
+    for name, value in changes.items():
+      if name in ("platform", *FLAGS, *STAGE_DEFAULTS):
+        top[name] = value
+        continue
+      stage, _, field = name.partition("_")
+      if stage not in STAGE_DEFAULTS or field not in STAGE_DEFAULTS[stage].set():
+        names = [f"{s}_{f}" for s, d in STAGE_DEFAULTS.items() for f in d.set()]
+        raise ValueError(f"kda KernelConfig: unknown setting {name!r}; the stage fields "
+                         f"are {', '.join(names)}; the flags {', '.join(FLAGS)}.")
+      stages.setdefault(stage, {})[field] = value
+    for stage, fields in stages.items():
+      top[stage] = dataclasses.replace(top.get(stage, getattr(self, stage)), **fields)
+    return dataclasses.replace(self, **top)
+
+
+def default_config(platform: str, B: int, T: int, H: int, K: int, V: int, dtype, *,
+                   sm_count: Optional[int] = None) -> KernelConfig:
+  """The default :class:`KernelConfig` for a target (:data:`STAGE_DEFAULTS`, unmeasured).
+  The shape and ``sm_count`` are in the signature for per-shape defaults to come."""
+  del B, T, H, K, V, dtype, sm_count
+  if platform not in ("cpu", "gpu"):
+    raise ValueError(f"kda default_config: `platform` must be 'gpu' or 'cpu' (KDA has no "
+                     f"TPU kernels), got {platform!r}.")
+  return KernelConfig(platform=platform, interpret=platform == "cpu")

@@ -1,0 +1,92 @@
+"""The GPU backend of Kimi Delta Attention: Pallas kernels lowered through Triton,
+composed into fwd / bwd (with ``config.interpret`` the same kernels run in the Pallas
+interpreter).
+
+Same contract as ``zeco_jax.ops.kda.chunked`` (padded, validated inputs; layout
+``[B, T, H, D]``; g float32 ``[B, T, H, K]`` (<= 0), beta float32 ``[B, T, H]``;
+initial_state float32 ``[B, H, K, V]``; T a multiple of the chunk), plus the launch
+configuration ``config`` (:class:`pallas_kernels.kda.KernelConfig`):
+
+  fwd: A, P and T = (I + A)^{-1} per chunk (kda_intra) -> w, u, kd, e^{gamma} (kda_wu)
+       -> state walk (h, v_new, final) -> output
+  bwd: T, P, w, u, kd, e^{gamma} (recomputed) and qb = scale e^{b} * q
+       -> v_new and its local cotangent (from the kept states) -> state-gradient walk
+       (dH, dv_new, dh0) -> dq, dk, dg through the state terms, dw, dP (kda_dqk)
+       -> through w, u and T: dk, dv, dbeta, dg, dA (kda_dwy)
+       -> through A and P: dq, dk, dg, dbeta (kda_dpairs)
+
+The forward keeps the chunk states h ``[B, H, N, K, V]`` (one state per chunk, nothing
+per token) as its :class:`Residual`; the backward recomputes everything per token.
+Exactness (:mod:`pallas_kernels.kda.chunk`, :mod:`pallas_kernels.kda.pairs`): every
+exponent is a sum of g over exactly the tokens it spans, and the decay gradient sums
+exactly the terms whose span holds each token, so g down to -5 per token and channel
+and the documents' -1e4 sentinel are exact to float32 rounding.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+
+from pallas_kernels import _delta
+from pallas_kernels._launch import F32
+from pallas_kernels.kda import chunk
+from pallas_kernels.kda import pairs
+from pallas_kernels.kda import walk
+
+
+class Residual(NamedTuple):
+  """What ``fwd_res`` keeps for ``bwd_res``: the state entering each chunk."""
+  h: jax.Array
+
+
+def check_dims(K: int, V: int, C: int) -> None:
+  _delta.check_dims(K, V, C, family="kda")
+
+
+def _store(config, dtype):
+  return dtype if config.states_in_input_dtype else F32
+
+
+def fwd_res(q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
+  """((o, final_state), :class:`Residual`)."""
+  check_dims(q.shape[-1], v.shape[-1], chunk_size)
+  kw = dict(chunk_size=chunk_size, config=config)
+  Tinv, P = pairs.intra(q, k, g, beta, **kw)
+  w, u, kd, eg = chunk.wu(Tinv, k, v, g, beta, **kw)
+  h, vn, final = walk.state_walk(w, u, kd, eg, initial_state,
+                                 store_dtype=_store(config, k.dtype), **kw)
+  o = chunk.output(q, g, P, vn, h, scale=scale, **kw)
+  return (o, final), Residual(h)
+
+
+def fwd(q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
+  return fwd_res(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                 chunk_size=chunk_size, config=config)[0]
+
+
+def bwd_res(res, q, k, v, g, beta, do, dht, *, scale, initial_state, chunk_size, config):
+  """(dq, dk, dv, dg float32 [B, T, H, D], dbeta float32 [B, T, H], dh0): the backward;
+  ``res`` is ``fwd_res``'s :class:`Residual`, or None (the states are recomputed)."""
+  check_dims(q.shape[-1], v.shape[-1], chunk_size)
+  kw = dict(chunk_size=chunk_size, config=config)
+  store = _store(config, k.dtype)
+  do = do.astype(v.dtype)
+  Tinv, P = pairs.intra(q, k, g, beta, **kw)
+  w, u, kd, eg, qb = chunk.wu(Tinv, k, v, g, beta, q=q, scale=scale, **kw)
+  if res is None:
+    h, _, _ = walk.state_walk(w, u, kd, eg, initial_state, store_dtype=store, **kw)
+  else:
+    h = res.h
+  vn, dvl = chunk.vnew(P, w, u, h, do, scale=scale, **kw)
+  dH, dvn, dh0 = walk.grad_walk(qb, eg, w, kd, do, dvl, dht.astype(F32), store_dtype=store,
+                                **kw)
+  dq1, dk1, dw, dg1, dP = chunk.dqk(q, k, g, vn, dvn, do, h, dH, scale=scale, **kw)
+  dk2, dv, dbeta2, dg2, dA = chunk.dwy(Tinv, k, v, g, beta, dw, dvn, **kw)
+  dq3, dk3, dg3, dbeta3 = pairs.dpairs(q, k, g, beta, dP, dA, **kw)
+  return dq1 + dq3, dk1 + dk2 + dk3, dv, dg1 + dg2 + dg3, dbeta2 + dbeta3, dh0
+
+
+def bwd(q, k, v, g, beta, do, dht, *, scale, initial_state, chunk_size, config):
+  return bwd_res(None, q, k, v, g, beta, do, dht, scale=scale, initial_state=initial_state,
+                 chunk_size=chunk_size, config=config)

@@ -1,0 +1,272 @@
+"""Kimi Delta Attention's intra-chunk matrices, whose pairwise decays are per key channel
+(grid ``(B, H, N)``, one chunk per program, looping over K slices of ``kd`` channels):
+
+  A[i, j] = beta_i sum_d k[i, d] k[j, d] e^{seg[i, j, d]}   (j < i; the delta rule's reads)
+  P[i, j] = sum_d q[i, d] k[j, d] e^{seg[i, j, d]}          (j <= i; the output's scores)
+
+with ``seg[i, j, d] = sum_{j < m <= i} g[m, d]``, and T = (I + A)^{-1}.
+
+* :func:`intra` (``kda_intra``): A and P in 16-token sub-chunks, then T by 16 x 16 blocks
+  (each diagonal block by forward substitution, the blocks below by ``X_IJ = -X_II
+  sum_{J <= M < I} A_IM X_MJ``, float32 at HIGHEST precision:
+  :func:`pallas_kernels._delta.block_inverse`, verified on an H200). Writes T
+  (k's dtype) and P (float32), ``[B, T, H, C]`` each (row i of its chunk's matrix at
+  token i). A itself never leaves the kernel.
+* :func:`dpairs` (``kda_dpairs``): the backward through A and P, from their cotangents dA
+  (:func:`pallas_kernels.kda.chunk.dwy`) and dP (:func:`pallas_kernels.kda.chunk.dqk`):
+  dq, dk, dg and dbeta's parts.
+
+How the per-channel decays stay exact (no exponent is a difference of two cumulative sums
+or positive; ``zeco_jax.ops.kda.chunked._pairs`` is the jnp form of the same scheme):
+
+* A block of rows I below the diagonal against columns J < I (one tensor-core dot per
+  block pair and K slice) splits every exponent at the end of sub-chunk I - 1 into two
+  sums of g over the tokens they span: rows ``x_I e^{into_I}`` (into: g summed from the
+  start of I to the row) times columns ``k_J e^{after_J} e^{between(J, I)}`` (after: g
+  summed from after the column to the end of J; between: the totals of the whole
+  sub-chunks strictly between, a ``[kd]`` row). Each factor is <= 1.
+* A diagonal 16 x 16 block is exact in log space, one column j at a time from the last
+  (``E_j[r] = sum_{j < m <= r} g_m`` on a ``[16, kd]`` tile, carried from column to
+  column as ``E_{j-1} = E_j + g_j``, row j of k and g loaded from memory), as GLA's
+  ``gla_scores_diag``: never a dot through ``e^{-cumsum}``, whatever the decay.
+
+The decay gradient sums exactly the terms whose span holds each token. With ``dseg[i, j,
+d]`` the cotangent of the exponent (``(dP[i, j] q_i + beta_i dA[i, j] k_i) k_j e^{seg}``,
+channel d), ``dg[m] = sum_{i >= m > j} dseg[i, j]``, for m in sub-chunk M:
+
+  pairs inside M                       the diagonal loop: column j adds ``sum_{r >= m}
+                                       dseg[r, j]`` to the rows m > j (a 0 / 1 dot)
+  i in M, j in a sub-chunk before M    ``sum_{i >= m}`` of the rows' sums over those j
+  i after M, j in M                    ``sum_{j < m}`` of the columns' sums over those i
+  i after M, j before M                every token of M: the block pairs' totals
+
+where a row's sum over a block J is ``x_i e^{into_i} * (dX_IJ @ kc)_i`` and a column's
+``kc_j * (dX_IJ^T @ x e^{into})_j``, the very terms of dq and dk. Sub-chunks are taken
+last first, so the pairs spanning M (rows after M) have left their totals, ``[kd]`` rows,
+when M's gradient is formed.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels._launch import F32, block, call, dot, iota, masked_exp, unrolled
+from pallas_kernels._delta import block_inverse
+from pallas_kernels.kda.chunk import S, after, before, from_here, inclusive
+
+DIAG_UNROLL = 4              # column steps per fori_loop iteration of the diagonal loops
+
+
+class SubChunks:
+  """One chunk's K slice as 16-token sub-chunks: per-block loads (a loaded value is never
+  sliced), the sub-chunks' totals and the decay factors built from them."""
+
+  def __init__(self, g_ref, q_ref, k_ref, b, hd, n, ks, C):
+    self.L = C // S
+    self.rows = [pl.ds(n * C + I * S, S) for I in range(self.L)]
+    self.refs = dict(g=g_ref, q=q_ref, k=k_ref)
+    self.b, self.hd, self.ks = b, hd, ks
+    self.tot = [jnp.sum(self.load("g", I), axis=0) for I in range(self.L)]
+
+  def load(self, name, I):
+    return self.refs[name][self.b, self.rows[I], self.hd, self.ks].astype(F32)
+
+  def row(self, name, I, j):
+    """Row j of sub-chunk I, ``[1, kd]``."""
+    start = self.rows[I].start
+    return self.refs[name][self.b, start + j, self.hd, self.ks].astype(F32)[None, :]
+
+  def into(self, I):
+    """``e^{into}`` ``[16, kd]``: g summed from the start of I to each row."""
+    return jnp.exp(inclusive(self.load("g", I)))
+
+  def columns(self, J, I):
+    """``k_J e^{after_J + between(J, I)}`` ``[16, kd]``: the column factor of block pair
+    (I, J), J < I (a product of exps of sums of the tokens each spans, each <= 1)."""
+    kc = self.load("k", J) * jnp.exp(after(self.load("g", J)))
+    span = self.between(J, I)
+    return kc if span is None else kc * span[None, :]
+
+  def between(self, J, I):
+    """``e^{sum of the totals of sub-chunks J < M < I}`` ``[kd]`` (None if none)."""
+    acc = None
+    for M in range(J + 1, I):
+      acc = self.tot[M] if acc is None else acc + self.tot[M]
+    return None if acc is None else jnp.exp(acc)
+
+
+# --- forward: A, P and T ------------------------------------------------------------------
+
+def _diag_scores(sub, I, A, P):
+  """A and P's diagonal block of sub-chunk I added to ``A``, ``P`` (``[16, 16]``), exact in
+  log space: column j from the last, ``e^{E_j}`` shared by both."""
+  q, k = sub.load("q", I), sub.load("k", I)
+  row, col = iota((S, k.shape[1]), 0), iota((S, S), 1)
+
+  def column(i, carry):
+    A, P, E = carry                # E[r] = sum_{j < m <= r} g_m on rows r >= j
+    j = S - 1 - i
+    ke = sub.row("k", I, j) * masked_exp(row >= j, E)
+    A = A + jnp.where(col == j, jnp.sum(k * ke, axis=1)[:, None], 0.0)
+    P = P + jnp.where(col == j, jnp.sum(q * ke, axis=1)[:, None], 0.0)
+    E = jnp.where(row >= j, E + sub.row("g", I, j), 0.0)
+    return A, P, E
+
+  A, P, _ = unrolled(S, DIAG_UNROLL, column, (A, P, jnp.zeros(k.shape, F32)))
+  return A, P
+
+
+def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, t_ref, p_ref, *, C, K, KD, dt):
+  b, hd, n = (pl.program_id(i) for i in range(3))
+  L = C // S
+  pairs = [(I, J) for I in range(L) for J in range(I + 1)]
+  betas = [beta_ref[b, pl.ds(n * C + I * S, S), hd].astype(F32) for I in range(L)]
+
+  def k_slice(kk, acc):
+    sub = SubChunks(g_ref, q_ref, k_ref, b, hd, n, pl.ds(kk * KD, KD), C)
+    A, P = dict(zip(pairs, acc[0])), dict(zip(pairs, acc[1]))
+    for I in range(L):
+      into = sub.into(I)
+      qe, ke = sub.load("q", I) * into, sub.load("k", I) * into
+      for J in range(I):
+        kc = sub.columns(J, I)
+        A[I, J] = A[I, J] + dot(ke, kc, dt, tb=True)
+        P[I, J] = P[I, J] + dot(qe, kc, dt, tb=True)
+      A[I, I], P[I, I] = _diag_scores(sub, I, A[I, I], P[I, I])
+    return tuple(A[p] for p in pairs), tuple(P[p] for p in pairs)
+
+  zero = tuple(jnp.zeros((S, S), F32) for _ in pairs)
+  accA, accP = jax.lax.fori_loop(0, K // KD, k_slice, (zero, zero))
+  r, c = iota((S, S), 0), iota((S, S), 1)
+  A, P = {}, {}
+  for (I, J), a, p in zip(pairs, accA, accP):
+    A[I, J] = betas[I][:, None] * (jnp.where(r > c, a, 0.0) if I == J else a)
+    P[I, J] = jnp.where(r >= c, p, 0.0) if I == J else p
+  rows = [pl.ds(n * C + I * S, S) for I in range(L)]
+  for I in range(L):
+    for J in range(L):
+      p_ref[b, rows[I], hd, pl.ds(J * S, S)] = P[I, J] if J <= I else jnp.zeros((S, S), F32)
+  X = block_inverse(A, L)
+  for I in range(L):
+    for J in range(L):
+      blk = X[I, J] if J <= I else jnp.zeros((S, S), F32)
+      t_ref[b, rows[I], hd, pl.ds(J * S, S)] = blk.astype(t_ref.dtype)
+
+
+def intra(q, k, g, beta, *, chunk_size, config):
+  """(T = (I + A)^{-1} in k's dtype, P float32), each ``[B, T, H, C]`` (row i of its
+  chunk's matrix at token i; zero above the diagonal). P is unscaled."""
+  B, T, H, K = k.shape
+  C = chunk_size
+  kern = functools.partial(_intra_kernel, C=C, K=K, KD=block(K, config.intra.kd), dt=k.dtype)
+  out = (jax.ShapeDtypeStruct((B, T, H, C), k.dtype), jax.ShapeDtypeStruct((B, T, H, C), F32))
+  return call(kern, out, (B, H, T // C), config=config, num_warps=config.intra.warps,
+              num_stages=config.intra.stages, name="kda_intra")(q, k, g, beta)
+
+
+# --- backward: through A and P ------------------------------------------------------------
+
+def _diag_grads(sub, M, beta, dPd, dAd):
+  """The diagonal block's terms of (dq, dk, dg, dbeta) for sub-chunk M, exact in log
+  space: column j from the last, ``e^{E_j}`` shared by every term. ``dPd`` and ``dAd``
+  the block's cotangents of P and A (A's without beta)."""
+  q, k = sub.load("q", M), sub.load("k", M)
+  shape = k.shape
+  row = iota(shape, 0)
+  ri, ci = iota((S, S), 0), iota((S, S), 1)
+  dPd = jnp.where(ri >= ci, dPd, 0.0)
+  dAd = jnp.where(ri > ci, dAd, 0.0)
+  bcol = beta[:, None]
+
+  def column(i, carry):
+    dq, dk, dg, dbeta, E = carry   # E[r] = sum_{j < m <= r} g_m on rows r >= j
+    j = S - 1 - i
+    kj = sub.row("k", M, j)
+    e = masked_exp(row >= j, E)
+    pc = jnp.sum(jnp.where(ci == j, dPd, 0.0), axis=1)[:, None]       # dP[:, j]
+    ac = jnp.sum(jnp.where(ci == j, dAd, 0.0), axis=1)[:, None]       # dA[:, j]
+    ke = kj * e
+    ta = ac * ke
+    dq = dq + pc * ke                                                  # rows: sum_j
+    dbeta = dbeta + jnp.sum(k * ta, axis=1)
+    z = (pc * q + (bcol * ac) * k) * e                                 # column j's terms / k_j
+    dk = dk + bcol * ta + jnp.where(row == j, jnp.sum(z, axis=0)[None, :], 0.0)
+    # dseg[r, j] = k_j z[r] reaches the tokens m with j < m <= r: sum_{r >= m} for m > j.
+    spans = jnp.where((ci >= ri) & (ri > j), 1.0, 0.0).astype(F32)
+    dg = dg + dot(spans, kj * z, F32)
+    E = jnp.where(row >= j, E + sub.row("g", M, j), 0.0)
+    return dq, dk, dg, dbeta, E
+
+  zero = jnp.zeros(shape, F32)
+  dq, dk, dg, dbeta, _ = unrolled(S, DIAG_UNROLL, column,
+                                  (zero, zero, zero, jnp.zeros((S,), F32), zero))
+  return dq, dk, dg, dbeta
+
+
+def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref, dg_ref,
+                   dbeta_ref, *, C, K, KD, dt):
+  b, hd, n = (pl.program_id(i) for i in range(3))
+  L = C // S
+  rows = [pl.ds(n * C + I * S, S) for I in range(L)]
+  betas = [beta_ref[b, rows[I], hd].astype(F32) for I in range(L)]
+  dP = lambda I, J: dp_ref[b, rows[I], hd, pl.ds(J * S, S)]
+  dA = lambda I, J: da_ref[b, rows[I], hd, pl.ds(J * S, S)]
+
+  def k_slice(kk, dbetas):
+    ks = pl.ds(kk * KD, KD)
+    sub = SubChunks(g_ref, q_ref, k_ref, b, hd, n, ks, C)
+    dbetas = list(dbetas)
+    totals = {}                        # (I, J): sum of dseg over the block pair, [KD]
+    for M in reversed(range(L)):
+      bcol = betas[M][:, None]
+      into = sub.into(M)
+      xq, xk = sub.load("q", M) * into, sub.load("k", M) * into
+      # Rows of M against the columns of earlier sub-chunks J.
+      row_p = row_a = jnp.zeros(xq.shape, F32)
+      for J in range(M):
+        kc = sub.columns(J, M)
+        rp, ra = dot(dP(M, J), kc, dt), dot(dA(M, J), kc, dt)
+        totals[M, J] = jnp.sum(xq * rp + bcol * xk * ra, axis=0)
+        row_p, row_a = row_p + rp, row_a + ra
+      # Columns of M against the rows of later sub-chunks I.
+      col = jnp.zeros(xq.shape, F32)
+      for I in range(M + 1, L):
+        into_i = sub.into(I)
+        ci = (dot(dP(I, M), sub.load("q", I) * into_i, dt, ta=True)
+              + dot(betas[I][:, None] * dA(I, M), sub.load("k", I) * into_i, dt, ta=True))
+        span = sub.between(M, I)
+        col = col + (ci if span is None else span[None, :] * ci)
+      dk_col = jnp.exp(after(sub.load("g", M))) * col
+      dq_d, dk_d, dg_d, dbeta_d = _diag_grads(sub, M, betas[M], dP(M, M), dA(M, M))
+      dq_ref[b, rows[M], hd, ks] = into * row_p + dq_d
+      dk_ref[b, rows[M], hd, ks] = bcol * into * row_a + dk_col + dk_d
+      dbetas[M] = dbetas[M] + jnp.sum(xk * row_a, axis=1) + dbeta_d
+      through = None                   # block pairs spanning the whole of M
+      for I in range(M + 1, L):
+        for J in range(M):
+          through = totals[I, J] if through is None else through + totals[I, J]
+      dg = (dg_d + from_here(xq * row_p + bcol * xk * row_a)
+            + before(sub.load("k", M) * dk_col))
+      dg_ref[b, rows[M], hd, ks] = dg if through is None else dg + through[None, :]
+    return tuple(dbetas)
+
+  dbetas = jax.lax.fori_loop(0, K // KD, k_slice,
+                             tuple(jnp.zeros((S,), F32) for _ in range(L)))
+  for M in range(L):
+    dbeta_ref[b, rows[M], hd] = dbetas[M]
+
+
+def dpairs(q, k, g, beta, dP, dA, *, chunk_size, config):
+  """(dq, dk, dg float32 [B, T, H, K], dbeta float32 [B, T, H]): the backward through P
+  and A from their cotangents (``dP`` incl. the output's scale, ``dA`` without beta;
+  float32 ``[B, T, H, C]``)."""
+  B, T, H, K = q.shape
+  C = chunk_size
+  kern = functools.partial(_dpairs_kernel, C=C, K=K, KD=block(K, config.dpairs.kd), dt=q.dtype)
+  f32k = jax.ShapeDtypeStruct((B, T, H, K), F32)
+  out = (f32k, f32k, f32k, jax.ShapeDtypeStruct((B, T, H), F32))
+  return call(kern, out, (B, H, T // C), config=config, num_warps=config.dpairs.warps,
+              num_stages=config.dpairs.stages, name="kda_dpairs")(q, k, g, beta, dP, dA)

@@ -1,0 +1,173 @@
+"""Kimi Delta Attention's Pallas kernels (pallas_kernels/kda, the GPU kernels in the Pallas
+interpreter on CPU) against the jnp chunked form ``zeco_jax.ops.kda.chunked`` and its
+autodiff backward; their launch configuration; and the lowering to Triton for an H200 on
+this CPU host.
+
+Tolerances are relative norms: float32 forward (o, final state) <= 1e-5, gradients (dq,
+dk, dv, dg, dbeta, dh0) <= 1e-4; bf16 <= 2e-2. Inputs: g uniform in [-5, 0] per token and
+channel (and the documents' -1e4 at some tokens), beta up to 0.9999, l2-normalised k,
+random initial state and cotangents (never zeros). Shapes are tiny: the interpreter runs
+every grid point.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import abstract_mesh, rel_err
+from zeco_jax.ops.kda import chunked
+
+pytest.importorskip("pallas_kernels")
+from pallas_kernels import Launch  # noqa: E402
+from pallas_kernels import kda  # noqa: E402
+from pallas_kernels.kda import gpu  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("compile_cache")
+
+
+def _inputs(seed, B, T, H, K, V, dtype=jnp.float32, resets=()):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+  q = jax.random.normal(ks[0], (B, T, H, K))
+  k = jax.random.normal(ks[1], (B, T, H, K))
+  k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+  v = jax.random.normal(ks[2], (B, T, H, V))
+  g = jax.random.uniform(ks[3], (B, T, H, K), minval=-5.0, maxval=0.0)
+  for t in resets:                                  # a document start: every channel
+    g = g.at[:, t].set(-1e4)
+  beta = jax.random.uniform(ks[4], (B, T, H), minval=0.1, maxval=0.9999)
+  h0 = jax.random.normal(ks[5], (B, H, K, V))
+  do = jax.random.normal(ks[6], (B, T, H, V))
+  dht = jax.random.normal(ks[7], (B, H, K, V))
+  cast = lambda x: x.astype(dtype)
+  return (cast(q), cast(k), cast(v), g, beta, h0), (cast(do), dht)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "C", "config"))
+def _kernels(q, k, v, g, beta, h0, do, dht, *, scale, C, config):
+  kw = dict(scale=scale, initial_state=h0, chunk_size=C, config=config)
+  (o, final), res = gpu.fwd_res(q, k, v, g, beta, **kw)
+  return (o, final) + tuple(gpu.bwd_res(res, q, k, v, g, beta, do, dht, **kw))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "C"))
+def _reference(q, k, v, g, beta, h0, do, dht, *, scale, C):
+  f32 = lambda x: x.astype(jnp.float32)
+  ref = lambda *a: chunked.chunk_recurrence(*a, scale, C, False)
+  (o, final), vjp = jax.vjp(ref, f32(q), f32(k), f32(v), g, beta, h0)
+  return (o, final) + tuple(vjp((f32(do), dht)))
+
+
+def _check(inputs, cotangents, C, fwd_tol, grad_tol, config=None):
+  q, v = inputs[0], inputs[2]
+  B, T, H, K = q.shape
+  config = config or kda.default_config("cpu", B, T, H, K, v.shape[-1], q.dtype)
+  kw = dict(scale=K ** -0.5, C=C)
+  got = _kernels(*inputs, *cotangents, config=config, **kw)
+  want = _reference(*inputs, *cotangents, **kw)
+  names = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+  errs = {n: rel_err(a, b) for n, a, b in zip(names, got, want)}
+  assert got[0].dtype == v.dtype and got[1].dtype == jnp.float32
+  assert max(errs["o"], errs["final"]) <= fwd_tol, errs
+  assert max(errs[n] for n in names[2:]) <= grad_tol, errs
+
+
+def test_head_128_one_chunk_pair():
+  """K = V = 128, the head size users run, over two 64-token chunks."""
+  inputs, cot = _inputs(0, 1, 128, 1, 128, 128)
+  _check(inputs, cot, 64, 1e-5, 1e-4)
+
+
+# The same programs twice (the second only runs): several 16-token chunks, K != V, and
+# then document starts (-1e4 on every channel) mid-chunk and on a chunk boundary.
+@pytest.mark.parametrize("resets", [(), (5, 16, 37, 50)], ids=["decay-5", "documents"])
+def test_several_chunks(resets):
+  inputs, cot = _inputs(1, 2, 64, 2, 32, 64, resets=resets)
+  _check(inputs, cot, 16, 1e-5, 1e-4)
+
+
+def test_bf16():
+  inputs, cot = _inputs(2, 1, 64, 1, 32, 32, dtype=jnp.bfloat16)
+  _check(inputs, cot, 32, 2e-2, 2e-2)
+
+
+def test_forward_keeps_one_state_per_chunk():
+  """The residual between forward and backward is the chunk states h, nothing per token."""
+  (q, k, v, g, beta, h0), _ = _inputs(3, 1, 64, 2, 32, 16)
+  config = kda.default_config("cpu", 1, 64, 2, 32, 16, jnp.float32)
+  _, res = jax.eval_shape(functools.partial(gpu.fwd_res, scale=1.0, chunk_size=16,
+                                            config=config), q, k, v, g, beta,
+                          initial_state=h0)
+  assert [x.shape for x in jax.tree.leaves(res)] == [(1, 2, 4, 32, 16)]
+
+
+def test_default_config_and_errors():
+  cfg = kda.default_config("gpu", 1, 16384, 16, 128, 128, jnp.bfloat16)
+  assert cfg.platform == "gpu" and not cfg.interpret
+  assert hash(cfg) == hash(kda.default_config("gpu", 1, 16384, 16, 128, 128, jnp.bfloat16))
+  assert cfg.replace(dpairs_kd=64).dpairs.kd == 64
+  assert cfg.replace(out=Launch(bk=32, bv=32, warps=2, stages=1)).out.bk == 32
+  assert kda.default_config("cpu", 1, 64, 1, 16, 16, jnp.float32).interpret
+  with pytest.raises(ValueError,
+                     match="platform 'cpu' has no compiled kernels, only the Pallas interpreter"):
+    kda.KernelConfig(platform="cpu")
+  with pytest.raises(ValueError, match="unknown setting 'walk_kd'"):
+    cfg.replace(walk_kd=4)
+  with pytest.raises(ValueError, match="`intra_kd` must be a power of two >= 16"):
+    cfg.replace(intra_kd=24)
+  with pytest.raises(ValueError, match="KDA has no TPU kernels"):
+    kda.default_config("tpu", 1, 64, 1, 16, 16, jnp.float32)
+  (q, k, v, g, beta, h0), _ = _inputs(3, 1, 32, 1, 24, 16)
+  with pytest.raises(ValueError, match="K must be a power of two >= 16"):
+    gpu.fwd(q, k, v, g, beta, scale=1.0, initial_state=h0, chunk_size=16, config=cfg)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_kernels_lower_to_triton_for_a_gpu_target(dtype):
+  """Every GPU kernel of the forward and backward lowers through Pallas's Triton lowering
+  for an H200 on this CPU host (an abstract device), K = V = 128, C = 64: what the
+  interpreter does not check (Triton IR only; not compiled to PTX, not run)."""
+  mesh = abstract_mesh("gpu", "NVIDIA H200", 132)
+  B, T, H, K, V = 1, 128, 1, 128, 128
+  config = kda.default_config("gpu", B, T, H, K, V, dtype)
+  kw = dict(scale=K ** -0.5, initial_state=jnp.zeros((B, H, K, V)), chunk_size=64,
+            config=config)
+
+  def fwd_bwd(q, k, v, g, beta, do):
+    (o, _), res = gpu.fwd_res(q, k, v, g, beta, **kw)
+    return o, gpu.bwd_res(res, q, k, v, g, beta, do, jnp.zeros((B, H, K, V)), **kw)
+
+  sd, f32 = jax.ShapeDtypeStruct, jnp.float32
+  args = [sd((B, T, H, K), dtype)] * 2 + [sd((B, T, H, V), dtype), sd((B, T, H, K), f32),
+                                          sd((B, T, H), f32), sd((B, T, H, V), dtype)]
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.jit(fwd_bwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  names = ("kda_intra", "kda_wu", "kda_state_walk", "kda_output", "kda_vnew",
+           "kda_grad_walk", "kda_dqk", "kda_dwy", "kda_dpairs")
+  assert all(name in text for name in names), [n for n in names if n not in text]
+  assert text.count("xla.gpu.triton") >= len(names)
+
+
+def test_op_layer_and_sequence_parallel_on_kernels():
+  """chunk_kda(backend="pallas") against the float64 token loop with documents;
+  zeco_kda with the kernels in its local pass (the widened state) on 4 ranks; the layer
+  with backend="pallas" equals backend="jax"."""
+  from flax import nnx
+  from helpers import check_kda_documents, kda_inputs, seq_mesh
+  from zeco_jax import chunk_kda, zeco_kda
+  from zeco_jax.nn import KimiDeltaAttention
+  ids = np.array([[0] * 5 + [1] * 27 + [2] * 18 + [-1] * 14, [3] * 64])
+  inputs, weights = kda_inputs(11, 2, 64, 2, 16, 16, decay="strong")
+  op = functools.partial(chunk_kda, chunk_size=16, backend="pallas")
+  check_kda_documents(op, inputs, weights, ids)
+  op = functools.partial(zeco_kda, mesh=seq_mesh(4), chunk_size=16, backend="pallas")
+  check_kda_documents(op, inputs, weights, ids)
+  x = jax.random.normal(jax.random.PRNGKey(9), (1, 40, 32), jnp.float32)
+  outs = []
+  for backend in ("jax", "pallas"):
+    layer = KimiDeltaAttention(32, 2, head_dim=16, chunk_size=16, backend=backend,
+                               rngs=nnx.Rngs(0))
+    y, vjp = jax.vjp(lambda x: layer(x), x)
+    outs.append((y, vjp(jnp.cos(y))[0]))
+  assert rel_err(outs[1][0], outs[0][0]) <= 1e-5 and rel_err(outs[1][1], outs[0][1]) <= 1e-4
