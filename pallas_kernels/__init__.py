@@ -33,6 +33,10 @@ from pallas_kernels.protocol import ChunkKernels
 FAMILIES = ("gla", "gated_delta", "kda")
 KERNEL_PLATFORMS = {"gla": ("cpu", "gpu", "tpu"), "gated_delta": ("cpu", "gpu", "tpu"),
                     "kda": ("cpu", "gpu")}
+# Kernels that have not been compiled for their platform end to end yet: backend="auto"
+# does not pick them there (backend="pallas" does).
+NOT_YET_AUTO = {("kda", "gpu"): "its GPU kernels have been lowered to Triton IR and "
+                                "checked in the interpreter, not yet run on a GPU"}
 
 
 def _check_family(family: str) -> None:
@@ -72,5 +76,6 @@ def family_default_config(family: str, platform: str, B: int, T: int, H: int, K:
   return module.default_config(platform, B, T, H, K, V, dtype, sm_count=sm_count)
 
 
-__all__ = ["ChunkKernels", "FAMILIES", "KERNEL_PLATFORMS", "KernelConfig", "Launch",
-           "PLATFORMS", "backend", "config_type", "default_config", "family_default_config"]
+__all__ = ["ChunkKernels", "FAMILIES", "KERNEL_PLATFORMS", "NOT_YET_AUTO", "KernelConfig",
+           "Launch", "PLATFORMS", "backend", "config_type", "default_config",
+           "family_default_config"]

@@ -75,6 +75,9 @@ def resolve_backend(backend: str, *, family: str = "gla", name: str = "chunk_gla
       say_jax_fallback(platform, reason)
       return "jax"
     raise ValueError(f"{name}: backend='pallas': {reason}; use backend='jax'.")
+  if backend == "auto" and (family, platform) in package.NOT_YET_AUTO:
+    say_jax_fallback(platform, f"{family}: {package.NOT_YET_AUTO[family, platform]}")
+    return "jax"
   kernels(family, platform)
   return "pallas"
 

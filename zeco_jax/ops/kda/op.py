@@ -10,8 +10,9 @@ Two implementations, chosen by ``backend=``: ``"jax"`` the jnp chunked form (any
 platform), ``"pallas"`` the family's Pallas kernels (``pallas_kernels.backend("kda",
 platform)``: Triton on GPU, the same kernels in the interpreter on CPU; no TPU kernels),
 behind the delta-rule families' custom_vjp (:mod:`zeco_jax.ops._delta_kernels`: the
-inputs and the chunk states kept). ``"auto"``: the kernels on GPU, the jnp path on CPU and
-TPU (said once).
+inputs and the chunk states kept). ``"auto"`` runs the jnp path everywhere for now, and
+says so once on a GPU: the GPU kernels are exact in the interpreter and lower to Triton
+IR, but have not run on a GPU yet (``pallas_kernels.NOT_YET_AUTO``).
 
 What it does not do: grouped value heads (FLA's ``HV > H``), the gate or
 ``sigmoid(beta)`` inside the op (FLA's ``use_gate_in_kernel``,
