@@ -121,7 +121,8 @@ def test_default_config_and_errors():
                                                       jnp.bfloat16))
   assert cfg.replace(dqk_warps=8).dqk.warps == 8
   assert gated_delta.default_config("cpu", 1, 64, 1, 16, 16, jnp.float32).interpret
-  with pytest.raises(ValueError, match="platform 'cpu' has no compiled kernels, only the Pallas interpreter"):
+  with pytest.raises(ValueError,
+                     match="platform 'cpu' has no compiled kernels, only the Pallas interpreter"):
     gated_delta.KernelConfig(platform="cpu")
   with pytest.raises(ValueError, match="unknown setting 'walk_kd'"):
     cfg.replace(walk_kd=4)

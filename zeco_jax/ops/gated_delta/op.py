@@ -5,12 +5,12 @@ strength beta ``[B, T, H]`` in (0, 1) and float32 states ``[B, H, K, V]``. The a
 checks (:func:`check_inputs`) are here; FLA's ``l2norm`` is :func:`zeco_jax._linalg.l2norm`
 (imported here for the family's other modules).
 
-Two implementations, chosen by ``backend=`` (``zeco_jax.ops._dispatch.resolve_backend``): ``"jax"`` the jnp
-chunked form (:mod:`zeco_jax.ops.gated_delta.chunked`, any platform), ``"pallas"`` the
-family's Pallas kernels (``pallas_kernels.backend("gated_delta", platform)``: Triton on
-GPU, Mosaic on TPU, the GPU kernels in the interpreter on CPU), behind one custom_vjp
-(:mod:`zeco_jax.ops._delta_kernels`) that keeps the inputs and the kernels' chunk states. ``"auto"``: the
-kernels on GPU and TPU, the jnp path on CPU.
+Two implementations, chosen by ``backend=`` (``zeco_jax.ops._dispatch.resolve_backend``):
+``"jax"`` the jnp chunked form (:mod:`zeco_jax.ops.gated_delta.chunked`, any platform),
+``"pallas"`` the family's Pallas kernels (``pallas_kernels.backend("gated_delta",
+platform)``: Triton on GPU, Mosaic on TPU, the GPU kernels in the interpreter on CPU),
+behind one custom_vjp (:mod:`zeco_jax.ops._delta_kernels`) that keeps the inputs and the
+kernels' chunk states. ``"auto"``: the kernels on GPU and TPU, the jnp path on CPU.
 """
 from __future__ import annotations
 
