@@ -15,9 +15,17 @@ VMEM itself and fails the compile when a kernel's blocks do not fit) and cost_an
 FLOPs (the Gated DeltaNet kernels declare their matmul FLOPs through ``pl.CostEstimate``;
 the GLA kernels declare none, so GLA's count is only the XLA ops around its kernels).
 
+Then the sequence-parallel ops on those kernels (:func:`compile_sp`): ``zeco_gla`` and
+``zeco_gated_delta_rule`` (``backend="pallas"``, ``method="all_scan"``), jit(grad), over
+every chip of a v5p slice of P = 8, 16, 32 chips on one seq axis (scale_aot's topologies),
+8192 tokens per chip, H16, K = V = 128, bf16: per P and family the Mosaic kernels in the
+HLO, the All-Scan's collective-permute bytes per chip (in float32 K x V states: 2 expected
+at every P), per-chip memory and FLOPs (:data:`SP_HEADER`).
+
   python -m benchmarks.tpu_aot_kernels          # all shapes -> results/tpu_aot_kernels.md
-  python -m benchmarks.tpu_aot_kernels --quick  # the test's small shape only, no file
+  python -m benchmarks.tpu_aot_kernels --quick  # the test's small shapes only, no file
   python -m benchmarks.tpu_aot_kernels --shape "bench B1 T8K H16"   # a selection, no file
+  python -m benchmarks.tpu_aot_kernels --part sp   # the sequence-parallel table, no file
 
 The environment record goes beside the table (``tpu_aot_kernels.env.json``).
 """
@@ -141,6 +149,171 @@ def mib(n):
   return f"{n / 2**20:.1f}"
 
 
+# --- the sequence-parallel ops over the chips of a v5p slice ------------------------------
+# zeco_gla and zeco_gated_delta_rule (backend="pallas": the Mosaic kernels in the local pass;
+# method="all_scan"), forward + backward, over every chip of a v5p slice on one seq axis
+# (benchmarks/scale_aot.py's topologies and trainer.aot's mesh), SP_SHAPE's tokens per chip.
+SP_CHIPS = (8, 16, 32)
+SP_SHAPE = (1, 8192, 16, 128, 128)       # B, tokens per chip, H, K, V (bench B1 T8K H16)
+SP_TEST_SHAPE = (1, 256, 2, 128, 128)    # tests/ops/gated_delta/test_gated_delta_tpu_aot.py
+SP_METHOD = "all_scan"
+SP_ALL_SCAN_STATES = 2     # per chip: one float32 K x V state forward, one in the reverse
+
+
+def sp_mesh(chips):
+  """``(mesh, topology name)``: a seq axis over every chip of the v5p slice of ``chips``
+  (scale_aot.TOPOLOGY), built as trainer.aot builds a data = 1 mesh."""
+  from benchmarks.scale_aot import TOPOLOGY
+  from trainer import aot
+  name = TOPOLOGY[chips]
+  devices = aot.topology_devices(name)
+  assert len(devices) == chips, (name, len(devices))
+  return aot.build_mesh({"data": 1, "seq": chips}, devices), name
+
+
+def sp_arguments(family, mesh, shape, dtype, segment_ids=False):
+  """ShapeDtypeStructs split over the seq axis (``shape`` = B, tokens per chip, H, K, V):
+  as :func:`_arguments` for the whole sequence, then the [B, T] int32 segment ids."""
+  B, L, H, K, V = shape
+  T = L * mesh.shape["seq"]
+  s = NamedSharding(mesh, P(None, "seq"))
+  sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=s)
+  qkv = (sds((B, T, H, K), dtype), sds((B, T, H, K), dtype), sds((B, T, H, V), dtype))
+  gates = ((sds((B, T, H, K), jnp.float32),) if family == "gla" else
+           (sds((B, T, H), jnp.float32), sds((B, T, H), jnp.float32)))
+  return (*qkv, *gates) + ((sds((B, T), jnp.int32),) if segment_ids else ())
+
+
+def compile_sp(family, chips, shape=SP_SHAPE, dtype=jnp.bfloat16, *, backend="pallas",
+               method=SP_METHOD, segment_ids=False):
+  """Compile jit(grad) of sum(o) of the sequence-parallel op of ``family`` (grads of every
+  array input but the ids) over the v5p slice of ``chips``; ``(compiled, seconds, mesh)``."""
+  mesh, _ = sp_mesh(chips)
+  op = zeco_jax.zeco_gla if family == "gla" else zeco_jax.zeco_gated_delta_rule
+  args = sp_arguments(family, mesh, shape, dtype, segment_ids)
+  n = len(args) - bool(segment_ids)
+
+  def loss(*a):
+    ids = a[n] if segment_ids else None
+    o = op(*a[:n], mesh=mesh, method=method, backend=backend, segment_ids=ids)[0]
+    return o.astype(jnp.float32).sum()
+
+  t0 = time.perf_counter()
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    compiled = jax.jit(jax.grad(loss, argnums=tuple(range(n)))).lower(*args).compile()
+  return compiled, time.perf_counter() - t0, mesh
+
+
+def state_bytes(shape):
+  """Bytes of one float32 K x V state of every (b, h): B H K V 4."""
+  B, _, H, K, V = shape
+  return B * H * K * V * 4
+
+
+def sp_collectives(text, chips):
+  """``{kind: bytes the busiest chip sends}`` in a compiled program's HLO
+  (zeco_jax.runtime.hlo_stats.collective_bytes)."""
+  from zeco_jax.runtime.hlo_stats import collective_bytes
+  return {kind: float(np.max(sent)) for kind, sent in collective_bytes(text, chips).items()}
+
+
+SP_HEADER = ("| family | P | topology | context | compiled | compile s | tpu_custom_calls | "
+             "permutes (with a kernel beside) | permute MiB per chip | states per chip | "
+             "other collectives MiB | args MiB | outputs MiB | temp MiB | code MiB | "
+             "GFLOP per chip |")
+
+
+def sp_row(family, chips, shape=SP_SHAPE, dtype=jnp.bfloat16):
+  """``(row, failure, figures)``: one row of the sequence-parallel table, its failure (None
+  when it compiled with 2 states per chip, and Gated DeltaNet's 2 kernels) and its figures
+  (None when it did not compile)."""
+  from zeco_jax.runtime.hlo_stats import async_overlap
+  B, L, H, K, V = shape
+  where = f"| {family} | {chips} | {sp_mesh(chips)[1]} | {chips * L // 1024}K"
+  try:
+    compiled, secs, _ = compile_sp(family, chips, shape, dtype)
+  except Exception as e:  # noqa: BLE001 - recorded in the table
+    msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    traceback.print_exc()
+    return f"{where} | NO: {msg} |" + " |" * 11, (family, chips, str(e)), None
+  text = compiled.as_text()
+  calls = text.count(CUSTOM_CALL)
+  sent = sp_collectives(text, chips)
+  permute = sent.pop("collective-permute", 0.0)
+  states = permute / state_bytes(shape)
+  overlap = async_overlap(text)
+  m = compiled.memory_analysis()
+  f = flops(compiled)
+  bad = []
+  if states != SP_ALL_SCAN_STATES:
+    bad.append(f"{states:g} states")
+  if family == "gated_delta" and calls != CALLS[family]["fwd+bwd"]:
+    bad.append(f"{calls} custom calls")
+  if not calls:
+    bad.append("no kernel")
+  row = (f"{where} | {'yes' if not bad else 'NO: ' + ', '.join(bad)} | {secs:.1f} | {calls} | "
+         f"{len(overlap)} ({sum(1 for _, k in overlap if k)}) | {mib(permute)} | "
+         f"{states:.2f} | {mib(sum(sent.values()))} | {mib(m.argument_size_in_bytes)} | "
+         f"{mib(m.output_size_in_bytes)} | {mib(m.temp_size_in_bytes)} | "
+         f"{mib(m.generated_code_size_in_bytes)} | "
+         f"{'' if f is None else f'{f / 1e9:.1f}'} |")
+  figures = dict(states=states, permutes=len(overlap),
+                 with_kernel=sum(1 for _, k in overlap if k), temp=m.temp_size_in_bytes,
+                 flops=f)
+  return row, ((family, chips, ", ".join(bad)) if bad else None), figures
+
+
+def sp_summary(figures):
+  """Lines on the sequence-parallel table: ``figures`` is ``{(family, chips): figures}``."""
+  lines = []
+  for family in FAMILIES:
+    have = sorted((c, f) for (fam, c), f in figures.items() if fam == family and f)
+    if not have:
+      continue
+    each = lambda fmt: ", ".join(fmt(f) for _, f in have)
+    lines.append(
+        f"- {family}: states per chip {each(lambda f: format(f['states'], '.2f'))} at P = "
+        f"{', '.join(str(c) for c, _ in have)}; temporaries {each(lambda f: mib(f['temp']))} "
+        f"MiB; permutes with a kernel beside "
+        f"{each(lambda f: str(f['with_kernel']) + ' of ' + str(f['permutes']))}.")
+  return lines + [
+      "- Overlap: Gated DeltaNet's All-Scan sends have no kernel scheduled beside them: the "
+      "state S_p a rank sends is the widened local pass's own output (its one forward "
+      "kernel), so the chain starts after that kernel, and the backward kernel likewise "
+      "waits for the reverse chain. GLA computes S_p with one GEMM before its local pass "
+      "and splits the pass into head groups tied to the sends (`overlap_pieces`, "
+      "tpu_schedule.md), hence its larger kernel count and the kernels beside its sends.",
+      "- Against one chip (the `bench B1 T8K H16` bf16 fwd+bwd rows above): Gated "
+      "DeltaNet's kernels run on the widened state (V + K = 256 value columns), so its "
+      "declared FLOPs and its kept chunk states (float32 K x (V + K) per chunk and head) "
+      "grow over the one-chip op's; GLA's local pass keeps the one-chip width. FLOPs: "
+      "Gated DeltaNet's count is its kernels' declared matmul work plus the XLA ops; GLA's "
+      "omits its kernels (they declare none): do not compare the two families' columns."]
+
+
+SP_TEXT = (
+    "## The sequence-parallel ops over v5p chips (All-Scan, forward + backward)",
+    "",
+    "`zeco_gla` and `zeco_gated_delta_rule` with `backend=\"pallas\"` (the Mosaic kernels "
+    "above in the local pass; Gated DeltaNet's on the widened state, V + K value columns) "
+    "and `method=\"all_scan\"`, `jit(grad)` of sum(o) over q, k, v and the gates, bf16 "
+    "(g, beta float32), compiled by libtpu for every chip of a v5p slice on one seq axis "
+    "(`benchmarks/scale_aot.py`'s topologies, `trainer.aot`'s data = 1 mesh), B1, 8192 "
+    "tokens per chip (context 8192 P), H16, K = V = 128: per chip the one-chip "
+    "`bench B1 T8K H16` shape of the table above. `permutes`: collective-permutes in the "
+    "compiled HLO (in brackets: with a Mosaic kernel scheduled between start and done, "
+    "`hlo_stats.async_overlap`). `permute MiB per chip`: the bytes the busiest chip sends "
+    "(`zeco_jax.runtime.hlo_stats.collective_bytes`); `states per chip`: those bytes over "
+    "one float32 K x V state of every head (B H K V 4 = 1 MiB), expected 2 (one state "
+    "forward, one in the reverse chain) at every P. `other collectives`: every other kind "
+    "(none expected: the op has no parameters to reduce). Memory: `memory_analysis()` per "
+    "chip. `GFLOP per chip`: cost_analysis; Gated DeltaNet's kernels declare their "
+    "matmul FLOPs (on V + K columns), GLA's declare none, so GLA's figure counts only the "
+    "XLA ops around its kernels (the fix-up GEMM and the scan's combines) and the two "
+    "columns do not compare. Compiled, not run.",
+    "")
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true", help="small shape only, no results file")
@@ -148,16 +321,21 @@ def main():
                   help="only these shapes (repeatable); prints, writes no file")
   ap.add_argument("--family", action="append", choices=FAMILIES,
                   help="only these families (repeatable); prints, writes no file")
+  ap.add_argument("--part", action="append", choices=("kernels", "sp"),
+                  help="only the one-chip kernel table or the sequence-parallel one "
+                       "(repeatable); prints, writes no file")
   ap.add_argument("--out", default=os.path.join(harness.RESULTS, "tpu_aot_kernels.md"))
   a = ap.parse_args()
   selected = a.shape or (["small (test)"] if a.quick else list(SHAPES))
-  families = a.family or list(FAMILIES)
-  write = not (a.quick or a.shape or a.family)
+  parts = a.part or ["kernels", "sp"]
+  families = (a.family or list(FAMILIES)) if "kernels" in parts else []
+  write = not (a.quick or a.shape or a.family or a.part)
   header = ("| family | generation | shape (B, T, H, K, V) | dtype | pass | compiled | "
             "compile s | tpu_custom_calls | args MiB | outputs MiB | temp MiB | code MiB | "
             "GFLOP |")
   rows = [header, "|" + "---|" * 13]
-  print(header, flush=True)
+  if families:
+    print(header, flush=True)
   failures, hbm = [], []
   t_all = time.perf_counter()
   for family in families:
@@ -198,9 +376,22 @@ def main():
                 traceback.print_exc()
             rows.append(row)
             print(row, flush=True)
+  # The sequence-parallel ops, GLA beside Gated DeltaNet at each P (--quick: the test's
+  # shape at P = 8).
+  sp_rows, sp_failures, sp_figures = [SP_HEADER, "|" + "---|" * 16], [], {}
+  if "sp" in parts and not a.shape:
+    print(SP_HEADER, flush=True)
+    for chips in ((8,) if a.quick else SP_CHIPS):
+      for family in (a.family or list(FAMILIES)):
+        row, bad, sp_figures[family, chips] = sp_row(
+            family, chips, SP_TEST_SHAPE if a.quick else SP_SHAPE)
+        sp_rows.append(row)
+        print(row, flush=True)
+        if bad:
+          sp_failures.append(bad)
   total = time.perf_counter() - t_all
-  print(f"total {total:.0f} s; {len(failures)} failures; {len(hbm)} over one chip's HBM",
-        flush=True)
+  print(f"total {total:.0f} s; {len(failures)} failures; {len(hbm)} over one chip's HBM; "
+        f"{len(sp_failures)} sequence-parallel failures", flush=True)
   if write:
     env = harness.environment()
     harness.write_environment(os.path.dirname(os.path.abspath(a.out)), "tpu_aot_kernels")
@@ -209,7 +400,9 @@ def main():
         "",
         "Question: do the GLA and Gated DeltaNet Mosaic TPU kernels compile for each TPU "
         "generation, at the benchmark and model shapes, bf16 and float32, and what HBM do "
-        "they need?",
+        "they need? And do the sequence-parallel ops on them (`zeco_gla`, "
+        "`zeco_gated_delta_rule`, All-Scan) compile for v5p slices of 8 to 32 chips, with "
+        "what bytes per chip, memory and FLOPs?",
         "",
         f"`python -m benchmarks.tpu_aot_kernels` ({harness.env_line(env)}, CPU host, total "
         f"{total:.0f} s). Each row: `chunk_gla(backend=\"pallas\", "
@@ -234,10 +427,16 @@ def main():
       lines.append(f"- {' '.join(f[:5])}: {f[5][:500]}")
     for f in hbm:
       lines.append(f"- HBM: {' '.join(f[:5])}: {f[5]}")
+    lines += ["", *SP_TEXT, *sp_rows, "", *sp_summary(sp_figures), "",
+              f"Sequence-parallel failures (no compile, states per chip != "
+              f"{SP_ALL_SCAN_STATES}, Gated DeltaNet's kernels != "
+              f"{CALLS['gated_delta']['fwd+bwd']}): {len(sp_failures)}.", ""]
+    for family, chips, why in sp_failures:
+      lines.append(f"- {family} P = {chips}: {why[:500]}")
     with open(a.out, "w") as fh:
       fh.write("\n".join(lines) + "\n")
     print("wrote", a.out)
-  return 1 if failures else 0
+  return 1 if failures or sp_failures else 0
 
 
 if __name__ == "__main__":
