@@ -1,10 +1,14 @@
 """What every family's launch configuration shares: the target platforms, one kernel's
-:class:`Launch` and the checks of a family's frozen ``KernelConfig`` (:func:`check_config`).
-Each family's stages, flags and defaults are in its own ``config`` module."""
+:class:`Launch`, the checks of a family's frozen ``KernelConfig`` (:func:`check_config`),
+its ``replace`` by flat names (:func:`replace_config`) and the stored states' dtype
+(:func:`state_store_dtype`). Each family's stages, flags and defaults are in its own
+``config`` module."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional
+
+import jax.numpy as jnp
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 
@@ -64,3 +68,37 @@ def check_config(cfg, *, stage_defaults: dict, flags: tuple, label: str) -> None
   if cfg.platform == "cpu" and not cfg.interpret:
     raise ValueError(f"{label}: platform 'cpu' has no compiled kernels, only the Pallas "
                      "interpreter; set interpret=True (default_config('cpu', ...) does).")
+
+
+def split_flat(name: str, stage_defaults: dict, flags: tuple, label: str) -> tuple:
+  """``"dqdk_diag_bk"`` -> ``("dqdk_diag", "bk")`` (the longest stage name first, a field
+  its default sets); ValueError naming the choices."""
+  for stage in sorted(stage_defaults, key=len, reverse=True):
+    field = name[len(stage) + 1:] if name.startswith(stage + "_") else None
+    if field and field in stage_defaults[stage].set():
+      return stage, field
+  names = [f"{s}_{f}" for s, d in stage_defaults.items() for f in d.set()]
+  raise ValueError(f"{label}: unknown setting {name!r}; the stage fields are "
+                   f"{', '.join(names)}; the flags {', '.join(flags)}.")
+
+
+def replace_config(cfg, changes: dict, *, stage_defaults: dict, flags: tuple, label: str):
+  """A copy of a family's ``KernelConfig`` with ``changes``: the platform, flags, whole
+  stages (``out=Launch(...)``) or stage fields by their flat names ``<stage>_<field>``
+  (``out_warps=8``)."""
+  top, stages = {}, {}
+  for name, value in changes.items():
+    if name in ("platform", *flags, *stage_defaults):
+      top[name] = value
+      continue
+    stage, field = split_flat(name, stage_defaults, flags, label)
+    stages.setdefault(stage, {})[field] = value
+  for stage, fields in stages.items():
+    top[stage] = dataclasses.replace(top.get(stage, getattr(cfg, stage)), **fields)
+  return dataclasses.replace(cfg, **top)
+
+
+def state_store_dtype(config, input_dtype):
+  """dtype of the stored chunk states h[n] and their cotangents dH[n]: the input dtype
+  with ``config.states_in_input_dtype``, else float32."""
+  return input_dtype if config.states_in_input_dtype else jnp.float32

@@ -1,11 +1,34 @@
 """What the delta-rule families' kernels share (Gated DeltaNet, Kimi Delta Attention): the
-UT inverse ``T = (I + A)^{-1}`` of a chunk's strictly lower A by 16 x 16 blocks, and the
-kernels' shape contract. Nothing about a family's decays."""
+UT inverse ``T = (I + A)^{-1}`` of a chunk's strictly lower A by 16 x 16 blocks, the
+kernels' shape contract, their residual, and the two sequential walks over chunks.
+
+The walks, grid ``(B, H, V / BV)``: each program owns a ``[K, BV]`` tile of one head's
+state (the delta rule's ``w h`` reads every key channel, so K is never split) and walks
+the chunks in order, or in reverse:
+
+  forward:  h[n] = the state entering chunk n;  v_new = u - w h;
+            h <- D h + kd^T v_new                              (and the final state)
+  backward: dH[n] = the cotangent of the state leaving chunk n;
+            dv_new = dvl + kd dH[n];
+            dh <- D dh + qb^T do - w^T dv_new                  (and dh0)
+
+with a family's per-chunk operands (``w``, ``u``, ``kd``, ``qb = scale e^{b} q``) and its
+chunk decay D given as ``decay``: Gated DeltaNet's ``[B, T, H]`` b (the decay from the
+chunk start; D = e^{gamma}, gamma its last entry), or Kimi Delta Attention's ``[B, H, N,
+K]`` e^{gamma} (D a decay per key row). Each step loads the next chunk's operands before
+its own chain of dots (they ride in the loop carry), so the loads overlap the dependent
+math instead of stalling it.
+"""
 from __future__ import annotations
 
-import jax.numpy as jnp
+import functools
+from typing import NamedTuple
 
-from pallas_kernels._launch import F32, dot, iota
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels._launch import F32, block, call, dot, iota
 
 S = 16                       # rows of a block of the UT inverse
 
@@ -48,3 +71,98 @@ def block_inverse(A, L):
         acc = term if acc is None else acc + term
       X[I, J] = -dot(X[I, I], acc, F32)
   return X
+
+
+class Residual(NamedTuple):
+  """What a family's ``fwd_res`` keeps for ``bwd_res``: the state entering each chunk."""
+  h: jax.Array
+
+
+# --- the walks ----------------------------------------------------------------------------
+
+def _load_decay(ref, b, hd, n, t, rows):
+  return ref[b, hd, n, :] if rows else ref[b, t, hd]
+
+
+def _apply_decay(d, x, C, rows):
+  """D x: ``d`` per key row ([K]), or b over the chunk ([C], gamma its last entry)."""
+  if rows:
+    return d[:, None] * x
+  return jnp.exp(jnp.sum(jnp.where(iota((C,), 0) == C - 1, d, 0.0))) * x
+
+
+def _walk_kernel(w_ref, u_ref, kd_ref, d_ref, h0_ref, h_ref, vn_ref, ht_ref, *, C, N, BV, dt,
+                 rows):
+  b, hd, iv = (pl.program_id(i) for i in range(3))
+  vs = pl.ds(iv * BV, BV)
+
+  def load(n):
+    t = pl.ds(n * C, C)
+    return (w_ref[b, t, hd, :], u_ref[b, t, hd, vs], kd_ref[b, t, hd, :],
+            _load_decay(d_ref, b, hd, n, t, rows))
+
+  def body(n, carry):
+    h, (w, u, kd, d) = carry
+    ahead = load(jnp.minimum(n + 1, N - 1))       # issued before this chunk's chain
+    h_ref[b, hd, n, :, vs] = h.astype(h_ref.dtype)
+    vn = u.astype(F32) - dot(w, h, dt)
+    vn_ref[b, pl.ds(n * C, C), hd, vs] = vn.astype(vn_ref.dtype)
+    return _apply_decay(d, h, C, rows) + dot(kd, vn, dt, ta=True), ahead
+
+  h, _ = jax.lax.fori_loop(0, N, body, (h0_ref[b, hd, :, vs].astype(F32), load(0)))
+  ht_ref[b, hd, :, vs] = h
+
+
+def state_walk(w, u, kd, decay, h0, *, chunk_size, config, store_dtype, prefix):
+  """(h [B, H, N, K, V] in ``store_dtype``, v_new [B, T, H, V] in u's dtype, final state
+  float32); the kernel is named ``<prefix>_state_walk``."""
+  B, T, H, K = w.shape
+  V = u.shape[-1]
+  N = T // chunk_size
+  BV = block(V, config.walk.bv)
+  kern = functools.partial(_walk_kernel, C=chunk_size, N=N, BV=BV, dt=w.dtype,
+                           rows=decay.ndim == 4)
+  out = (jax.ShapeDtypeStruct((B, H, N, K, V), store_dtype),
+         jax.ShapeDtypeStruct(u.shape, u.dtype), jax.ShapeDtypeStruct((B, H, K, V), F32))
+  return call(kern, out, (B, H, V // BV), config=config, num_warps=config.walk.warps,
+              num_stages=config.walk.stages, name=f"{prefix}_state_walk")(w, u, kd, decay, h0)
+
+
+def _dwalk_kernel(qb_ref, d_ref, w_ref, kd_ref, do_ref, dvl_ref, dht_ref, dh_ref, dvn_ref,
+                  dh0_ref, *, C, N, BV, dt, rows):
+  b, hd, iv = (pl.program_id(i) for i in range(3))
+  vs = pl.ds(iv * BV, BV)
+
+  def load(n):
+    t = pl.ds(n * C, C)
+    return (qb_ref[b, t, hd, :], _load_decay(d_ref, b, hd, n, t, rows), w_ref[b, t, hd, :],
+            kd_ref[b, t, hd, :], do_ref[b, t, hd, vs], dvl_ref[b, t, hd, vs])
+
+  def body(i, carry):
+    dh, (qb, d, w, kd, do, dvl) = carry
+    n = N - 1 - i
+    ahead = load(jnp.maximum(n - 1, 0))            # issued before this chunk's chain
+    dh_ref[b, hd, n, :, vs] = dh.astype(dh_ref.dtype)
+    dvn = dvl + dot(kd, dh, dt)
+    dvn_ref[b, pl.ds(n * C, C), hd, vs] = dvn
+    return (_apply_decay(d, dh, C, rows) + dot(qb, do, dt, ta=True)
+            - dot(w, dvn, dt, ta=True)), ahead
+
+  dh, _ = jax.lax.fori_loop(0, N, body, (dht_ref[b, hd, :, vs].astype(F32), load(N - 1)))
+  dh0_ref[b, hd, :, vs] = dh
+
+
+def grad_walk(qb, decay, w, kd, do, dvl, dht, *, chunk_size, config, store_dtype, prefix):
+  """(dH [B, H, N, K, V] in ``store_dtype``, dv_new [B, T, H, V] float32, dh0 float32);
+  the kernel is named ``<prefix>_grad_walk``."""
+  B, T, H, K = qb.shape
+  V = do.shape[-1]
+  N = T // chunk_size
+  BV = block(V, config.dwalk.bv)
+  kern = functools.partial(_dwalk_kernel, C=chunk_size, N=N, BV=BV, dt=qb.dtype,
+                           rows=decay.ndim == 4)
+  out = (jax.ShapeDtypeStruct((B, H, N, K, V), store_dtype),
+         jax.ShapeDtypeStruct(dvl.shape, F32), jax.ShapeDtypeStruct((B, H, K, V), F32))
+  return call(kern, out, (B, H, V // BV), config=config, num_warps=config.dwalk.warps,
+              num_stages=config.dwalk.stages, name=f"{prefix}_grad_walk")(
+                  qb, decay, w, kd, do, dvl, dht)

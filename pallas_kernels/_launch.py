@@ -132,6 +132,12 @@ def unrolled(n, unroll, body, carry):
   return jax.lax.fori_loop(0, n // unroll, outer, carry)
 
 
+def tiles(D: int, cap: int) -> list:
+  """Slices of D in tiles of :func:`block` (D, cap)."""
+  B = block(D, cap)
+  return [pl.ds(i * B, B) for i in range(D // B)]
+
+
 def block(n: int, cap: int) -> int:
   """Largest power of two <= cap dividing n (n itself if n <= cap and a power of two)."""
   b = 1

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._delta import block_inverse
-from pallas_kernels._launch import F32, block, call, dot, iota, masked_exp
+from pallas_kernels._launch import F32, block, call, dot, iota, masked_exp, tiles
 
 S = 16                       # rows of a block of the UT inverse
 
@@ -179,12 +179,6 @@ def _chunk_decays(g, C):
   return b, to_end
 
 
-def _tiles(D, cap):
-  """Slices of D in tiles of the largest power of two <= cap dividing D."""
-  B = block(D, cap)
-  return [pl.ds(i * B, B) for i in range(D // B)]
-
-
 def _wu_kernel(t_ref, k_ref, v_ref, g_ref, beta_ref, *refs, C, K, V, BD, dt, scale):
   if scale is None:
     w_ref, u_ref, kd_ref, gc_ref = refs
@@ -197,14 +191,14 @@ def _wu_kernel(t_ref, k_ref, v_ref, g_ref, beta_ref, *refs, C, K, V, BD, dt, sca
   gb, to_end = _chunk_decays(g_ref[b, t, hd].astype(F32), C)
   gc_ref[b, t, hd] = gb
   eb, ek = jnp.exp(gb), jnp.exp(to_end)
-  for ks in _tiles(K, BD):
+  for ks in tiles(K, BD):
     k = k_ref[b, t, hd, ks].astype(F32)
     w_ref[b, t, hd, ks] = dot(Tm, (beta * eb)[:, None] * k, dt).astype(w_ref.dtype)
     kd_ref[b, t, hd, ks] = (ek[:, None] * k).astype(kd_ref.dtype)
     if scale is not None:
       qb_ref[b, t, hd, ks] = ((scale * eb)[:, None]
                               * q_ref[b, t, hd, ks].astype(F32)).astype(qb_ref.dtype)
-  for vs in _tiles(V, BD):
+  for vs in tiles(V, BD):
     u_ref[b, t, hd, vs] = dot(Tm, beta[:, None] * v_ref[b, t, hd, vs].astype(F32),
                               dt).astype(u_ref.dtype)
 
@@ -289,7 +283,7 @@ def _dqk_kernel(q_ref, k_ref, g_ref, gc_ref, vn_ref, dvn_ref, do_ref, h_ref, dh_
   b, hd, n = (pl.program_id(i) for i in range(3))
   t = pl.ds(n * C, C)
   g, gc = g_ref[b, t, hd].astype(F32), gc_ref[b, t, hd]
-  ktiles, vtiles = _tiles(K, BK), _tiles(V, BV)
+  ktiles, vtiles = tiles(K, BK), tiles(V, BV)
   # The chunk-wide [C, C] parts first: do v_new^T over V, q k^T over K.
   dP = jnp.zeros((C, C), F32)
   for vs in vtiles:
@@ -354,7 +348,7 @@ def _dwy_kernel(t_ref, k_ref, v_ref, g_ref, beta_ref, dw_ref, du_ref, dk_ref, dv
   g, beta = g_ref[b, t, hd].astype(F32), beta_ref[b, t, hd].astype(F32)
   gb, _ = _chunk_decays(g, C)
   eb = jnp.exp(gb)
-  ktiles, vtiles = _tiles(K, BD), _tiles(V, BD)
+  ktiles, vtiles = tiles(K, BD), tiles(V, BD)
   r, c = iota((C, C), 0), iota((C, C), 1)
   dT = jnp.zeros((C, C), F32)
   kk = jnp.zeros((C, C), F32)

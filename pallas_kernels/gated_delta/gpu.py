@@ -16,27 +16,18 @@ per token) as its :class:`Residual`; the backward recomputes everything per toke
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import jax
-
 from pallas_kernels import _delta
+from pallas_kernels._config import state_store_dtype
 from pallas_kernels._launch import F32
 from pallas_kernels.gated_delta import chunk
 from pallas_kernels.gated_delta import walk
 
 
-class Residual(NamedTuple):
-  """What ``fwd_res`` keeps for ``bwd_res``: the state entering each chunk."""
-  h: jax.Array
+Residual = _delta.Residual
 
 
 def check_dims(K: int, V: int, C: int) -> None:
   _delta.check_dims(K, V, C, family="gated_delta")
-
-
-def _store(config, dtype):
-  return dtype if config.states_in_input_dtype else F32
 
 
 def fwd_res(q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
@@ -44,7 +35,7 @@ def fwd_res(q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
   check_dims(q.shape[-1], v.shape[-1], chunk_size)
   kw = dict(chunk_size=chunk_size, config=config)
   _, w, u, kd, gc = chunk.wy(k, v, g, beta, **kw)
-  h, vn, final = walk.state_walk(w, u, kd, gc, initial_state, store_dtype=_store(config, k.dtype),
+  h, vn, final = walk.state_walk(w, u, kd, gc, initial_state, store_dtype=state_store_dtype(config, k.dtype),
                                  **kw)
   o = chunk.output(q, k, g, gc, vn, h, scale=scale, **kw)
   return (o, final), Residual(h)
@@ -60,7 +51,7 @@ def bwd_res(res, q, k, v, g, beta, do, dht, *, scale, initial_state, chunk_size,
   ``res`` is ``fwd_res``'s :class:`Residual`, or None (the states are recomputed)."""
   check_dims(q.shape[-1], v.shape[-1], chunk_size)
   kw = dict(chunk_size=chunk_size, config=config)
-  store = _store(config, k.dtype)
+  store = state_store_dtype(config, k.dtype)
   do = do.astype(v.dtype)
   Tinv, w, u, kd, gc, qb = chunk.wy(k, v, g, beta, q=q, scale=scale, **kw)
   if res is None:

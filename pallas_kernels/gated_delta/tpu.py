@@ -37,7 +37,7 @@ steps), then blocks merged pairwise, ``X_21 = -X_22 A_21 X_11``, up to the chunk
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import _delta
+from pallas_kernels._config import state_store_dtype
 from pallas_kernels._launch import (F32, HI, dot, from_head_major, head_major, iota, masked_exp,
                                     with_varying)
 from pallas_kernels.gated_delta.gpu import check_dims
@@ -53,9 +55,7 @@ S = 16                       # rows of a diagonal block of the UT inverse
 ROWS = 8                     # chunks per block of the g / beta rows (a sublane tile)
 
 
-class Residual(NamedTuple):
-  """What ``fwd_res`` keeps for ``bwd_res``: the state entering each chunk."""
-  h: jax.Array
+Residual = _delta.Residual
 
 
 def _exact(a, b):
@@ -319,17 +319,13 @@ def _inputs(q, k, v, g, beta, initial_state, C):
           initial_state.reshape(B * H, K, V).astype(F32))
 
 
-def _store(config, dtype):
-  return dtype if config.states_in_input_dtype else F32
-
-
 def fwd_res(q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
   """((o [B, T, H, V] in v's dtype, final_state float32), :class:`Residual`)."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   check_dims(K, V, chunk_size)
   o, final, h = _forward(*_inputs(q, k, v, g, beta, initial_state, chunk_size), scale=scale,
-                         C=chunk_size, store=_store(config, k.dtype), config=config)
+                         C=chunk_size, store=state_store_dtype(config, k.dtype), config=config)
   N = T // chunk_size
   return ((from_head_major(o, B, H), final.reshape(B, H, K, V)),
           Residual(h.reshape(B, H, N, K, V)))
@@ -358,7 +354,7 @@ def bwd_res(res: Optional[Residual], q, k, v, g, beta, do, dht, *, scale, initia
   qh, kh, vh, gr, br, h0 = _inputs(q, k, v, g, beta, initial_state, C)
   if res is None:
     _, _, hs = _forward(qh, kh, vh, gr, br, h0, scale=scale, C=C,
-                        store=_store(config, k.dtype), config=config)
+                        store=state_store_dtype(config, k.dtype), config=config)
   else:
     hs = res.h.reshape(B * H, N, K, V)
   doh = head_major(do.astype(v.dtype))

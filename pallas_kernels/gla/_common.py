@@ -11,15 +11,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 # The launch helpers, re-exported so that the GLA kernels read everything as ``cm.``.
+from pallas_kernels._config import state_store_dtype  # noqa: F401
 from pallas_kernels._launch import (F32, HI, block, call, compiler_params, dot,  # noqa: F401
                                     from_head_major, head_major, iota, masked_exp, unrolled)
 
 SUB = 16                     # sub-chunk rows: the unit of the exact log-space diagonal
-
-
-def state_store_dtype(config, input_dtype):
-  """dtype of the stored chunk states h[n] and their cotangents dH[n]."""
-  return input_dtype if config.states_in_input_dtype else F32
 
 
 def per_dim_decay(g, shape):

@@ -15,7 +15,7 @@ import dataclasses
 import math
 from typing import Optional
 
-from pallas_kernels._config import PLATFORMS, Launch, check_config
+from pallas_kernels._config import PLATFORMS, Launch, check_config, replace_config
 from pallas_kernels._launch import block
 
 # Streaming multiprocessors assumed when the target GPU is not known (an H100 / H200, the
@@ -93,16 +93,8 @@ class KernelConfig:
   def replace(self, **changes) -> "KernelConfig":
     """A copy with ``changes``: flags, whole stages (``out=Launch(...)``) or stage fields by
     their flat names ``<stage>_<field>`` (``out_warps=8``, ``state_both_bv=128``)."""
-    top, stages = {}, {}
-    for name, value in changes.items():
-      if name in ("platform", *FLAGS, *STAGE_DEFAULTS):
-        top[name] = value
-        continue
-      stage, field = split_flat(name)
-      stages.setdefault(stage, {})[field] = value
-    for stage, fields in stages.items():
-      top[stage] = dataclasses.replace(top.get(stage, getattr(self, stage)), **fields)
-    return dataclasses.replace(self, **top)
+    return replace_config(self, changes, stage_defaults=STAGE_DEFAULTS, flags=FLAGS,
+                          label="KernelConfig")
 
   def flat(self) -> dict:
     """Every setting by flat name (``out_warps``: 4, ..., ``save_states``: True)."""
@@ -110,17 +102,6 @@ class KernelConfig:
     for stage in STAGE_DEFAULTS:
       out.update({f"{stage}_{f}": v for f, v in getattr(self, stage).set().items()})
     return out
-
-
-def split_flat(name: str) -> tuple:
-  """``"dqdk_diag_bk"`` -> ``("dqdk_diag", "bk")``; ValueError naming the choices."""
-  for stage in sorted(STAGE_DEFAULTS, key=len, reverse=True):
-    field = name[len(stage) + 1:] if name.startswith(stage + "_") else None
-    if field and field in STAGE_DEFAULTS[stage].set():
-      return stage, field
-  names = [f"{s}_{f}" for s, d in STAGE_DEFAULTS.items() for f in d.set()]
-  raise ValueError(f"KernelConfig: unknown setting {name!r}; the stage fields are "
-                   f"{', '.join(names)}; the flags {', '.join(FLAGS)}.")
 
 
 def walk_tile_v(B: int, H: int, K: int, V: int, *, walks: int, programs: int,

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._launch import F32, block, call, dot, iota
+from pallas_kernels._launch import F32, block, call, dot, iota, tiles
 
 S = 16                       # rows of a sub-chunk (the pairwise decays, the UT inverse)
 
@@ -68,12 +68,6 @@ def from_here(x):
 def before(x):
   """``out[i] = sum_{m < i} x[m]`` of a ``[n, D]`` tile (0 on the first row)."""
   return dot(_tri(x.shape[0], lambda r, c: c < r), x, F32)
-
-
-def tiles(D, cap):
-  """Slices of D in tiles of the largest power of two <= cap dividing D."""
-  B = block(D, cap)
-  return [pl.ds(i * B, B) for i in range(D // B)]
 
 
 # --- forward ------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from pallas_kernels._config import Launch, check_config
+from pallas_kernels._config import Launch, check_config, replace_config
 
 # Every kernel's launch, by stage (module docstring of pallas_kernels.kda.gpu).
 STAGE_DEFAULTS = {
@@ -74,20 +74,8 @@ class KernelConfig:
 
   def replace(self, **changes) -> "KernelConfig":
     """A copy with ``changes``: flags, whole stages or ``<stage>_<field>`` names."""
-    top, stages = {}, {}
-    for name, value in changes.items():
-      if name in ("platform", *FLAGS, *STAGE_DEFAULTS):
-        top[name] = value
-        continue
-      stage, _, field = name.partition("_")
-      if stage not in STAGE_DEFAULTS or field not in STAGE_DEFAULTS[stage].set():
-        names = [f"{s}_{f}" for s, d in STAGE_DEFAULTS.items() for f in d.set()]
-        raise ValueError(f"kda KernelConfig: unknown setting {name!r}; the stage fields "
-                         f"are {', '.join(names)}; the flags {', '.join(FLAGS)}.")
-      stages.setdefault(stage, {})[field] = value
-    for stage, fields in stages.items():
-      top[stage] = dataclasses.replace(top.get(stage, getattr(self, stage)), **fields)
-    return dataclasses.replace(self, **top)
+    return replace_config(self, changes, stage_defaults=STAGE_DEFAULTS, flags=FLAGS,
+                          label="kda KernelConfig")
 
 
 def default_config(platform: str, B: int, T: int, H: int, K: int, V: int, dtype, *,

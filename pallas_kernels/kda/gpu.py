@@ -24,28 +24,19 @@ and the documents' -1e4 sentinel are exact to float32 rounding.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import jax
-
 from pallas_kernels import _delta
+from pallas_kernels._config import state_store_dtype
 from pallas_kernels._launch import F32
 from pallas_kernels.kda import chunk
 from pallas_kernels.kda import pairs
 from pallas_kernels.kda import walk
 
 
-class Residual(NamedTuple):
-  """What ``fwd_res`` keeps for ``bwd_res``: the state entering each chunk."""
-  h: jax.Array
+Residual = _delta.Residual
 
 
 def check_dims(K: int, V: int, C: int) -> None:
   _delta.check_dims(K, V, C, family="kda")
-
-
-def _store(config, dtype):
-  return dtype if config.states_in_input_dtype else F32
 
 
 def fwd_res(q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
@@ -55,7 +46,7 @@ def fwd_res(q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
   Tinv, P = pairs.intra(q, k, g, beta, **kw)
   w, u, kd, eg = chunk.wu(Tinv, k, v, g, beta, **kw)
   h, vn, final = walk.state_walk(w, u, kd, eg, initial_state,
-                                 store_dtype=_store(config, k.dtype), **kw)
+                                 store_dtype=state_store_dtype(config, k.dtype), **kw)
   o = chunk.output(q, g, P, vn, h, scale=scale, **kw)
   return (o, final), Residual(h)
 
@@ -70,7 +61,7 @@ def bwd_res(res, q, k, v, g, beta, do, dht, *, scale, initial_state, chunk_size,
   ``res`` is ``fwd_res``'s :class:`Residual`, or None (the states are recomputed)."""
   check_dims(q.shape[-1], v.shape[-1], chunk_size)
   kw = dict(chunk_size=chunk_size, config=config)
-  store = _store(config, k.dtype)
+  store = state_store_dtype(config, k.dtype)
   do = do.astype(v.dtype)
   Tinv, P = pairs.intra(q, k, g, beta, **kw)
   w, u, kd, eg, qb = chunk.wu(Tinv, k, v, g, beta, q=q, scale=scale, **kw)
