@@ -3,7 +3,7 @@
 
     python -m benchmarks.delta_h200 [--family gdn|kda] [--backend jax|pallas|auto]
         [--shapes 1,16384,16,128,128 8,4096,16,128,128] [--iters 10 --reps 5] [--no-fla]
-        [--json out.json]
+        [--json out.json] [--profile TRACE_DIR]
 
 Results: benchmarks/results/gdn_h200.md and kda_h200.md. With --json, the environment
 record goes beside it (``<json>.env.json``).
@@ -16,8 +16,11 @@ of sum(o * do) for q, k, v, g, beta), then FLA 0.6.0's ``chunk_gated_delta_rule`
 ``chunk_kda`` on the same inputs (after its autotuning), and reports the relative
 difference of o and of the gradients between the two (bf16 outputs, so ~1e-2 is
 agreement). Median over ``reps`` of the mean of ``iters`` calls after one warm-up call
-(``benchmarks._harness.time_loop``). JAX and torch share the GPU in one process:
-XLA_PYTHON_CLIENT_PREALLOCATE=false is set before jax starts.
+(``benchmarks._harness.time_loop``). With ``--profile``, our forward and forward + backward
+are traced (3 calls each, ``jax.profiler``) after their timing, and the GPU time per
+kernel is printed and kept in the JSON (``benchmarks.profile_step.summarize``): every
+kernel's share from the one compilation the timing needed. JAX and torch share the GPU in
+one process: XLA_PYTHON_CLIENT_PREALLOCATE=false is set before jax starts.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ def main():
   ap.add_argument("--no-fla", action="store_true")
   ap.add_argument("--backend", choices=("jax", "pallas", "auto"), default="jax")
   ap.add_argument("--json", default=None)
+  ap.add_argument("--profile", default=None, metavar="TRACE_DIR")
   args = ap.parse_args()
 
   import jax
@@ -98,6 +102,10 @@ def main():
                                          args.reps)
     log(f"{name} {tag}: fwd {row[f'{tag} fwd ms']:.3f} ms, fwd+bwd "
         f"{row[f'{tag} fwd+bwd ms']:.3f} ms")
+    if args.profile:
+      for label, fn in (("fwd", fwd), ("fwd+bwd", fb)):
+        folder = os.path.join(args.profile, f"{name}_{label}".replace(" ", "_"))
+        row[f"{tag} {label} kernels"] = _kernel_profile(fn, (q, k, v, g, beta), folder, log)
     if fla is not None:
       torch, fla_fn = fla
       dev = "cuda"
@@ -144,6 +152,17 @@ def main():
       json.dump(rows, fh, indent=1)
     harness.write_environment(os.path.dirname(os.path.abspath(args.json)),
                               os.path.basename(args.json).rsplit(".", 1)[0])
+
+
+def _kernel_profile(fn, args, trace_dir, log, calls=3):
+  """GPU time per kernel of ``calls`` calls of ``fn(*args)`` (already compiled), per call."""
+  from benchmarks import profile_step
+  profile_step.profile_steps(fn, lambda i, out: args, calls, trace_dir)
+  summary = profile_step.summarize(trace_dir, calls, top=30)
+  log(profile_step.format_summary(summary))
+  return {"kernel ms": summary["kernel_ms_per_step"],
+          "by kernel": [{"name": r["name"], "ms": r["ms_per_step"], "calls": r["calls_per_step"]}
+                        for r in summary["top"]]}
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import re
 
 CATEGORIES = (   # (category, regex on "kernel name | op name"), first match wins
     ("attention (cuDNN)", r"cudnn|fmha|sdpa|flash"),
+    ("delta-rule kernels (Pallas)", r"gdn_|kda_"),
     ("gla kernels (Pallas)", r"gla_|chunk_cumsum|pallas"),
     ("scatter", r"scatter"),
     ("cross-entropy", r"cross_entropy|log_softmax|logsumexp"),
