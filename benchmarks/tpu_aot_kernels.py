@@ -1,26 +1,29 @@
-"""Compile the Mosaic TPU kernels (pallas_kernels.gla.tpu, pallas_kernels.gated_delta.tpu)
-for real TPU generations, no TPU.
+"""Compile the Mosaic TPU kernels (pallas_kernels.gla.tpu, pallas_kernels.gated_delta.tpu,
+pallas_kernels.kda.tpu) for real TPU generations, no TPU.
 
 With libtpu installed (``pip install -e '.[tpu]'``), JAX compiles for a TPU topology on a
 CPU-only host (a few minutes for the whole table on 2 cores). Per family the op with its
 Pallas backend and the TPU kernels, ``chunk_gla(backend="pallas", kernel_config=
-KernelConfig(platform="tpu", interpret=False))`` and ``chunk_gated_delta_rule`` likewise
-(``gated_delta.KernelConfig``), forward and forward + backward (``value_and_grad`` over
-every input but the state), are lowered with ShapeDtypeStruct arguments on one device of
-the topology and compiled by libtpu (Mosaic for the kernels), under ``use_abstract_mesh``
-(else Pallas stops with "Unsupported TPU device kind: cpu"). Per (family, generation,
-shape, dtype, pass): compile seconds, the number of ``tpu_custom_call``s in the compiled
-HLO (:data:`CALLS`), memory_analysis (HBM arguments / outputs / temporaries; Mosaic checks
-VMEM itself and fails the compile when a kernel's blocks do not fit) and cost_analysis's
-FLOPs (the Gated DeltaNet kernels declare their matmul FLOPs through ``pl.CostEstimate``;
-the GLA kernels declare none, so GLA's count is only the XLA ops around its kernels).
+KernelConfig(platform="tpu", interpret=False))``, ``chunk_gated_delta_rule`` and
+``chunk_kda`` likewise (``gated_delta.KernelConfig``, ``kda.KernelConfig``), forward and
+forward + backward (``value_and_grad`` over every input but the state), are lowered with
+ShapeDtypeStruct arguments on one device of the topology and compiled by libtpu (Mosaic
+for the kernels), under ``use_abstract_mesh`` (else Pallas stops with "Unsupported TPU
+device kind: cpu"). Per (family, generation, shape, dtype, pass): compile seconds, the
+number of ``tpu_custom_call``s in the compiled HLO (:data:`CALLS`), memory_analysis (HBM
+arguments / outputs / temporaries; Mosaic checks VMEM itself and fails the compile when a
+kernel's blocks do not fit) and cost_analysis's FLOPs (the Gated DeltaNet and KDA kernels
+declare their matmul FLOPs through ``pl.CostEstimate``; the GLA kernels declare none, so
+GLA's count is only the XLA ops around its kernels); then the three families side by side
+at one shape (:func:`compare_families`).
 
-Then the sequence-parallel ops on those kernels (:func:`compile_sp`): ``zeco_gla`` and
-``zeco_gated_delta_rule`` (``backend="pallas"``, ``method="all_scan"``), jit(grad), over
-every chip of a v5p slice of P = 8, 16, 32 chips on one seq axis (scale_aot's topologies),
-8192 tokens per chip, H16, K = V = 128, bf16: per P and family the Mosaic kernels in the
-HLO, the All-Scan's collective-permute bytes per chip (in float32 K x V states: 2 expected
-at every P), per-chip memory and FLOPs (:data:`SP_HEADER`).
+Then the sequence-parallel ops on those kernels (:func:`compile_sp`): ``zeco_gla``,
+``zeco_gated_delta_rule`` and ``zeco_kda`` (``backend="pallas"``, ``method="all_scan"``),
+jit(grad), over every chip of a v5p slice of P = 8, 16, 32 chips on one seq axis
+(scale_aot's topologies), 8192 tokens per chip, H16, K = V = 128, bf16: per P and family
+the Mosaic kernels in the HLO, the All-Scan's collective-permute bytes per chip (in
+float32 K x V states: 2 expected at every P), per-chip memory and FLOPs
+(:data:`SP_HEADER`).
 
   python -m benchmarks.tpu_aot_kernels          # all shapes -> results/tpu_aot_kernels.md
   python -m benchmarks.tpu_aot_kernels --quick  # the test's small shapes only, no file
@@ -44,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import pallas_kernels
 import zeco_jax
-from pallas_kernels import gated_delta
+from pallas_kernels import gated_delta, kda
 from benchmarks import _harness as harness
 
 # Topology names accepted by libtpu 0.0.48.1 (the smallest of each generation).
@@ -64,15 +67,16 @@ SHAPES = {
     "gla_1b3 B1 T32K H4 K256 V512": (1, 32768, 4, 256, 512),
 }
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
-FAMILIES = ("gla", "gated_delta")
-# The shapes each family compiles at: Gated DeltaNet skips GLA's model configs.
-FAMILY_SHAPES = {"gla": tuple(SHAPES),
-                 "gated_delta": tuple(n for n in SHAPES if not n.startswith("gla_"))}
+FAMILIES = ("gla", "gated_delta", "kda")
+# The shapes each family compiles at: Gated DeltaNet and KDA skip GLA's model configs.
+_DELTA_SHAPES = tuple(n for n in SHAPES if not n.startswith("gla_"))
+FAMILY_SHAPES = {"gla": tuple(SHAPES), "gated_delta": _DELTA_SHAPES, "kda": _DELTA_SHAPES}
 CUSTOM_CALL = 'custom_call_target="tpu_custom_call"'
 # Mosaic kernels per compiled pass. GLA fwd+bwd: the forward, the backward's forward
 # recompute that emits the chunk states, the backward kernel. Gated DeltaNet fwd+bwd: the
-# forward emitting the chunk states (kept as the residual), the backward kernel.
-CALLS = {"gla": {"fwd": 1, "fwd+bwd": 3}, "gated_delta": {"fwd": 1, "fwd+bwd": 2}}
+# forward emitting the chunk states (kept as the residual), the backward kernel; KDA the same.
+CALLS = {"gla": {"fwd": 1, "fwd+bwd": 3}, "gated_delta": {"fwd": 1, "fwd+bwd": 2},
+         "kda": {"fwd": 1, "fwd+bwd": 2}}
 EXPECTED_CALLS = CALLS["gla"]
 NOTES = (
     "What it means: every kernel compiled for every generation, shape and dtype, with "
@@ -86,6 +90,7 @@ NOTES = (
     "Compiled is not run: numerics on a chip and speed are unverified.")
 CONFIG = pallas_kernels.KernelConfig(platform="tpu", interpret=False)
 GDN_CONFIG = gated_delta.KernelConfig(platform="tpu", interpret=False)
+KDA_CONFIG = kda.KernelConfig(platform="tpu", interpret=False)
 
 
 def one_device_mesh(topology_name):
@@ -113,20 +118,32 @@ def _gdn_fwd_bwd(q, k, v, g, beta):
   return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
 
 
+def _kda_fwd(q, k, v, g, beta):
+  return zeco_jax.chunk_kda(q, k, v, g, beta, backend="pallas", kernel_config=KDA_CONFIG)[0]
+
+
+def _kda_fwd_bwd(q, k, v, g, beta):
+  loss = lambda *a: _kda_fwd(*a).astype(jnp.float32).sum()
+  return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
+
+
 PASSES = {"fwd": _fwd, "fwd+bwd": _fwd_bwd}
-FAMILY_PASSES = {"gla": PASSES, "gated_delta": {"fwd": _gdn_fwd, "fwd+bwd": _gdn_fwd_bwd}}
+FAMILY_PASSES = {"gla": PASSES, "gated_delta": {"fwd": _gdn_fwd, "fwd+bwd": _gdn_fwd_bwd},
+                 "kda": {"fwd": _kda_fwd, "fwd+bwd": _kda_fwd_bwd}}
 
 
 def _arguments(family, mesh, shape, dtype):
   """ShapeDtypeStructs on mesh: GLA q, k, v, per-dim g (float32); Gated DeltaNet q, k,
-  v, g and beta ([B, T, H], float32)."""
+  v, g and beta ([B, T, H], float32); KDA q, k, v, per-channel g ([B, T, H, K]) and beta
+  (float32)."""
   B, T, H, K, V = shape
   s = NamedSharding(mesh, P())
   sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=s)
   qkv = (sds((B, T, H, K), dtype), sds((B, T, H, K), dtype), sds((B, T, H, V), dtype))
   if family == "gla":
     return (*qkv, sds((B, T, H, K), jnp.float32))
-  return (*qkv, sds((B, T, H), jnp.float32), sds((B, T, H), jnp.float32))
+  g = sds((B, T, H, K) if family == "kda" else (B, T, H), jnp.float32)
+  return (*qkv, g, sds((B, T, H), jnp.float32))
 
 
 def compile_kernels(mesh, shape, dtype, which, family="gla"):
@@ -160,6 +177,10 @@ SP_METHOD = "all_scan"
 SP_ALL_SCAN_STATES = 2     # per chip: one float32 K x V state forward, one in the reverse
 
 
+SP_OPS = {"gla": zeco_jax.zeco_gla, "gated_delta": zeco_jax.zeco_gated_delta_rule,
+          "kda": zeco_jax.zeco_kda}
+
+
 def sp_mesh(chips):
   """``(mesh, topology name)``: a seq axis over every chip of the v5p slice of ``chips``
   (scale_aot.TOPOLOGY), built as trainer.aot builds a data = 1 mesh."""
@@ -180,7 +201,8 @@ def sp_arguments(family, mesh, shape, dtype, segment_ids=False):
   sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=s)
   qkv = (sds((B, T, H, K), dtype), sds((B, T, H, K), dtype), sds((B, T, H, V), dtype))
   gates = ((sds((B, T, H, K), jnp.float32),) if family == "gla" else
-           (sds((B, T, H), jnp.float32), sds((B, T, H), jnp.float32)))
+           (sds((B, T, H, K) if family == "kda" else (B, T, H), jnp.float32),
+            sds((B, T, H), jnp.float32)))
   return (*qkv, *gates) + ((sds((B, T), jnp.int32),) if segment_ids else ())
 
 
@@ -189,7 +211,7 @@ def compile_sp(family, chips, shape=SP_SHAPE, dtype=jnp.bfloat16, *, backend="pa
   """Compile jit(grad) of sum(o) of the sequence-parallel op of ``family`` (grads of every
   array input but the ids) over the v5p slice of ``chips``; ``(compiled, seconds, mesh)``."""
   mesh, _ = sp_mesh(chips)
-  op = zeco_jax.zeco_gla if family == "gla" else zeco_jax.zeco_gated_delta_rule
+  op = SP_OPS[family]
   args = sp_arguments(family, mesh, shape, dtype, segment_ids)
   n = len(args) - bool(segment_ids)
 
@@ -225,7 +247,8 @@ SP_HEADER = ("| family | P | topology | context | compiled | compile s | tpu_cus
 
 def sp_row(family, chips, shape=SP_SHAPE, dtype=jnp.bfloat16):
   """``(row, failure, figures)``: one row of the sequence-parallel table, its failure (None
-  when it compiled with 2 states per chip, and Gated DeltaNet's 2 kernels) and its figures
+  when it compiled with 2 states per chip, and Gated DeltaNet's / KDA's 2 kernels) and its
+  figures
   (None when it did not compile)."""
   from zeco_jax.runtime.hlo_stats import async_overlap
   B, L, H, K, V = shape
@@ -247,7 +270,7 @@ def sp_row(family, chips, shape=SP_SHAPE, dtype=jnp.bfloat16):
   bad = []
   if states != SP_ALL_SCAN_STATES:
     bad.append(f"{states:g} states")
-  if family == "gated_delta" and calls != CALLS[family]["fwd+bwd"]:
+  if family in ("gated_delta", "kda") and calls != CALLS[family]["fwd+bwd"]:
     bad.append(f"{calls} custom calls")
   if not calls:
     bad.append("no kernel")
@@ -277,25 +300,28 @@ def sp_summary(figures):
         f"MiB; permutes with a kernel beside "
         f"{each(lambda f: str(f['with_kernel']) + ' of ' + str(f['permutes']))}.")
   return lines + [
-      "- Overlap: Gated DeltaNet's All-Scan sends have no kernel scheduled beside them: the "
+      "- Overlap: Gated DeltaNet's and KDA's All-Scan sends have no kernel scheduled beside "
+      "them: the "
       "state S_p a rank sends is the widened local pass's own output (its one forward "
       "kernel), so the chain starts after that kernel, and the backward kernel likewise "
       "waits for the reverse chain. GLA computes S_p with one GEMM before its local pass "
       "and splits the pass into head groups tied to the sends (`overlap_pieces`, "
       "tpu_schedule.md), hence its larger kernel count and the kernels beside its sends.",
       "- Against one chip (the `bench B1 T8K H16` bf16 fwd+bwd rows above): Gated "
-      "DeltaNet's kernels run on the widened state (V + K = 256 value columns), so its "
-      "declared FLOPs and its kept chunk states (float32 K x (V + K) per chunk and head) "
-      "grow over the one-chip op's; GLA's local pass keeps the one-chip width. FLOPs: "
-      "Gated DeltaNet's count is its kernels' declared matmul work plus the XLA ops; GLA's "
-      "omits its kernels (they declare none): do not compare the two families' columns."]
+      "DeltaNet's and KDA's kernels run on the widened state (V + K = 256 value columns), "
+      "so their declared FLOPs and their kept chunk states (float32 K x (V + K) per chunk "
+      "and head) grow over the one-chip op's; GLA's local pass keeps the one-chip width. "
+      "FLOPs: Gated DeltaNet's and KDA's counts are their kernels' declared matmul work "
+      "plus the XLA ops; GLA's omits its kernels (they declare none): do not compare GLA's "
+      "column with the others."]
 
 
 SP_TEXT = (
     "## The sequence-parallel ops over v5p chips (All-Scan, forward + backward)",
     "",
-    "`zeco_gla` and `zeco_gated_delta_rule` with `backend=\"pallas\"` (the Mosaic kernels "
-    "above in the local pass; Gated DeltaNet's on the widened state, V + K value columns) "
+    "`zeco_gla`, `zeco_gated_delta_rule` and `zeco_kda` with `backend=\"pallas\"` (the "
+    "Mosaic kernels above in the local pass; Gated DeltaNet's and KDA's on the widened "
+    "state, V + K value columns) "
     "and `method=\"all_scan\"`, `jit(grad)` of sum(o) over q, k, v and the gates, bf16 "
     "(g, beta float32), compiled by libtpu for every chip of a v5p slice on one seq axis "
     "(`benchmarks/scale_aot.py`'s topologies, `trainer.aot`'s data = 1 mesh), B1, 8192 "
@@ -307,11 +333,43 @@ SP_TEXT = (
     "one float32 K x V state of every head (B H K V 4 = 1 MiB), expected 2 (one state "
     "forward, one in the reverse chain) at every P. `other collectives`: every other kind "
     "(none expected: the op has no parameters to reduce). Memory: `memory_analysis()` per "
-    "chip. `GFLOP per chip`: cost_analysis; Gated DeltaNet's kernels declare their "
-    "matmul FLOPs (on V + K columns), GLA's declare none, so GLA's figure counts only the "
-    "XLA ops around its kernels (the fix-up GEMM and the scan's combines) and the two "
-    "columns do not compare. Compiled, not run.",
+    "chip. `GFLOP per chip`: cost_analysis; Gated DeltaNet's and KDA's kernels declare "
+    "their matmul FLOPs (on V + K columns), GLA's declare none, so GLA's figure counts "
+    "only the XLA ops around its kernels (the fix-up GEMM and the scan's combines) and "
+    "does not compare with the others. Compiled, not run.",
     "")
+
+
+COMPARE_SHAPE = "bench B1 T8K H16"
+
+
+def compare_families(figures):
+  """Lines of the families side by side at :data:`COMPARE_SHAPE`: ``figures`` is
+  ``{(family, generation, shape, dtype, pass): (temp bytes, flops)}``."""
+  have = [f for f in FAMILIES if any(key[0] == f and key[2] == COMPARE_SHAPE
+                                     for key in figures)]
+  if len(have) < 2:
+    return []
+  head = ("| generation | dtype | pass | "
+          + " | ".join(f"{f} temp MiB" for f in have) + " | "
+          + " | ".join(f"{f} GFLOP" for f in have) + " |")
+  lines = ["## KDA beside GLA and Gated DeltaNet (one chip, `" + COMPARE_SHAPE + "`)", "",
+           "The rows above at " + COMPARE_SHAPE + " (B1 T8192 H16 K = V = 128, chunk 64) side "
+           "by side: HBM temporaries (`memory_analysis()`; the arguments are q, k, v plus "
+           "the gates, the outputs the same shapes) and cost_analysis FLOPs. KDA's kernels "
+           "declare their matmul FLOPs as Gated DeltaNet's do (`pl.CostEstimate`), with the "
+           "float32 HIGHEST products (the per-sub-chunk decay sums, the UT inverse, the "
+           "decay gradient's cumsums) counted once; GLA's kernels declare none, so its "
+           "column counts only the XLA ops around them (not comparable).", "",
+           head, "|" + "---|" * (3 + 2 * len(have))]
+  for gen in GENERATIONS:
+    for dname in DTYPES:
+      for which in PASSES:
+        cells = [figures.get((f, gen, COMPARE_SHAPE, dname, which)) for f in have]
+        temp = [("" if c is None else mib(c[0])) for c in cells]
+        fl = [("" if c is None or c[1] is None else f"{c[1] / 1e9:.1f}") for c in cells]
+        lines.append(f"| {gen} | {dname} | {which} | " + " | ".join(temp + fl) + " |")
+  return lines
 
 
 def main():
@@ -336,7 +394,7 @@ def main():
   rows = [header, "|" + "---|" * 13]
   if families:
     print(header, flush=True)
-  failures, hbm = [], []
+  failures, hbm, compared = [], [], {}
   t_all = time.perf_counter()
   for family in families:
     expected = CALLS[family]
@@ -359,6 +417,7 @@ def main():
                      f"{mib(m.output_size_in_bytes)} | {mib(m.temp_size_in_bytes)} | "
                      f"{mib(m.generated_code_size_in_bytes)} | "
                      f"{'' if f is None else f'{f / 1e9:.1f}'} |")
+              compared[family, gen, sname, dname, which] = (m.temp_size_in_bytes, f)
               if n != expected[which]:
                 failures.append((family, gen, sname, dname, which, f"{n} custom calls"))
             except Exception as e:  # noqa: BLE001 - recorded in the table
@@ -376,7 +435,7 @@ def main():
                 traceback.print_exc()
             rows.append(row)
             print(row, flush=True)
-  # The sequence-parallel ops, GLA beside Gated DeltaNet at each P (--quick: the test's
+  # The sequence-parallel ops, GLA beside Gated DeltaNet and KDA at each P (--quick: the test's
   # shape at P = 8).
   sp_rows, sp_failures, sp_figures = [SP_HEADER, "|" + "---|" * 16], [], {}
   if "sp" in parts and not a.shape:
@@ -398,23 +457,26 @@ def main():
     lines = [
         "# Mosaic TPU kernels compiled for v5e, v5p, v6e without a TPU",
         "",
-        "Question: do the GLA and Gated DeltaNet Mosaic TPU kernels compile for each TPU "
-        "generation, at the benchmark and model shapes, bf16 and float32, and what HBM do "
-        "they need? And do the sequence-parallel ops on them (`zeco_gla`, "
-        "`zeco_gated_delta_rule`, All-Scan) compile for v5p slices of 8 to 32 chips, with "
-        "what bytes per chip, memory and FLOPs?",
+        "Question: do the GLA, Gated DeltaNet and Kimi Delta Attention (KDA) Mosaic TPU "
+        "kernels compile for each TPU generation, at the benchmark and model shapes, bf16 "
+        "and float32, and what HBM do they need? And do the sequence-parallel ops on them "
+        "(`zeco_gla`, `zeco_gated_delta_rule`, `zeco_kda`, All-Scan) compile for v5p "
+        "slices of 8 to 32 chips, with what bytes per chip, memory and FLOPs?",
         "",
         f"`python -m benchmarks.tpu_aot_kernels` ({harness.env_line(env)}, CPU host, total "
         f"{total:.0f} s). Each row: `chunk_gla(backend=\"pallas\", "
         "kernel_config=KernelConfig(platform=\"tpu\", interpret=False))` jitted and "
         "compiled by libtpu for one device of the topology (Gated DeltaNet: "
-        "`chunk_gated_delta_rule` likewise, its own KernelConfig); "
+        "`chunk_gated_delta_rule` likewise, KDA: `chunk_kda`, each with its own "
+        "KernelConfig); "
         "`fwd` the output, `fwd+bwd` value_and_grad over every input but the state (GLA "
-        "q, k, v, g per-dim; Gated DeltaNet q, k, v, g, beta per head; g and beta float32; "
+        "q, k, v, g per-dim; Gated DeltaNet q, k, v, g, beta per head; KDA q, k, v, g per "
+        "key channel, beta per head; g and beta float32; "
         "chunk 64). `tpu_custom_calls`: Mosaic "
-        "kernels in the compiled HLO (expected GLA fwd 1, fwd+bwd 3; Gated DeltaNet fwd 1, "
-        "fwd+bwd 2). `GFLOP`: cost_analysis (Gated DeltaNet's kernels declare their matmul "
-        "FLOPs; GLA's declare none, so its count omits the kernels). Memory columns: "
+        "kernels in the compiled HLO (expected GLA fwd 1, fwd+bwd 3; Gated DeltaNet and "
+        "KDA fwd 1, fwd+bwd 2). `GFLOP`: cost_analysis (Gated DeltaNet's and KDA's kernels "
+        "declare their matmul FLOPs; GLA's declare none, so its count omits the kernels). "
+        "Memory columns: "
         "`memory_analysis()` (HBM; Mosaic checks each kernel's "
         "VMEM itself, a kernel that does not fit fails the compile). Compiled is not run: "
         "numerics on the chip and speed are unverified (interpret-mode parity is the "
@@ -427,9 +489,10 @@ def main():
       lines.append(f"- {' '.join(f[:5])}: {f[5][:500]}")
     for f in hbm:
       lines.append(f"- HBM: {' '.join(f[:5])}: {f[5]}")
+    lines += ["", *compare_families(compared)]
     lines += ["", *SP_TEXT, *sp_rows, "", *sp_summary(sp_figures), "",
               f"Sequence-parallel failures (no compile, states per chip != "
-              f"{SP_ALL_SCAN_STATES}, Gated DeltaNet's kernels != "
+              f"{SP_ALL_SCAN_STATES}, Gated DeltaNet's or KDA's kernels != "
               f"{CALLS['gated_delta']['fwd+bwd']}): {len(sp_failures)}.", ""]
     for family, chips, why in sp_failures:
       lines.append(f"- {family} P = {chips}: {why[:500]}")

@@ -18,7 +18,10 @@ families that have kernels and :data:`KERNEL_PLATFORMS` the platforms each has t
   ``gated_delta.default_config`` (:func:`config_type`, :func:`family_default_config`).
 * ``"kda"`` (:mod:`pallas_kernels.kda`): Kimi Delta Attention, ``"gpu"`` Triton-lowered
   kernels (:mod:`pallas_kernels.kda.gpu`; lowered to Triton IR on a CPU host and exact in
-  the interpreter, not yet run on a GPU) and ``"cpu"`` the same in the interpreter.
+  the interpreter, not yet run on a GPU), ``"tpu"`` Mosaic TPU kernels
+  (:mod:`pallas_kernels.kda.tpu`, compiled ahead of time for v5e / v5p / v6e and checked
+  in the interpreter; not yet run on a TPU chip) and ``"cpu"`` the GPU kernels in the
+  interpreter.
 
 Shared by every family: :mod:`pallas_kernels._launch` (the launch, dots, tiles, layouts),
 :mod:`pallas_kernels._config` (``Launch``, the config checks) and
@@ -32,7 +35,7 @@ from pallas_kernels.protocol import ChunkKernels
 
 FAMILIES = ("gla", "gated_delta", "kda")
 KERNEL_PLATFORMS = {"gla": ("cpu", "gpu", "tpu"), "gated_delta": ("cpu", "gpu", "tpu"),
-                    "kda": ("cpu", "gpu")}
+                    "kda": ("cpu", "gpu", "tpu")}
 # Kernels that have not been compiled for their platform end to end yet: backend="auto"
 # does not pick them there (backend="pallas" does).
 NOT_YET_AUTO = {("kda", "gpu"): "its GPU kernels have been lowered to Triton IR and "

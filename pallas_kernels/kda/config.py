@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from pallas_kernels._config import Launch, check_config, replace_config
+from pallas_kernels._config import PLATFORMS, Launch, check_config, replace_config
 
 # Every kernel's launch, by stage (module docstring of pallas_kernels.kda.gpu).
 STAGE_DEFAULTS = {
@@ -36,13 +36,14 @@ FLAGS = ("interpret", "states_in_input_dtype")
 class KernelConfig:
   """Which KDA kernels run and how: one frozen, hashable value.
 
-  ``platform``: ``"gpu"`` (Triton lowering) or ``"cpu"`` (the GPU kernels in the Pallas
-  interpreter); KDA has no Mosaic TPU kernels. ``interpret``: run in the interpreter
-  (required for ``"cpu"``). One :class:`~pallas_kernels.Launch` per GPU stage
-  (:data:`STAGE_DEFAULTS`); ``bv`` caps the K / V tile, ``kd`` the K slice of the kernels
-  that form per-channel pairwise decays. ``states_in_input_dtype``: the chunk states kept
-  for the backward and their cotangents are stored in the input dtype (the dots read
-  them so), else float32.
+  ``platform``: ``"gpu"`` (Triton lowering), ``"tpu"`` (the Mosaic kernels of
+  :mod:`pallas_kernels.kda.tpu`, which read only ``interpret`` and
+  ``states_in_input_dtype``) or ``"cpu"`` (the GPU kernels in the Pallas interpreter).
+  ``interpret``: run in the interpreter (required for ``"cpu"``). One
+  :class:`~pallas_kernels.Launch` per GPU stage (:data:`STAGE_DEFAULTS`); ``bv`` caps the
+  K / V tile, ``kd`` the K slice of the kernels that form per-channel pairwise decays.
+  ``states_in_input_dtype``: the chunk states kept for the backward and their cotangents
+  are stored in the input dtype (the dots read them so), else float32.
 
   Change one with :meth:`replace` (``cfg.replace(walk_bv=32, dpairs_kd=64)``).
   """
@@ -60,9 +61,6 @@ class KernelConfig:
   states_in_input_dtype: bool = True
 
   def __post_init__(self):
-    if self.platform == "tpu":
-      raise ValueError("kda KernelConfig: `platform` must be 'gpu' or 'cpu' (KDA has no "
-                       "TPU kernels), got 'tpu'.")
     check_config(self, stage_defaults=STAGE_DEFAULTS, flags=FLAGS, label="kda KernelConfig")
     for stage in STAGE_DEFAULTS:
       launch = getattr(self, stage)
@@ -80,10 +78,11 @@ class KernelConfig:
 
 def default_config(platform: str, B: int, T: int, H: int, K: int, V: int, dtype, *,
                    sm_count: Optional[int] = None) -> KernelConfig:
-  """The default :class:`KernelConfig` for a target (:data:`STAGE_DEFAULTS`, unmeasured).
-  The shape and ``sm_count`` are in the signature for per-shape defaults to come."""
+  """The default :class:`KernelConfig` for a target (:data:`STAGE_DEFAULTS`, unmeasured;
+  on ``"tpu"`` the stages are unused: the Mosaic kernels take whole-chunk blocks). The
+  shape and ``sm_count`` are in the signature for per-shape defaults to come."""
   del B, T, H, K, V, dtype, sm_count
-  if platform not in ("cpu", "gpu"):
-    raise ValueError(f"kda default_config: `platform` must be 'gpu' or 'cpu' (KDA has no "
-                     f"TPU kernels), got {platform!r}.")
+  if platform not in PLATFORMS:
+    raise ValueError(f"kda default_config: unknown `platform` {platform!r}; choose one of "
+                     f"{', '.join(map(repr, PLATFORMS))}.")
   return KernelConfig(platform=platform, interpret=platform == "cpu")

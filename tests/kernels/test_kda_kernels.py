@@ -116,8 +116,9 @@ def test_default_config_and_errors():
     cfg.replace(walk_kd=4)
   with pytest.raises(ValueError, match="`intra_kd` must be a power of two >= 16"):
     cfg.replace(intra_kd=24)
-  with pytest.raises(ValueError, match="KDA has no TPU kernels"):
-    kda.default_config("tpu", 1, 64, 1, 16, 16, jnp.float32)
+  assert kda.default_config("tpu", 1, 64, 1, 16, 16, jnp.float32).platform == "tpu"
+  with pytest.raises(ValueError, match="unknown `platform` 'metal'"):
+    kda.default_config("metal", 1, 64, 1, 16, 16, jnp.float32)
   (q, k, v, g, beta, h0), _ = _inputs(3, 1, 32, 1, 24, 16)
   with pytest.raises(ValueError, match="K must be a power of two >= 16"):
     gpu.fwd(q, k, v, g, beta, scale=1.0, initial_state=h0, chunk_size=16, config=cfg)

@@ -1,0 +1,170 @@
+"""Kimi Delta Attention's Mosaic TPU kernels (``pallas_kernels.kda.tpu``): in the Pallas
+interpreter against the jnp chunked form, and compiled by libtpu for v5e / v5p / v6e.
+
+Parity: ``fwd_res`` / ``bwd_res`` (and ``fwd`` / ``bwd``, which recomputes the chunk
+states) against ``zeco_jax.ops.kda.chunked.chunk_recurrence`` and its vjp, float32
+forward (o, final) <= 1e-5 and gradients <= 1e-4, bf16 <= 2e-2. Strong per-channel decay
+(g uniform in [-5, 0]; one case with document starts at -1e4 on every channel, one with
+tests/helpers.py's mix of 2% channels at -1e4), beta up to 0.9999, random h0 and
+cotangents; K = V = 128, K != V, chunks of 16 to 128 (no sub-chunk below the diagonal up
+to 7; the UT inverse with 0 to 3 merge levels), more than 8 chunks (two blocks of beta
+rows), B and H > 1. And ``chunk_kda`` on these kernels (T not a multiple of the chunk)
+against the float64 truth.
+
+Compiled (skipped without libtpu, ``pip install -e '.[tpu]'``): through ``chunk_kda``
+with the TPU kernels (``benchmarks/tpu_aot_kernels.py``'s helpers), forward and forward +
+backward, bf16 and float32, for one device of each generation; the compiled HLO holds
+the Mosaic kernels. Numerics on a chip are unverified.
+"""
+import functools
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from helpers import check_kda_against_float64, kda_inputs, rel_err
+
+import pallas_kernels
+from pallas_kernels.kda import KernelConfig, default_config, tpu
+from zeco_jax import chunk_kda
+from zeco_jax.ops.kda import chunked
+
+INTERPRET = KernelConfig(platform="tpu", interpret=True)
+NAMES = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+requires_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                     reason="TPU compiler not installed: pip install -e '.[tpu]'")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "C", "config", "recompute"))
+def _kernels(q, k, v, g, beta, h0, do, dht, *, scale, C, config, recompute):
+  kw = dict(scale=scale, initial_state=h0, chunk_size=C, config=config)
+  if recompute:
+    return (*tpu.fwd(q, k, v, g, beta, **kw), *tpu.bwd(q, k, v, g, beta, do, dht, **kw))
+  (o, final), res = tpu.fwd_res(q, k, v, g, beta, **kw)
+  return (o, final, *tpu.bwd_res(res, q, k, v, g, beta, do, dht, **kw))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "C"))
+def _reference(q, k, v, g, beta, h0, do, dht, *, scale, C):
+  f32 = lambda x: x.astype(jnp.float32)
+  run = lambda *a: chunked.chunk_recurrence(*a, scale, C, False)
+  (o, final), vjp = jax.vjp(run, f32(q), f32(k), f32(v), g, beta, h0)
+  return (o, final, *vjp((do, dht)))
+
+
+def _inputs(seed, B, T, H, K, V, dtype, decay="strong"):
+  """kda_inputs with beta up to 0.9999 (float32); "resets": strong decay with -1e4 on
+  every channel at a few tokens (document starts)."""
+  (q, k, v, g, beta, h0), (do, dht) = kda_inputs(
+      seed, B, T, H, K, V, decay="strong" if decay == "resets" else decay, dtype=dtype)
+  if decay == "resets":
+    g = g.at[:, 5::37].set(-1e4)
+  return q, k, v, g, beta.astype(jnp.float32), h0, do, dht
+
+
+# (B, T, H, K, V, C, dtype, decay, recompute): each case also runs fwd / bwd (the states
+# recomputed) where `recompute` says so, to keep the interpreter's time down.
+@pytest.mark.parametrize("B,T,H,K,V,C,dtype,decay,recompute", [
+    (1, 128, 1, 128, 128, 64, jnp.float32, "strong", True),
+    (1, 128, 1, 64, 64, 64, jnp.float32, "resets", False),
+    (1, 256, 2, 64, 128, 128, jnp.float32, "strong", False),
+    (2, 160, 2, 32, 16, 16, jnp.float32, "mix", True),
+    (1, 288, 1, 32, 32, 32, jnp.float32, "mild", False),
+    (1, 128, 1, 128, 64, 32, jnp.bfloat16, "strong", False),
+], ids=["K128V128C64", "resets", "K64V128C128H2", "B2H2C16N10mix", "C32N9mild",
+        "bf16K128V64C32"])
+def test_matches_chunked_form(B, T, H, K, V, C, dtype, decay, recompute):
+  args = _inputs(0, B, T, H, K, V, dtype, decay)
+  scale = K ** -0.5
+  want = _reference(*args, scale=scale, C=C)
+  fwd_tol, grad_tol = (1e-5, 1e-4) if dtype == jnp.float32 else (2e-2, 2e-2)
+  for flag in sorted({False, recompute}):
+    got = _kernels(*args, scale=scale, C=C, config=INTERPRET, recompute=flag)
+    assert got[0].dtype == dtype and got[0].shape == (B, T, H, V)
+    assert got[5].dtype == jnp.float32 and got[5].shape == (B, T, H, K)   # dg
+    errors = {n: rel_err(a, b) for n, a, b in zip(NAMES, got, want)}
+    bad = {n: e for n, e in errors.items() if e > (fwd_tol if n in NAMES[:2] else grad_tol)}
+    assert not bad, (flag, errors)
+
+
+def test_kernels_are_registered_for_tpu():
+  assert pallas_kernels.backend("kda", "tpu") is tpu
+  assert isinstance(tpu, pallas_kernels.ChunkKernels)
+  assert "tpu" in pallas_kernels.KERNEL_PLATFORMS["kda"]
+  cfg = default_config("tpu", 1, 8192, 16, 128, 128, jnp.bfloat16)
+  assert cfg == KernelConfig(platform="tpu", interpret=False)
+
+
+def test_op_with_tpu_kernels_matches_float64():
+  """``chunk_kda`` on these kernels (T = 100 padded to the chunk of 32, the decay mix with
+  channels at -1e4) against the float64 truth."""
+  op = functools.partial(chunk_kda, chunk_size=32, backend="pallas", kernel_config=INTERPRET)
+  check_kda_against_float64(op, *kda_inputs(3, 1, 100, 2, 32, 32))
+
+
+def test_float32_states_residual():
+  """``states_in_input_dtype=False``: the kept chunk states are float32."""
+  args = _inputs(1, 1, 64, 1, 32, 32, jnp.bfloat16)
+  config = INTERPRET.replace(states_in_input_dtype=False)
+  kw = dict(scale=0.2, initial_state=args[5], chunk_size=32, config=config)
+  shapes = jax.eval_shape(lambda *a: tpu.fwd_res(*a, **kw), *args[:5])
+  assert shapes[1].h.shape == (1, 1, 2, 32, 32) and shapes[1].h.dtype == jnp.float32
+
+
+# --- compiled by libtpu -------------------------------------------------------------------
+
+def _aot():
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")   # before the first topology
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from benchmarks import tpu_aot_kernels
+  return tpu_aot_kernels
+
+
+@pytest.fixture(scope="module", params=["v5e", "v5p", "v6e"])
+def mesh(request):
+  aot = _aot()
+  return aot.one_device_mesh(aot.GENERATIONS[request.param])
+
+
+@requires_libtpu
+@pytest.mark.parametrize("which", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_mosaic_kernels_compile_for_tpu(mesh, dtype, which):
+  aot = _aot()
+  shape = aot.SHAPES["small (test)"]
+  compiled, _ = aot.compile_kernels(mesh, shape, dtype, which, family="kda")
+  text = compiled.as_text()
+  assert text.count(aot.CUSTOM_CALL) == aot.CALLS["kda"][which]
+  names = {"kda_tpu_fwd"} | ({"kda_tpu_bwd"} if which == "fwd+bwd" else set())
+  assert all(name in text for name in names), names
+  m = compiled.memory_analysis()
+  B, T, H, K, V = shape
+  item = jnp.dtype(dtype).itemsize
+  assert m.argument_size_in_bytes == B * T * H * ((2 * K + V) * item + (K + 1) * 4)
+  assert m.temp_size_in_bytes < 64 * 2**20
+  assert aot.flops(compiled) > 0
+
+
+@requires_libtpu
+def test_backward_with_recompute_compiles_for_tpu():
+  """``bwd`` (no residual): the forward kernel emitting the states, then the backward."""
+  aot = _aot()
+  mesh = aot.one_device_mesh(aot.GENERATIONS["v5e"])
+  B, T, H, K, V = 1, 256, 2, 128, 64
+  s = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=s)
+  bf, f32 = jnp.bfloat16, jnp.float32
+  args = (sds((B, T, H, K), bf), sds((B, T, H, K), bf), sds((B, T, H, V), bf),
+          sds((B, T, H, K), f32), sds((B, T, H), f32), sds((B, T, H, V), bf),
+          sds((B, H, K, V), f32), sds((B, H, K, V), f32))
+  config = KernelConfig(platform="tpu", interpret=False)
+
+  def backward(q, k, v, g, beta, do, dht, h0):
+    return tpu.bwd(q, k, v, g, beta, do, dht, scale=0.1, initial_state=h0, chunk_size=64,
+                   config=config)
+
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    compiled = jax.jit(backward).lower(*args).compile()
+  assert compiled.as_text().count(aot.CUSTOM_CALL) == 2
