@@ -17,8 +17,7 @@ families that have kernels and :data:`KERNEL_PLATFORMS` the platforms each has t
   kernels in the interpreter. Its launch configuration: ``gated_delta.KernelConfig`` and
   ``gated_delta.default_config`` (:func:`config_type`, :func:`family_default_config`).
 * ``"kda"`` (:mod:`pallas_kernels.kda`): Kimi Delta Attention, ``"gpu"`` Triton-lowered
-  kernels (:mod:`pallas_kernels.kda.gpu`; lowered to Triton IR on a CPU host and exact in
-  the interpreter, not yet run on a GPU), ``"tpu"`` Mosaic TPU kernels
+  kernels (:mod:`pallas_kernels.kda.gpu`), ``"tpu"`` Mosaic TPU kernels
   (:mod:`pallas_kernels.kda.tpu`, compiled ahead of time for v5e / v5p / v6e and checked
   in the interpreter; not yet run on a TPU chip) and ``"cpu"`` the GPU kernels in the
   interpreter.
@@ -38,8 +37,9 @@ KERNEL_PLATFORMS = {"gla": ("cpu", "gpu", "tpu"), "gated_delta": ("cpu", "gpu", 
                     "kda": ("cpu", "gpu", "tpu")}
 # Kernels that have not been compiled for their platform end to end yet: backend="auto"
 # does not pick them there (backend="pallas" does).
-NOT_YET_AUTO = {("kda", "gpu"): "its GPU kernels have been lowered to Triton IR and "
-                                "checked in the interpreter, not yet run on a GPU"}
+# {(family, platform): why}; empty now (KDA's GPU kernels left it once they had run on an
+# H200).
+NOT_YET_AUTO: dict = {}
 
 
 def _check_family(family: str) -> None:

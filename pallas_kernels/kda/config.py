@@ -5,10 +5,11 @@ value.
 interpreter, and each GPU kernel's launch (a :class:`pallas_kernels.Launch` per stage,
 the GLA kernels' launch type). An op passes it to its custom_vjp as a static argument, so
 two configurations are two programs and nothing else is read while tracing.
-:func:`default_config` is the one place defaults are chosen. They are guesses, not
-measurements: no GPU has run these kernels yet (the tiles follow Gated DeltaNet's
-measured defaults, ``benchmarks/results/gdn_h200.md``, with smaller K slices where a
-kernel holds several per-channel ``[16, kd]`` decay tiles at once).
+:func:`default_config` is the one place defaults are chosen. Measured on an H200 for KDA:
+``kda_intra``'s K slice (128: 1.97 ms at B1 T16384 H16 K=V=128, against 2.11 / 2.20 for
+32 / 64; ``benchmarks/results/kda_h200.md``). The other stages follow Gated DeltaNet's
+measured defaults (``benchmarks/results/gdn_h200.md``), with smaller K slices where a
+kernel holds several per-channel ``[16, kd]`` decay tiles at once; not swept for KDA.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pallas_kernels._config import PLATFORMS, Launch, check_config, replace_conf
 
 # Every kernel's launch, by stage (module docstring of pallas_kernels.kda.gpu).
 STAGE_DEFAULTS = {
-    "intra": Launch(kd=64, warps=4, stages=1),   # A and P per chunk (kd: the K slice), T
+    "intra": Launch(kd=128, warps=4, stages=1),  # A and P per chunk (kd: the K slice), T
     "wu": Launch(bv=64, warps=4, stages=1),      # w, u, kd, e^gamma per chunk (K / V tile)
     "walk": Launch(bv=16, warps=4, stages=2),    # the forward state walk (h, v_new)
     "out": Launch(bk=64, bv=64, warps=4, stages=2),   # the output per chunk and V tile
@@ -78,7 +79,7 @@ class KernelConfig:
 
 def default_config(platform: str, B: int, T: int, H: int, K: int, V: int, dtype, *,
                    sm_count: Optional[int] = None) -> KernelConfig:
-  """The default :class:`KernelConfig` for a target (:data:`STAGE_DEFAULTS`, unmeasured;
+  """The default :class:`KernelConfig` for a target (:data:`STAGE_DEFAULTS`, module docstring;
   on ``"tpu"`` the stages are unused: the Mosaic kernels take whole-chunk blocks). The
   shape and ``sm_count`` are in the signature for per-shape defaults to come."""
   del B, T, H, K, V, dtype, sm_count

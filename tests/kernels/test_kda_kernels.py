@@ -174,12 +174,16 @@ def test_op_layer_and_sequence_parallel_on_kernels():
   assert rel_err(outs[1][0], outs[0][0]) <= 1e-5 and rel_err(outs[1][1], outs[0][1]) <= 1e-4
 
 
-def test_auto_does_not_pick_the_unrun_gpu_kernels():
-  """backend="auto" resolves to the jnp path for KDA on a GPU target (said once) until
-  the kernels have run on a GPU; backend="pallas" picks them; GDN's auto picks its."""
+def test_auto_picks_the_gpu_kernels_and_holds_back_unrun_ones(monkeypatch):
+  """backend="auto" picks KDA's kernels on a GPU target (they have run on an H200); a
+  (family, platform) listed in ``pallas_kernels.NOT_YET_AUTO`` resolves to the jnp path,
+  said once, while backend="pallas" still picks its kernels."""
+  import pallas_kernels
   from zeco_jax.ops import _dispatch
+  assert _dispatch.resolve_backend("auto", family="kda", platform="gpu") == "pallas"
+  assert _dispatch.resolve_backend("auto", family="kda", platform="cpu") == "jax"
+  monkeypatch.setitem(pallas_kernels.NOT_YET_AUTO, ("kda", "gpu"), "not yet run on a GPU")
   _dispatch.say_jax_fallback.cache_clear()
   with pytest.warns(UserWarning, match="not yet run on a GPU"):
     assert _dispatch.resolve_backend("auto", family="kda", platform="gpu") == "jax"
   assert _dispatch.resolve_backend("pallas", family="kda", platform="gpu") == "pallas"
-  assert _dispatch.resolve_backend("auto", family="gated_delta", platform="gpu") == "pallas"
