@@ -1,14 +1,17 @@
 """The All-Scan's overlap in the TPU schedule, compiled by libtpu without a TPU.
 
 zeco_gla forward and forward + backward (value_and_grad) over seq = 8 chips of a v5p
-topology, B1 x 16384 tokens per chip, H16 K=V=128, bf16, backend from $BK (default auto:
-Mosaic kernels), method $M (default all_scan), overlap_pieces $OP (default: None, the TPU
-default). Prints, per collective-permute start/done pair in schedule order, (compute ops,
-custom calls) between them (zeco_jax.runtime.hlo_stats.async_overlap). Results:
+topology, B1 x 16384 tokens per chip, H16 K=V=128, bf16, backend from $BK (default
+auto: Mosaic kernels), method $M (default all_scan), overlap_pieces $OP (default: None,
+the TPU default). $FAM=gated_delta or kda: ``zeco_gated_delta_rule`` / ``zeco_kda``
+instead, B1 x 8192 tokens per chip (``benchmarks.tpu_aot_kernels.SP_SHAPE``), g and beta float32.
+Prints, per collective-permute start/done pair in schedule order, (compute ops, custom
+calls) between them (zeco_jax.runtime.hlo_stats.async_overlap). Results:
 benchmarks/results/tpu_schedule.md.
 
   ALLOW_MULTIPLE_LIBTPU_LOAD=1 python -m benchmarks.tpu_schedule [topology] [--out DIR]
   OP=1 python -m benchmarks.tpu_schedule      # the unsplit local pass, for comparison
+  FAM=gated_delta python -m benchmarks.tpu_schedule   # the delta rule's head groups
 
 A CPU host with libtpu (``pip install -e '.[tpu]'``). The compiled HLO goes to
 /tmp/sched_{fwd,fwd+bwd}.hlo; with --out, the rows (tpu_schedule.json) and the environment
@@ -37,6 +40,7 @@ B, L, H, K, V = 1, 16384, 16, 128, 128
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("topology", nargs="?", default="v5p:2x2x2")
+  family = os.environ.get("FAM", "gla")
   ap.add_argument("--out", default=None, help="folder for tpu_schedule.json and .env.json")
   a = ap.parse_args(argv)
   topo = topologies.get_topology_desc(platform="tpu", topology_name=a.topology)
@@ -48,15 +52,26 @@ def main(argv=None):
   method = os.environ.get("M", "all_scan")
   pieces = int(os.environ["OP"]) if os.environ.get("OP") else None
 
-  def fwd(q, k, v, g):
-    return zeco_jax.zeco_gla(q, k, v, g, mesh=mesh, backend=backend, method=method,
-                             batch_axes="data", overlap_pieces=pieces)[0]
+  if family == "gla":
+    def fwd(*x):
+      return zeco_jax.zeco_gla(*x, mesh=mesh, backend=backend, method=method,
+                               batch_axes="data", overlap_pieces=pieces)[0]
 
-  def fb(q, k, v, g):
-    loss = lambda *x: fwd(*x).astype(jnp.float32).sum()
-    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, g)
+    args = (sd(K, jnp.bfloat16), sd(K, jnp.bfloat16), sd(V, jnp.bfloat16),
+            sd(K, jnp.float32))
+  else:
+    from benchmarks import tpu_aot_kernels as aot
+    mesh = Mesh(np.array(topo.devices).reshape(8), ("seq",))
+    args = aot.sp_arguments(family, mesh, aot.SP_SHAPE, jnp.bfloat16)
 
-  args = (sd(K, jnp.bfloat16), sd(K, jnp.bfloat16), sd(V, jnp.bfloat16), sd(K, jnp.float32))
+    def fwd(*x):
+      return aot.SP_OPS[family](*x, mesh=mesh, backend=backend, method=method,
+                                overlap_pieces=pieces)[0]
+
+  def fb(*x):
+    loss = lambda *y: fwd(*y).astype(jnp.float32).sum()
+    return jax.value_and_grad(loss, argnums=tuple(range(len(x))))(*x)
+
   rows = []
   for name, f in (("fwd", fwd), ("fwd+bwd", fb)):
     t = time.time()
@@ -66,7 +81,8 @@ def main(argv=None):
     with open(f"/tmp/sched_{name}.hlo", "w") as fh:
       fh.write(text)
     ov = hlo_stats.async_overlap(text)
-    row = {"program": name, "topology": a.topology, "backend": backend, "method": method,
+    row = {"family": family, "program": name, "topology": a.topology, "backend": backend,
+           "method": method,
            "overlap_pieces": pieces, "compile_s": round(time.time() - t, 1),
            "custom_calls": text.count("tpu_custom_call"), "permutes": len(ov),
            "with_compute": sum(x[0] > 0 for x in ov), "with_kernel": sum(x[1] > 0 for x in ov),

@@ -28,6 +28,7 @@ from zeco_jax import segments
 from zeco_jax._linalg import HI as _HI
 from zeco_jax._linalg import opaque
 from zeco_jax._vma import match_varying
+from zeco_jax.runtime.target import platform_of
 from zeco_jax.sp import scan as _scan
 from zeco_jax.sp import shard
 from zeco_jax.sp import transitions
@@ -209,7 +210,8 @@ chunk_recurrence.defvjp(_chunk_recurrence_fwd, _chunk_recurrence_bwd)
 
 
 def local_pass(q, k, v, g, beta, *, recurrence, chunked_op, axis_name, method, num_blocks,
-               group_size, chunk_size, scale, initial_state, segment_ids, name):
+               group_size, chunk_size, scale, initial_state, segment_ids, name,
+               overlap_pieces=None):
   """A delta-rule family's per-shard body (docs/design.md §9): ``(o, state after the
   segment)`` on this rank's checked, l2-normalised segment.
 
@@ -222,6 +224,12 @@ def local_pass(q, k, v, g, beta, *, recurrence, chunked_op, axis_name, method, n
 
   Packed documents: the starts inside the segment go into the local pass; a start on the
   first token (one ppermute of the previous rank's last id) zeroes M_p and R only.
+
+  ``overlap_pieces`` > 1 (``"all_scan"`` over P >= 2 ranks; None: :func:`default_overlap_pieces`,
+  more than 1 on TPU only): steps 1 and 2 interleaved by
+  head groups (:func:`zeco_jax.sp.scan.all_scan_of_pieces`): the local pass of group j
+  gives the chain's block j, so the chain starts after the first group's local pass and
+  the later groups' run while sends are in flight; the fix-up per group.
   """
   B, L, H, K = q.shape
   V = v.shape[-1]
@@ -230,6 +238,14 @@ def local_pass(q, k, v, g, beta, *, recurrence, chunked_op, axis_name, method, n
     segments.check_segment_ids(segment_ids, B, L, name=name)
     q, k, g = segments.apply(q, k, g, segment_ids)
     first_starts = shard.first_token_starts(segment_ids, axis_name)
+  overlap_pieces = resolve_overlap_pieces(overlap_pieces, method, num_blocks, H,
+                                          platform=platform_of(q), P=lax.axis_size(axis_name),
+                                          name=name)
+  if overlap_pieces > 1 and lax.axis_size(axis_name) > 1:
+    return _local_pass_in_pieces(q, k, v, g, beta, recurrence=recurrence,
+                                 axis_name=axis_name, pieces=overlap_pieces,
+                                 chunk_size=chunk_size, scale=scale,
+                                 initial_state=initial_state, first_starts=first_starts)
   nb = _scan.resolve_num_blocks(num_blocks, method, lax.axis_size(axis_name),
                                 4 * B * H * K * V, V, name=name, group_size=group_size)
   out, end = recurrence(q, k, v, g, beta, None, scale, chunk_size, True)
@@ -249,3 +265,59 @@ def local_pass(q, k, v, g, beta, *, recurrence, chunked_op, axis_name, method, n
   o, _ = chunked_op(q, k, v, g, beta, scale=scale, initial_state=entering,
                     chunk_size=chunk_size)
   return o, after
+
+
+def default_overlap_pieces(platform: str, method: str, P: int, H: int) -> int:
+  """How many head groups a delta-rule local pass is split into by default.
+
+  On TPU with ``"all_scan"`` over P >= 2 ranks: the largest divisor of H not above P, so
+  the chain starts after 1/G of the local pass and G - 1 of its G + P - 2 forward sends
+  have a group's kernel beside them (libtpu's schedule at v5p P = 8, H16:
+  ``benchmarks/results/tpu_schedule.md``). Elsewhere 1: on a GPU the kernels are launched
+  on every head at once (a head group leaves SMs idle), not measured split.
+  """
+  if platform != "tpu" or method != "all_scan" or P < 2:
+    return 1
+  return max(d for d in range(1, H + 1) if H % d == 0 and d <= P)
+
+
+def resolve_overlap_pieces(overlap_pieces, method, num_blocks, H, *, platform, P,
+                           name) -> int:
+  """``overlap_pieces`` checked: None -> :func:`default_overlap_pieces` (1 when
+  ``num_blocks`` is given); else a positive int dividing H, and > 1 only with
+  ``method="all_scan"`` and no ``num_blocks`` > 1 (the head groups are the blocks)."""
+  if overlap_pieces is None:
+    if num_blocks not in (None, 1):
+      return 1
+    return default_overlap_pieces(platform, method, P, H)
+  _scan.check_overlap_pieces(overlap_pieces, method, H, name=name)
+  if overlap_pieces > 1 and num_blocks not in (None, 1):
+    raise ValueError(f"{name}: `overlap_pieces`={overlap_pieces} makes the head groups the "
+                     f"All-Scan's blocks; `num_blocks`={num_blocks!r} would split them again. "
+                     "Pass num_blocks=None (or 1), or overlap_pieces=None.")
+  return overlap_pieces
+
+
+def _local_pass_in_pieces(q, k, v, g, beta, *, recurrence, axis_name, pieces, chunk_size,
+                          scale, initial_state, first_starts):
+  """:func:`local_pass` with the All-Scan's blocks the ``pieces`` head groups, each
+  produced by its group's widened local pass (:func:`zeco_jax.sp.scan.all_scan_of_pieces`)."""
+  H, V = q.shape[2], v.shape[-1]
+  hs = H // pieces
+  heads = lambda x, i, axis: lax.slice_in_dim(x, i * hs, (i + 1) * hs, axis=axis)
+
+  def piece(q, k, v, g, beta):
+    out, end = recurrence(q, k, v, g, beta, None, scale, chunk_size, True)
+    o_local, seg_state, seg_matrix, rows = out[..., :V], end[..., :V], end[..., V:], out[..., V:]
+    if first_starts is not None:
+      seg_matrix = jnp.where(first_starts[:, None, None, None], 0.0, seg_matrix)
+      rows = jnp.where(first_starts[:, None, None, None], 0.0, rows)
+    return seg_state, transitions.DenseTransition(seg_matrix), (o_local, rows)
+
+  work = [(piece, tuple(heads(x, i, 2) for x in (q, k, v, g, beta))) for i in range(pieces)]
+  initial = None if initial_state is None else [heads(initial_state, i, 1)
+                                                for i in range(pieces)]
+  entering, after, extras = _scan.all_scan_of_pieces(work, axis_name, initial=initial)
+  o = jnp.concatenate([o_local + jnp.einsum("bthk,bhkv->bthv", rows, x, precision=_HI)
+                       for (o_local, rows), x in zip(extras, entering)], axis=2)
+  return o.astype(v.dtype), jnp.concatenate(after, axis=1)

@@ -104,13 +104,15 @@ def test_stages_match_the_jnp_chunk_terms():
   assert rel_err(got, want) <= 1e-6
 
 
-@pytest.mark.parametrize("method", ["all_scan", "ring"])
-def test_sequence_parallel_local_pass_on_kernels(method):
+@pytest.mark.parametrize("method,pieces", [("all_scan", None), ("ring", None),
+                                          ("all_scan", 2)])
+def test_sequence_parallel_local_pass_on_kernels(method, pieces):
   """zeco_gated_delta_rule with the kernels in its local pass (the widened state as V + K
-  value columns) equals the float64 truth on 4 ranks, documents crossing ranks."""
+  value columns; in 2 head groups, the TPU default's form) equals the float64 truth on 4
+  ranks, documents crossing ranks."""
   inputs, weights = gdn_inputs(7, 2, 64, 2, 16, 16, g_low=-5.0)
   op = functools.partial(zeco_gated_delta_rule, mesh=seq_mesh(4), method=method, chunk_size=16,
-                         backend="pallas")
+                         backend="pallas", overlap_pieces=pieces)
   check_gdn_documents(op, inputs, weights, GDN_SHARD_DOC_IDS)
 
 

@@ -387,6 +387,91 @@ def all_scan(state, decay, axis_name, *, num_blocks=1, method="all_scan", initia
   return exclusive, A.apply(exclusive) + S, list(results)
 
 
+def check_overlap_pieces(overlap_pieces, method, H, *, name) -> int:
+  """A local pass's ``overlap_pieces`` (not None) checked: a positive int dividing the
+  number of heads H, and > 1 only with ``method="all_scan"`` (the only chain of sends)."""
+  if (not isinstance(overlap_pieces, int) or isinstance(overlap_pieces, bool)
+      or overlap_pieces < 1 or H % overlap_pieces):
+    raise ValueError(f"{name}: `overlap_pieces` must be a positive int dividing the number of "
+                     f"heads H = {H}, got {overlap_pieces!r}; try one of "
+                     f"{[d for d in range(1, H + 1) if H % d == 0]} or None for the default.")
+  if overlap_pieces > 1 and method != "all_scan":
+    raise ValueError(f"{name}: `overlap_pieces`={overlap_pieces} splits the local pass over the "
+                     f"All-Scan's sends; method={method!r} has none to overlap. Use "
+                     "method='all_scan' or overlap_pieces=1.")
+  return overlap_pieces
+
+
+def all_scan_of_pieces(pieces, axis_name, *, initial=None):
+  """The All-Scan over blocks that local work produces along the way: block j is what
+  piece j computes (a head group's local pass), so the chain starts after the first
+  piece instead of after all of them, and each later piece runs while a send is in flight.
+
+  Args:
+    pieces: a sequence of G ``(fn, args)``; ``fn(*args)`` returns ``(S_j, A_j, extra_j)``:
+      the block's state ``[..., K, V]`` (every block the same shape), its transition (a
+      :class:`zeco_jax.transitions.Transition`) and anything else the caller needs.
+    axis_name: the mesh axis of the chain (inside shard_map), forward direction.
+    initial: None, or the state entering the first rank as G blocks (a sequence).
+
+  Returns:
+    ``(exclusive, inclusive, extras)``: per block the state entering this rank and the
+    state after it (float32), and each piece's ``extra``.
+
+  The chain is the All-Scan's (:func:`_chains_scan`) with the blocks in the role of its V
+  blocks: at step s the rank at position c handles block s - c, so block j is first
+  needed at step j (by the first rank). Piece 0 runs before the chain; piece j + 1 starts,
+  behind an optimization barrier, once step j's send has its data, so it runs while that
+  send is in flight; step j + 1 needs its result. Steps: G + P - 2 sends, one block per
+  rank each (one state per rank in all). Plain JAX: autodiff gives the backward (the
+  reverse chain, each step's received block kept: about two states per rank).
+  """
+  pieces = list(pieces)
+  G = len(pieces)
+  P = lax.axis_size(axis_name)
+  pos = lax.axis_index(axis_name)
+  fn0, args0 = pieces[0]
+  S0, A0, e0 = fn0(*args0)
+  S, A, extras = [S0.astype(jnp.float32)], [A0.astype(jnp.float32)], [e0]
+  zero = lambda: jnp.zeros_like(S[0])
+  h0 = [zero() if initial is None else match_varying(initial[j].astype(jnp.float32), S[0])
+        for j in range(G)]
+
+  def pick(blocks, jc):
+    out = blocks[0]
+    for j in range(1, len(blocks)):
+      out = jax.tree.map(lambda a, b, j=j: jnp.where(jc == j, a, b), blocks[j], out)
+    return out
+
+  X = [None] * G
+  recv = zero()
+  steps = G + P - 2
+  for s in range(G + P - 1):
+    j = s - pos
+    active = (j >= 0) & (j < G)
+    jc = jnp.clip(j, 0, G - 1)
+    ready = min(s, G - 1) + 1                      # blocks 0..s exist at step s
+    incoming = jnp.where(pos == 0, pick(h0[:ready], jc), recv)
+    for jj in range(ready):
+      keep = zero() if X[jj] is None else X[jj]
+      X[jj] = jnp.where(active & (j == jj), incoming, keep)
+    if s < steps:
+      out = pick(A[:ready], jc).apply(incoming) + pick(S[:ready], jc)
+      nxt = s + 1 < G
+      if nxt:
+        out, args = lax.optimization_barrier((out, pieces[s + 1][1]))
+      perm = [(c, c + 1) for c in range(P - 1) if 0 <= s - c < G]
+      if perm:
+        recv = lax.ppermute(out, axis_name, perm)
+      if nxt:
+        Sj, Aj, ej = pieces[s + 1][0](*args)
+        S.append(Sj.astype(jnp.float32))
+        A.append(Aj.astype(jnp.float32))
+        extras.append(ej)
+  X = [zero() if x is None else x for x in X]
+  return X, [a.apply(x) + st for a, x, st in zip(A, X, S)], extras
+
+
 def _chain(axis_name, reverse):
   """(P, this rank's position along the chain, position -> device index)."""
   P = lax.axis_size(axis_name)

@@ -136,6 +136,18 @@ def test_segment_ids_match_per_document_float64(n, method):
   check_gdn_documents(op, *gdn_inputs(30 + n, B, 64, H, K, V), GDN_SHARD_DOC_IDS)
 
 
+@pytest.mark.parametrize("n,initial,documents", [(4, True, False), (8, False, True)])
+def test_overlap_pieces_match_float64(n, initial, documents):
+  """The local pass in head groups, each a block of the All-Scan (the TPU default, asked
+  for here on CPU): outputs, final state and gradients as the float64 loop's."""
+  op = functools.partial(zeco_gated_delta_rule, mesh=seq_mesh(n), overlap_pieces=H,
+                         chunk_size=16)
+  if documents:
+    check_gdn_documents(op, *gdn_inputs(40 + n, B, 64, H, K, V), GDN_SHARD_DOC_IDS)
+  else:
+    check_gdn_against_float64(op, *gdn_inputs(40 + n, B, 64, H, K, V, initial=initial))
+
+
 def _local_pass_waits(method, segment_ids=None, **options):
   (q, k, v, g, beta, _), _ = gdn_inputs(23, B, 64, H, K, V)
   op = functools.partial(zeco_gated_delta_rule, mesh=seq_mesh(4), method=method,
@@ -166,3 +178,9 @@ def test_argument_errors():
     zeco_gated_delta_rule(q, k, v, g, beta[:, :32], mesh=mesh)
   with pytest.raises(ValueError, match="no mesh"):
     zeco_gated_delta_rule(q, k, v, g, beta)
+  with pytest.raises(ValueError, match="`overlap_pieces` must be a positive int dividing"):
+    zeco_gated_delta_rule(q, k, v, g, beta, mesh=mesh, overlap_pieces=3)
+  with pytest.raises(ValueError, match="method=.tree. has none to overlap"):
+    zeco_gated_delta_rule(q, k, v, g, beta, mesh=mesh, method="tree", overlap_pieces=2)
+  with pytest.raises(ValueError, match="`num_blocks`=2 would split them again"):
+    zeco_gated_delta_rule(q, k, v, g, beta, mesh=mesh, num_blocks=2, overlap_pieces=2)

@@ -48,7 +48,9 @@ def test_all_scan_with_mosaic_kernels_compiles_for_v5p(chips, segment_ids):
   assert mesh.shape == {"seq": chips}
   text = compiled.as_text()
   names = _kernel_names(text)
-  assert len(names) == aot.CALLS["gated_delta"]["fwd+bwd"] and set(names) == KERNELS, names
+  # One forward and one backward kernel per head group of the local pass.
+  calls = aot.CALLS["gated_delta"]["fwd+bwd"] * aot.delta_pieces(chips, SHAPE)
+  assert len(names) == calls and set(names) == KERNELS, names
   sent = aot.sp_collectives(text, chips)
   B, L, H, K, V = SHAPE
   # One float32 K x V state per (b, h) forward and one back, whatever P; with packed
@@ -67,3 +69,26 @@ def test_auto_backend_picks_the_kernels_on_a_v5p_mesh():
   assert set(_kernel_names(text)) == KERNELS
   assert aot.sp_collectives(text, 8) == {
       "collective-permute": aot.SP_ALL_SCAN_STATES * aot.state_bytes(SHAPE)}
+
+
+def test_head_groups_put_a_kernel_beside_the_forward_sends():
+  """The local pass in head groups (the TPU default: 8 at P = 8, H = 8): the All-Scan's
+  blocks are the groups, G + P - 2 = 14 forward sends, and G - 1 = 7 of them have the next
+  group's kernel scheduled beside them (none without the groups); the bytes stay one
+  state per rank."""
+  import jax
+  from zeco_jax.runtime.hlo_stats import async_overlap
+  shape = (1, 256, 8, 128, 128)
+  mesh, _ = aot.sp_mesh(8)
+  args = aot.sp_arguments("gated_delta", mesh, shape, jnp.bfloat16)
+  counts = {}
+  for pieces in (None, 1):
+    fwd = lambda *a, pieces=pieces: aot.SP_OPS["gated_delta"](
+        *a, mesh=mesh, method="all_scan", backend="pallas", overlap_pieces=pieces)[0]
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      text = jax.jit(fwd).lower(*args).compile().as_text()
+    overlap = async_overlap(text)
+    counts[pieces] = (len(overlap), sum(1 for _, kernel in overlap if kernel))
+    assert aot.sp_collectives(text, 8) == {"collective-permute": aot.state_bytes(shape)}
+  assert aot.delta_pieces(8, shape) == 8
+  assert counts == {None: (14, 7), 1: (8, 0)}, counts

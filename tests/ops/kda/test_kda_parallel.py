@@ -63,6 +63,17 @@ def test_segment_ids_match_per_document_float64(n, method, group_size):
   check_kda_documents(op, *kda_inputs(30 + n, B, 64, H, K, V), GDN_SHARD_DOC_IDS)
 
 
+@pytest.mark.parametrize("documents", [False, True], ids=["initial", "documents"])
+def test_overlap_pieces_match_float64(documents):
+  """The local pass in head groups, each a block of the All-Scan (the TPU default, asked
+  for here on CPU), P = 4: outputs, final state and gradients as the float64 loop's."""
+  op = functools.partial(zeco_kda, mesh=seq_mesh(4), overlap_pieces=H, chunk_size=16)
+  if documents:
+    check_kda_documents(op, *kda_inputs(50, B, 64, H, K, V), GDN_SHARD_DOC_IDS)
+  else:
+    check_kda_against_float64(op, *kda_inputs(51, B, 64, H, K, V, initial=True))
+
+
 def test_chunk_terms_in_groups_inside_shard_map(monkeypatch):
   # The long-sequence path on every rank: 40-token segments of 3 chunks, the chunk terms
   # one chunk at a time (lax.map under jax.checkpoint, inside shard_map).
@@ -157,3 +168,5 @@ def test_argument_errors():
     zeco_kda(q, k, v, g[..., 0], beta, mesh=mesh)
   with pytest.raises(ValueError, match="no mesh"):
     zeco_kda(q, k, v, g, beta)
+  with pytest.raises(ValueError, match="`overlap_pieces` must be a positive int dividing"):
+    zeco_kda(q, k, v, g, beta, mesh=mesh, overlap_pieces=0)

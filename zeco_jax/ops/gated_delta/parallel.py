@@ -53,7 +53,8 @@ def zeco_gated_delta_rule_local(q, k, v, g, beta, *, axis_name, method="all_scan
                                 num_blocks=None, chunk_size=64, scale=None,
                                 initial_state=None, output_final_state=False,
                                 use_qk_l2norm=False, segment_ids=None, group_size=None,
-                                backend="auto", kernel_config=None):
+                                backend="auto", kernel_config=None,
+                                overlap_pieces=None):
   """The per-shard body of :func:`zeco_gated_delta_rule`, inside the caller's shard_map.
 
   Takes this rank's contiguous segment (``q, k [B, L, H, K]``, ``g, beta [B, L, H]``)
@@ -63,7 +64,7 @@ def zeco_gated_delta_rule_local(q, k, v, g, beta, *, axis_name, method="all_scan
   this rank's slice of the packed rows' document ids (docs/design.md §9, §10).
   ``backend``, ``kernel_config``: as in :func:`zeco_jax.chunk_gated_delta_rule`; the
   kernels run on V + K value columns (the widened state), so a ``kernel_config`` is for
-  that width.
+  that width. ``overlap_pieces``: as in :func:`zeco_gated_delta_rule`.
   """
   name = "zeco_gated_delta_rule_local"
   args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, group_size,
@@ -77,14 +78,16 @@ def zeco_gated_delta_rule_local(q, k, v, g, beta, *, axis_name, method="all_scan
       q, k, v, g, beta, recurrence=recurrence, chunked_op=chunked_op,
       axis_name=axis_name, method=method, num_blocks=num_blocks, group_size=group_size,
       chunk_size=chunk_size, scale=args.scale, initial_state=initial_state,
-      segment_ids=segment_ids, name=name)
+      segment_ids=segment_ids, name=name,
+      overlap_pieces=overlap_pieces)
   return o, (after if output_final_state else None)
 
 
 def zeco_gated_delta_rule(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method="all_scan",
                           num_blocks=None, chunk_size=64, scale=None, initial_state=None,
                           output_final_state=False, use_qk_l2norm=False, segment_ids=None,
-                          group_size=None, backend="auto", kernel_config=None):
+                          group_size=None, backend="auto", kernel_config=None,
+                          overlap_pieces=None):
   """Sequence-parallel Gated DeltaNet over the mesh axis ``seq_axis`` (docs/design.md §9).
 
   Args:
@@ -104,6 +107,10 @@ def zeco_gated_delta_rule(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method
     backend, kernel_config: the local pass's implementation, as in
       :func:`zeco_jax.chunk_gated_delta_rule`; ``"auto"`` picks by the mesh's platform.
       With the kernels the shard_map is manual over every mesh axis.
+    overlap_pieces: None (one piece) or a divisor of H (``method="all_scan"``, no
+      ``num_blocks``): the local pass in that many head groups, each giving the All-Scan
+      one block, so the chain starts after the first group's local pass and the later
+      groups run while sends are in flight (:func:`zeco_jax.sp.scan.all_scan_of_pieces`).
 
   Returns:
     ``(o, final_state)``: o sharded like q; the float32 final state replicated over
@@ -127,7 +134,7 @@ def zeco_gated_delta_rule(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method
   options = dict(method=method, num_blocks=num_blocks, chunk_size=chunk_size,
                  scale=args.scale, output_final_state=output_final_state,
                  use_qk_l2norm=use_qk_l2norm, group_size=group_size, backend=backend,
-                 kernel_config=kernel_config)
+                 kernel_config=kernel_config, overlap_pieces=overlap_pieces)
   arrays = (q, k, v, g, beta, segment_ids, initial_state)
   in_specs = tuple(None if x is None else spec.tokens(x.ndim) for x in arrays[:6]) + (
       None if initial_state is None else spec.state(),)

@@ -67,16 +67,7 @@ def default_overlap_pieces(platform: str, method: str, P: int, num_blocks: int, 
 def _resolve_pieces(overlap_pieces, method, platform, P, num_blocks, H, *, name) -> int:
   if overlap_pieces is None:
     return default_overlap_pieces(platform, method, P, num_blocks, H)
-  if (not isinstance(overlap_pieces, int) or isinstance(overlap_pieces, bool)
-      or overlap_pieces < 1 or H % overlap_pieces):
-    raise ValueError(f"{name}: `overlap_pieces` must be a positive int dividing the number of "
-                     f"heads H = {H}, got {overlap_pieces!r}; try one of "
-                     f"{[d for d in range(1, H + 1) if H % d == 0]} or None for the default.")
-  if overlap_pieces > 1 and method != "all_scan":
-    raise ValueError(f"{name}: `overlap_pieces`={overlap_pieces} splits the local pass over the "
-                     f"All-Scan's sends; method={method!r} has none to overlap. Use "
-                     "method='all_scan' or overlap_pieces=1.")
-  return overlap_pieces
+  return _scan.check_overlap_pieces(overlap_pieces, method, H, name=name)
 
 
 def _check_args(q, k, v, g, initial_state, scale, chunk_size, method, group_size, *, name):

@@ -51,7 +51,7 @@ def _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, grou
 def zeco_kda_local(q, k, v, g, beta, *, axis_name, method="all_scan", num_blocks=None,
                    chunk_size=64, scale=None, initial_state=None, output_final_state=False,
                    use_qk_l2norm=False, segment_ids=None, group_size=None, backend="auto",
-                   kernel_config=None):
+                   kernel_config=None, overlap_pieces=None):
   """The per-shard body of :func:`zeco_kda`, inside the caller's shard_map.
 
   Takes this rank's contiguous segment (``q, k, g [B, L, H, K]``, ``beta [B, L, H]``) and
@@ -61,6 +61,7 @@ def zeco_kda_local(q, k, v, g, beta, *, axis_name, method="all_scan", num_blocks
   this rank's slice of the packed rows' document ids (docs/design.md §10).
   ``backend``, ``kernel_config``: as in :func:`zeco_jax.chunk_kda`; the kernels run on
   V + K value columns (the widened state), so a ``kernel_config`` is for that width.
+  ``overlap_pieces``: as in :func:`zeco_kda`.
   """
   name = "zeco_kda_local"
   args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, group_size,
@@ -73,14 +74,15 @@ def zeco_kda_local(q, k, v, g, beta, *, axis_name, method="all_scan", num_blocks
   o, after = _chunks.local_pass(
       q, k, v, g, beta, recurrence=recurrence, chunked_op=chunked_op, axis_name=axis_name,
       method=method, num_blocks=num_blocks, group_size=group_size, chunk_size=chunk_size,
-      scale=args.scale, initial_state=initial_state, segment_ids=segment_ids, name=name)
+      scale=args.scale, initial_state=initial_state, segment_ids=segment_ids, name=name,
+      overlap_pieces=overlap_pieces)
   return o, (after if output_final_state else None)
 
 
 def zeco_kda(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method="all_scan",
              num_blocks=None, chunk_size=64, scale=None, initial_state=None,
              output_final_state=False, use_qk_l2norm=False, segment_ids=None,
-             group_size=None, backend="auto", kernel_config=None):
+             group_size=None, backend="auto", kernel_config=None, overlap_pieces=None):
   """Sequence-parallel Kimi Delta Attention over the mesh axis ``seq_axis`` (docs/design.md
   §13).
 
@@ -101,6 +103,8 @@ def zeco_kda(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method="all_scan",
     backend, kernel_config: the local pass's implementation, as in
       :func:`zeco_jax.chunk_kda`; ``"auto"`` picks by the mesh's platform. With the
       kernels the shard_map is manual over every mesh axis.
+    overlap_pieces: as in :func:`zeco_jax.zeco_gated_delta_rule`: None, or a divisor of H
+      to interleave that many head groups' local passes with the All-Scan's sends.
 
   Returns:
     ``(o, final_state)``: o sharded like q; the float32 final state replicated over
@@ -124,7 +128,7 @@ def zeco_kda(q, k, v, g, beta, *, mesh=None, seq_axis="seq", method="all_scan",
   options = dict(method=method, num_blocks=num_blocks, chunk_size=chunk_size,
                  scale=args.scale, output_final_state=output_final_state,
                  use_qk_l2norm=use_qk_l2norm, group_size=group_size, backend=backend,
-                 kernel_config=kernel_config)
+                 kernel_config=kernel_config, overlap_pieces=overlap_pieces)
   arrays = (q, k, v, g, beta, segment_ids, initial_state)
   in_specs = tuple(None if x is None else spec.tokens(x.ndim) for x in arrays[:6]) + (
       None if initial_state is None else spec.state(),)
