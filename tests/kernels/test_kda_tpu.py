@@ -69,12 +69,10 @@ def _inputs(seed, B, T, H, K, V, dtype, decay="strong"):
 @pytest.mark.parametrize("B,T,H,K,V,C,dtype,decay,recompute", [
     (1, 128, 1, 128, 128, 64, jnp.float32, "strong", True),
     (1, 128, 1, 64, 64, 64, jnp.float32, "resets", False),
-    (1, 256, 2, 64, 128, 128, jnp.float32, "strong", False),
     (2, 160, 2, 32, 16, 16, jnp.float32, "mix", True),
-    (1, 288, 1, 32, 32, 32, jnp.float32, "mild", False),
-    (1, 128, 1, 128, 64, 32, jnp.bfloat16, "strong", False),
-], ids=["K128V128C64", "resets", "K64V128C128H2", "B2H2C16N10mix", "C32N9mild",
-        "bf16K128V64C32"])
+    (1, 128, 1, 32, 64, 128, jnp.float32, "mild", False),
+    (1, 64, 1, 64, 32, 32, jnp.bfloat16, "strong", False),
+], ids=["K128V128C64", "resets", "B2H2C16N10mix", "C128KneV", "bf16K64V32C32"])
 def test_matches_chunked_form(B, T, H, K, V, C, dtype, decay, recompute):
   args = _inputs(0, B, T, H, K, V, dtype, decay)
   scale = K ** -0.5
