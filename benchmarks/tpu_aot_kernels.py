@@ -34,6 +34,7 @@ The environment record goes beside the table (``tpu_aot_kernels.env.json``).
 """
 import argparse
 import os
+import re
 import sys
 import time
 import traceback
@@ -226,6 +227,15 @@ def compile_sp(family, chips, shape=SP_SHAPE, dtype=jnp.bfloat16, *, backend="pa
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
     compiled = jax.jit(jax.grad(loss, argnums=tuple(range(n)))).lower(*args).compile()
   return compiled, time.perf_counter() - t0, mesh
+
+
+_KERNEL_NAME = re.compile(r'op_name="(?:[^"]*/)?(\w+)/pallas_call"')
+
+
+def kernel_names(text):
+  """The pallas_call names of the Mosaic custom calls of a compiled HLO text."""
+  return [m.group(1) if m else None for m in
+          (_KERNEL_NAME.search(line) for line in text.splitlines() if CUSTOM_CALL in line)]
 
 
 def delta_pieces(chips, shape):

@@ -15,7 +15,6 @@ it. Numerics are checked in the interpreter (tests/kernels/test_gdn_tpu.py); the
 32 table at B1 T8192 H16 is the benchmark's (benchmarks/results/tpu_aot_kernels.md).
 """
 import os
-import re
 
 import pytest
 
@@ -31,15 +30,6 @@ SHAPE = aot.SP_TEST_SHAPE            # B, tokens per chip, H, K, V
 # pallas_kernels/gated_delta/tpu.py's pallas_call names: fwd_res (forward, chunk states
 # kept for the backward) and bwd_res.
 KERNELS = {"gdn_tpu_fwd", "gdn_tpu_bwd"}
-_KERNEL_NAME = re.compile(r'op_name="(?:[^"]*/)?(\w+)/pallas_call"')
-
-
-def _kernel_names(text):
-  """The pallas_call names of the Mosaic custom calls of a compiled HLO text."""
-  return [m.group(1) if m else None for m in
-          (_KERNEL_NAME.search(line) for line in text.splitlines() if aot.CUSTOM_CALL in line)]
-
-
 @pytest.mark.parametrize("chips,segment_ids", [(8, False), (8, True), (32, False)],
                          ids=["P8", "P8-segment_ids", "P32"])
 def test_all_scan_with_mosaic_kernels_compiles_for_v5p(chips, segment_ids):
@@ -47,7 +37,7 @@ def test_all_scan_with_mosaic_kernels_compiles_for_v5p(chips, segment_ids):
                                      segment_ids=segment_ids)
   assert mesh.shape == {"seq": chips}
   text = compiled.as_text()
-  names = _kernel_names(text)
+  names = aot.kernel_names(text)
   # One forward and one backward kernel per head group of the local pass.
   calls = aot.CALLS["gated_delta"]["fwd+bwd"] * aot.delta_pieces(chips, SHAPE)
   assert len(names) == calls and set(names) == KERNELS, names
@@ -66,7 +56,7 @@ def test_all_scan_with_mosaic_kernels_compiles_for_v5p(chips, segment_ids):
 def test_auto_backend_picks_the_kernels_on_a_v5p_mesh():
   compiled, _, _ = aot.compile_sp("gated_delta", 8, SHAPE, jnp.bfloat16, backend="auto")
   text = compiled.as_text()
-  assert set(_kernel_names(text)) == KERNELS
+  assert set(aot.kernel_names(text)) == KERNELS
   assert aot.sp_collectives(text, 8) == {
       "collective-permute": aot.SP_ALL_SCAN_STATES * aot.state_bytes(SHAPE)}
 

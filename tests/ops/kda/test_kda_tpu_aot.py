@@ -16,7 +16,6 @@ interpreter (tests/kernels/test_kda_tpu.py); the P = 8 to 32 table at B1 T8192 H
 benchmark's (benchmarks/results/tpu_aot_kernels.md).
 """
 import os
-import re
 
 import pytest
 
@@ -32,15 +31,6 @@ SHAPE = aot.SP_TEST_SHAPE            # B, tokens per chip, H, K, V
 # pallas_kernels/kda/tpu.py's pallas_call names: fwd_res (forward, chunk states kept for
 # the backward) and bwd_res.
 KERNELS = {"kda_tpu_fwd", "kda_tpu_bwd"}
-_KERNEL_NAME = re.compile(r'op_name="(?:[^"]*/)?(\w+)/pallas_call"')
-
-
-def _kernel_names(text):
-  """The pallas_call names of the Mosaic custom calls of a compiled HLO text."""
-  return [m.group(1) if m else None for m in
-          (_KERNEL_NAME.search(line) for line in text.splitlines() if aot.CUSTOM_CALL in line)]
-
-
 @pytest.mark.parametrize("segment_ids", [False, True], ids=["P8", "P8-segment_ids"])
 def test_all_scan_with_mosaic_kernels_compiles_for_v5p(segment_ids):
   chips = 8
@@ -48,7 +38,7 @@ def test_all_scan_with_mosaic_kernels_compiles_for_v5p(segment_ids):
                                      segment_ids=segment_ids)
   assert mesh.shape == {"seq": chips}
   text = compiled.as_text()
-  names = _kernel_names(text)
+  names = aot.kernel_names(text)
   # One forward and one backward kernel per head group of the local pass.
   calls = aot.CALLS["kda"]["fwd+bwd"] * aot.delta_pieces(chips, SHAPE)
   assert len(names) == calls and set(names) == KERNELS, names
@@ -67,6 +57,6 @@ def test_all_scan_with_mosaic_kernels_compiles_for_v5p(segment_ids):
 def test_auto_backend_picks_the_kernels_on_a_v5p_mesh():
   compiled, _, _ = aot.compile_sp("kda", 8, SHAPE, jnp.bfloat16, backend="auto")
   text = compiled.as_text()
-  assert set(_kernel_names(text)) == KERNELS
+  assert set(aot.kernel_names(text)) == KERNELS
   assert aot.sp_collectives(text, 8) == {
       "collective-permute": aot.SP_ALL_SCAN_STATES * aot.state_bytes(SHAPE)}
