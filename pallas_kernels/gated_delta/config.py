@@ -12,16 +12,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from pallas_kernels._config import PLATFORMS, Launch, check_config, replace_config
+from pallas_kernels._config import (PLATFORMS, Launch, check_config, delta_walk_launch,
+                                     replace_config)
 
 # Every kernel's launch, by stage (module docstring of pallas_kernels.gated_delta.gpu).
 STAGE_DEFAULTS = {
     "inv": Launch(warps=2, stages=1),           # A and its UT inverse per chunk
     "wu": Launch(bv=64, warps=4, stages=1),     # w, u, kd per chunk (bv: the K / V tile)
-    "walk": Launch(bv=16, warps=4, stages=2),   # the forward state walk (h, v_new)
+    "walk": Launch(bv=16, warps=4, stages=2),  # the forward walk (h, v_new); tile, warps by shape
     "out": Launch(bv=128, warps=4, stages=2),   # the output per chunk and V tile
     "vnew": Launch(bv=128, warps=4, stages=2),  # backward: v_new and the local dv per V tile
-    "dwalk": Launch(bv=16, warps=4, stages=2),  # backward: the state-gradient walk
+    "dwalk": Launch(bv=16, warps=4, stages=2),  # backward walk; tile, warps by shape
     "dqk": Launch(bv=64, warps=4, stages=1),    # backward: dq, dk, dw, dg per chunk
     "dwy": Launch(bv=64, warps=4, stages=1),    # backward: through w, u and A per chunk
 }
@@ -66,14 +67,16 @@ class KernelConfig:
 def default_config(platform: str, B: int, T: int, H: int, K: int, V: int, dtype, *,
                    sm_count: Optional[int] = None) -> KernelConfig:
   """The default :class:`KernelConfig` for a target: the stages' measured defaults
-  (:data:`STAGE_DEFAULTS`, chosen at B1 T16384 H16 K=V=128 bf16 on an H200). The walks
-  take V tiles of 16 whatever the shape: with the next chunk's operands prefetched in the
-  loop carry, smaller tiles were faster at B1 H16 (0.44 / 0.50 / 0.72 ms for 16 / 32 / 64);
-  at B8 T4096 H16 a tile of 128 (one program per SM, the GLA walks' rule) made the
-  forward 2.38 ms. Tile 16 at B8 is not measured yet (benchmarks/results/gdn_h200.md).
-  The shape and ``sm_count`` are in the signature for per-shape defaults to come."""
-  del B, T, H, K, V, dtype, sm_count
+  (:data:`STAGE_DEFAULTS`, chosen at B1 T16384 H16 K=V=128 bf16 on an H200), and the
+  walks' V tile and warps by the number of walk programs
+  (:func:`pallas_kernels._config.delta_walk_launch`: 16 at B1 H16, 64 with 8 warps at B8
+  H16, as measured; ``sm_count`` None: 132). T, K and dtype change no default yet."""
+  del T, K, dtype
   if platform not in PLATFORMS:
     raise ValueError(f"gated_delta default_config: unknown `platform` {platform!r}; choose "
                      f"one of {', '.join(map(repr, PLATFORMS))}.")
-  return KernelConfig(platform=platform, interpret=platform == "cpu")
+  base = KernelConfig(platform=platform, interpret=platform == "cpu")
+  sms = sm_count if platform == "gpu" else None
+  return base.replace(
+      walk=delta_walk_launch(B, H, V, sm_count=sms, stages=base.walk.stages),
+      dwalk=delta_walk_launch(B, H, V, sm_count=sms, stages=base.dwalk.stages))

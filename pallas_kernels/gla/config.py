@@ -15,12 +15,9 @@ import dataclasses
 import math
 from typing import Optional
 
-from pallas_kernels._config import PLATFORMS, Launch, check_config, replace_config
+from pallas_kernels._config import (DEFAULT_SM_COUNT, PLATFORMS, Launch, check_config,
+                                     replace_config)
 from pallas_kernels._launch import block
-
-# Streaming multiprocessors assumed when the target GPU is not known (an H100 / H200, the
-# GPU the defaults were measured on).
-DEFAULT_SM_COUNT = 132
 
 
 # Every kernel's launch, by stage: the defaults (measured on an H200, docs/kernels.md).

@@ -16,16 +16,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from pallas_kernels._config import PLATFORMS, Launch, check_config, replace_config
+from pallas_kernels._config import (PLATFORMS, Launch, check_config, delta_walk_launch,
+                                     replace_config)
 
 # Every kernel's launch, by stage (module docstring of pallas_kernels.kda.gpu).
 STAGE_DEFAULTS = {
     "intra": Launch(kd=128, warps=4, stages=1),  # A and P per chunk (kd: the K slice), T
     "wu": Launch(bv=64, warps=4, stages=1),      # w, u, kd, e^gamma per chunk (K / V tile)
-    "walk": Launch(bv=16, warps=4, stages=2),    # the forward state walk (h, v_new)
+    "walk": Launch(bv=16, warps=4, stages=2),  # the forward walk (h, v_new); tile, warps by shape
     "out": Launch(bk=64, bv=64, warps=4, stages=2),   # the output per chunk and V tile
     "vnew": Launch(bv=128, warps=4, stages=2),   # backward: v_new and the local dv per V tile
-    "dwalk": Launch(bv=16, warps=4, stages=2),   # backward: the state-gradient walk
+    "dwalk": Launch(bv=16, warps=4, stages=2),  # backward walk; tile, warps by shape
     "dqk": Launch(bv=64, warps=4, stages=1),     # backward: state terms of dq, dk, dg; dw, dP
     "dwy": Launch(bv=64, warps=4, stages=1),     # backward: through w, u and T; dA
     "dpairs": Launch(kd=32, warps=4, stages=1),  # backward: through A and P (kd: K slice)
@@ -80,10 +81,16 @@ class KernelConfig:
 def default_config(platform: str, B: int, T: int, H: int, K: int, V: int, dtype, *,
                    sm_count: Optional[int] = None) -> KernelConfig:
   """The default :class:`KernelConfig` for a target (:data:`STAGE_DEFAULTS`, module docstring;
-  on ``"tpu"`` the stages are unused: the Mosaic kernels take whole-chunk blocks). The
-  shape and ``sm_count`` are in the signature for per-shape defaults to come."""
-  del B, T, H, K, V, dtype, sm_count
+  on ``"tpu"`` the stages are unused: the Mosaic kernels take whole-chunk blocks), with the
+  walks' V tile and warps by the number of walk programs, the walks being Gated DeltaNet's
+  (:func:`pallas_kernels._config.delta_walk_launch`; ``sm_count`` None: 132). T, K and
+  dtype change no default yet."""
+  del T, K, dtype
   if platform not in PLATFORMS:
     raise ValueError(f"kda default_config: unknown `platform` {platform!r}; choose one of "
                      f"{', '.join(map(repr, PLATFORMS))}.")
-  return KernelConfig(platform=platform, interpret=platform == "cpu")
+  base = KernelConfig(platform=platform, interpret=platform == "cpu")
+  sms = sm_count if platform == "gpu" else None
+  return base.replace(
+      walk=delta_walk_launch(B, H, V, sm_count=sms, stages=base.walk.stages),
+      dwalk=delta_walk_launch(B, H, V, sm_count=sms, stages=base.dwalk.stages))

@@ -38,7 +38,11 @@ def _kernel_op(chunk_size, **kw):
 def test_kernels_match_float64(shape):
   B, T, H, K, V, C = shape
   inputs, weights = gdn_inputs(0, B, T, H, K, V, g_low=-5.0, beta_high=0.9999)
-  check_gdn_against_float64(_kernel_op(C), inputs, weights)
+  # V = 32 walks in one V tile of 32 (the walks' default at large B * H takes 32 or 64);
+  # every other test walks in tiles of 16.
+  cfg = gated_delta.default_config("cpu", B, T, H, K, V, jnp.float32)
+  cfg = cfg.replace(walk_bv=32, dwalk_bv=32) if V == 32 else None
+  check_gdn_against_float64(_kernel_op(C, kernel_config=cfg), inputs, weights)
 
 
 def test_kernels_without_initial_state_and_bf16():
@@ -119,6 +123,14 @@ def test_sequence_parallel_local_pass_on_kernels(method, pieces):
 def test_default_config_and_errors():
   cfg = gated_delta.default_config("gpu", 1, 16384, 16, 128, 128, jnp.bfloat16)
   assert cfg.platform == "gpu" and not cfg.interpret and cfg.walk.bv == 16
+  # The walks' tile by the number of walk programs (pallas_kernels._config.delta_walk_launch).
+  big = gated_delta.default_config("gpu", 8, 4096, 16, 128, 128, jnp.bfloat16)
+  assert (big.walk.bv, big.walk.warps, big.dwalk.bv, big.dwalk.warps) == (64, 8, 64, 8)
+  assert (cfg.walk.warps, cfg.dwalk.bv) == (4, 16)
+  mid = gated_delta.default_config("gpu", 4, 4096, 16, 128, 128, jnp.bfloat16)
+  assert (mid.walk.bv, mid.walk.warps) == (32, 4)
+  assert gated_delta.default_config("gpu", 4, 4096, 16, 128, 128, jnp.bfloat16,
+                                    sm_count=64).walk.bv == 64
   assert hash(cfg) == hash(gated_delta.default_config("gpu", 1, 16384, 16, 128, 128,
                                                       jnp.bfloat16))
   assert cfg.replace(dqk_warps=8).dqk.warps == 8

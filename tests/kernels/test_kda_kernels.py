@@ -84,7 +84,10 @@ def test_head_128_one_chunk_pair():
 @pytest.mark.parametrize("resets", [(), (5, 16, 37, 50)], ids=["decay-5", "documents"])
 def test_several_chunks(resets):
   inputs, cot = _inputs(1, 2, 64, 2, 32, 64, resets=resets)
-  _check(inputs, cot, 16, 1e-5, 1e-4)
+  # The walks in V tiles of 64 and 32 (the defaults at large B * H); elsewhere 16.
+  config = kda.default_config("cpu", 2, 64, 2, 32, 64, jnp.float32).replace(walk_bv=64,
+                                                                           dwalk_bv=32)
+  _check(inputs, cot, 16, 1e-5, 1e-4, config=config)
 
 
 def test_bf16():
@@ -105,6 +108,9 @@ def test_forward_keeps_one_state_per_chunk():
 def test_default_config_and_errors():
   cfg = kda.default_config("gpu", 1, 16384, 16, 128, 128, jnp.bfloat16)
   assert cfg.platform == "gpu" and not cfg.interpret
+  assert (cfg.walk.bv, cfg.dwalk.bv) == (16, 16)
+  big = kda.default_config("gpu", 8, 4096, 16, 128, 128, jnp.bfloat16)
+  assert (big.walk.bv, big.walk.warps, big.dwalk.bv, big.dwalk.warps) == (64, 8, 64, 8)
   assert hash(cfg) == hash(kda.default_config("gpu", 1, 16384, 16, 128, 128, jnp.bfloat16))
   assert cfg.replace(dpairs_kd=64).dpairs.kd == 64
   assert cfg.replace(out=Launch(bk=32, bv=32, warps=2, stages=1)).out.bk == 32
