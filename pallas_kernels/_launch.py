@@ -106,6 +106,24 @@ def dot(a, b, dtype, *, ta=False, tb=False):
   return lax.dot_general(a.astype(dtype), b.astype(dtype), dims, preferred_element_type=F32)
 
 
+def dot01(m, x):
+  """``m @ x`` for a 0 / 1 float32 matrix ``m`` and a float32 tile ``x``, to float32
+  rounding, on the tensor cores: x = hi + mid + lo in bfloat16 (each part the rounding of
+  what the parts before leave, so the three carry x's 24 bits), every product with a 0 or
+  1 exact, the three dots accumulated in float32. A masked sum along a tile's rows (a
+  cumulative sum, or a reverse one, which Triton lacks) at bf16 dot speed; an IEEE float32
+  dot runs on the CUDA cores (``benchmarks/results/kda_h200.md``)."""
+  bf = jnp.bfloat16
+  mb = m.astype(bf)
+  hi = x.astype(bf)
+  rest = x - hi.astype(F32)
+  mid = rest.astype(bf)
+  lo = (rest - mid.astype(F32)).astype(bf)
+  return (lax.dot_general(mb, hi, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+          + lax.dot_general(mb, mid, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+          + lax.dot_general(mb, lo, (((1,), (0,)), ((), ())), preferred_element_type=F32))
+
+
 def iota(shape, axis):
   return lax.broadcasted_iota(jnp.int32, shape, axis)
 

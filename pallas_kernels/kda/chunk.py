@@ -27,8 +27,11 @@ chunk's g tile (:func:`inclusive`), to_end a masked sum of the tokens after each
 (:func:`after`), gamma a column sum. The decay gradient sums exactly the terms whose span
 holds each token: b_i's cotangent goes to the tokens m <= i (:func:`from_here`), to_end's
 of token j to the tokens m > j (:func:`before`), gamma's to every token of the chunk.
-The masked sums are dots with 0 / 1 matrices in float32 at HIGHEST precision (IEEE, the
-products exact), since Triton has no reverse cumulative sum.
+The other masked sums are dots with 0 / 1 matrices (Triton has no reverse cumulative sum)
+on the tensor cores, the float32 operand split into three bfloat16 parts
+(:func:`pallas_kernels._launch.dot01`): forward + backward 14.94 ms at B1 T16384 H16
+K=V=128 on an H200, against 22.69 ms with IEEE float32 dots (CUDA cores), the same
+session (``benchmarks/results/kda_h200.md``).
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._launch import F32, block, call, dot, iota, tiles
+from pallas_kernels._launch import F32, block, call, dot, dot01, iota, tiles
 
 S = 16                       # rows of a sub-chunk (the pairwise decays, the UT inverse)
 
@@ -51,23 +54,32 @@ def _tri(n, keep):
 
 
 def inclusive(x):
-  """``out[i] = sum_{m <= i} x[m]`` of a ``[n, D]`` tile (a cumulative sum)."""
+  """``out[i] = sum_{m <= i} x[m]`` of a ``[n, D]`` tile (a cumulative sum; Triton's scan
+  measured faster here than :func:`dot01` with a lower triangle)."""
   return jnp.cumsum(x, axis=0)
 
 
 def after(x):
   """``out[i] = sum_{m > i} x[m]`` of a ``[n, D]`` tile (0 on the last row)."""
+  return dot01(_tri(x.shape[0], lambda r, c: c > r), x)
+
+
+def after_ieee(x):
+  """:func:`after` as one IEEE float32 dot (CUDA cores). Faster than :func:`after` on the
+  ``[16, 128]`` sub-chunk tiles of ``kda_intra`` (B1 T16384 H16 K=V=128 on an H200:
+  ``kda_intra`` 1.95 ms with it, 3.04 ms with the split dot; in ``kda_dpairs``, on
+  ``[16, 32]`` tiles, the split dots measured faster: 4.71 against 6.13 ms)."""
   return dot(_tri(x.shape[0], lambda r, c: c > r), x, F32)
 
 
 def from_here(x):
   """``out[i] = sum_{m >= i} x[m]`` of a ``[n, D]`` tile."""
-  return dot(_tri(x.shape[0], lambda r, c: c >= r), x, F32)
+  return dot01(_tri(x.shape[0], lambda r, c: c >= r), x)
 
 
 def before(x):
   """``out[i] = sum_{m < i} x[m]`` of a ``[n, D]`` tile (0 on the first row)."""
-  return dot(_tri(x.shape[0], lambda r, c: c < r), x, F32)
+  return dot01(_tri(x.shape[0], lambda r, c: c < r), x)
 
 
 # --- forward ------------------------------------------------------------------------------

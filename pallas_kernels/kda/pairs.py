@@ -53,9 +53,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._launch import F32, block, call, dot, iota, masked_exp, unrolled
+from pallas_kernels._launch import F32, block, call, dot, dot01, iota, masked_exp, unrolled
 from pallas_kernels._delta import block_inverse
-from pallas_kernels.kda.chunk import S, after, before, from_here, inclusive
+from pallas_kernels.kda.chunk import S, after, after_ieee, before, from_here, inclusive
 
 DIAG_UNROLL = 4              # column steps per fori_loop iteration of the diagonal loops
 
@@ -64,8 +64,9 @@ class SubChunks:
   """One chunk's K slice as 16-token sub-chunks: per-block loads (a loaded value is never
   sliced), the sub-chunks' totals and the decay factors built from them."""
 
-  def __init__(self, g_ref, q_ref, k_ref, b, hd, n, ks, C):
+  def __init__(self, g_ref, q_ref, k_ref, b, hd, n, ks, C, *, after=after, keep=True):
     self.L = C // S
+    self._after_fn, self._keep, self._eafter = after, keep, {}
     self.rows = [pl.ds(n * C + I * S, S) for I in range(self.L)]
     self.refs = dict(g=g_ref, q=q_ref, k=k_ref)
     self.b, self.hd, self.ks = b, hd, ks
@@ -83,10 +84,20 @@ class SubChunks:
     """``e^{into}`` ``[16, kd]``: g summed from the start of I to each row."""
     return jnp.exp(inclusive(self.load("g", I)))
 
+  def eafter(self, J):
+    """``e^{after_J}`` ``[16, kd]``: g summed from after each row to the end of J; with
+    ``keep`` formed once per sub-chunk and K slice and held, else at each use."""
+    if J in self._eafter:
+      return self._eafter[J]
+    out = jnp.exp(self._after_fn(self.load("g", J)))
+    if self._keep:
+      self._eafter[J] = out
+    return out
+
   def columns(self, J, I):
     """``k_J e^{after_J + between(J, I)}`` ``[16, kd]``: the column factor of block pair
     (I, J), J < I (a product of exps of sums of the tokens each spans, each <= 1)."""
-    kc = self.load("k", J) * jnp.exp(after(self.load("g", J)))
+    kc = self.load("k", J) * self.eafter(J)
     span = self.between(J, I)
     return kc if span is None else kc * span[None, :]
 
@@ -126,7 +137,8 @@ def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, t_ref, p_ref, *, C, K, KD, dt):
   betas = [beta_ref[b, pl.ds(n * C + I * S, S), hd].astype(F32) for I in range(L)]
 
   def k_slice(kk, acc):
-    sub = SubChunks(g_ref, q_ref, k_ref, b, hd, n, pl.ds(kk * KD, KD), C)
+    sub = SubChunks(g_ref, q_ref, k_ref, b, hd, n, pl.ds(kk * KD, KD), C, after=after_ieee,
+                    keep=False)      # as measured: fewer live [16, 128] tiles
     A, P = dict(zip(pairs, acc[0])), dict(zip(pairs, acc[1]))
     for I in range(L):
       into = sub.into(I)
@@ -196,7 +208,7 @@ def _diag_grads(sub, M, beta, dPd, dAd):
     dk = dk + bcol * ta + jnp.where(row == j, jnp.sum(z, axis=0)[None, :], 0.0)
     # dseg[r, j] = k_j z[r] reaches the tokens m with j < m <= r: sum_{r >= m} for m > j.
     spans = jnp.where((ci >= ri) & (ri > j), 1.0, 0.0).astype(F32)
-    dg = dg + dot(spans, kj * z, F32)
+    dg = dg + dot01(spans, kj * z)
     E = jnp.where(row >= j, E + sub.row("g", M, j), 0.0)
     return dq, dk, dg, dbeta, E
 
@@ -239,7 +251,7 @@ def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref
               + dot(betas[I][:, None] * dA(I, M), sub.load("k", I) * into_i, dt, ta=True))
         span = sub.between(M, I)
         col = col + (ci if span is None else span[None, :] * ci)
-      dk_col = jnp.exp(after(sub.load("g", M))) * col
+      dk_col = sub.eafter(M) * col
       dq_d, dk_d, dg_d, dbeta_d = _diag_grads(sub, M, betas[M], dP(M, M), dA(M, M))
       dq_ref[b, rows[M], hd, ks] = into * row_p + dq_d
       dk_ref[b, rows[M], hd, ks] = bcol * into * row_a + dk_col + dk_d
