@@ -67,7 +67,7 @@ def _inputs(seed, B, T, H, K, V, dtype, decay="strong"):
 # (B, T, H, K, V, C, dtype, decay, recompute): each case also runs fwd / bwd (the states
 # recomputed) where `recompute` says so, to keep the interpreter's time down.
 @pytest.mark.parametrize("B,T,H,K,V,C,dtype,decay,recompute", [
-    (1, 128, 1, 128, 128, 64, jnp.float32, "strong", True),
+    (1, 128, 1, 128, 128, 64, jnp.float32, "strong", False),
     (1, 128, 1, 64, 64, 64, jnp.float32, "resets", False),
     (2, 160, 2, 32, 16, 16, jnp.float32, "mix", True),
     (1, 128, 1, 32, 64, 128, jnp.float32, "mild", False),

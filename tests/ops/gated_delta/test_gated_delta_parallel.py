@@ -106,7 +106,8 @@ def test_all_scan_sends_two_states_per_rank_whatever_P():
     tree = grad_bytes("tree", n)
     assert 2 * rounds * pair - 1 <= tree <= 2 * (rounds * pair + 1), (n, tree)
   # P = 16 and 32 need more simulated devices than this process has: a subprocess.
-  env = dict(os.environ, XLA_FLAGS="")
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+  env = dict(os.environ, XLA_FLAGS=" ".join(flags))     # the worker sets its device count
   worker = os.path.join(os.path.dirname(__file__), "gdn_comm_worker.py")
   out = subprocess.run([sys.executable, worker, "all_scan", "16", "32"], env=env,
                        capture_output=True, text=True, timeout=600)

@@ -63,7 +63,7 @@ def test_tpu_schedule_overlaps_every_send():
   from zeco_jax.runtime import hlo_stats
   topo = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2")
   mesh = Mesh(np.array(topo.devices).reshape(1, 8), ("data", "seq"))
-  Bt, L, Ht, Kt, Vt = 1, 2048, 16, 128, 128
+  Bt, L, Ht, Kt, Vt = 1, 512, 8, 128, 128
   s = NamedSharding(mesh, P("data", "seq"))
   sd = lambda d, dt: jax.ShapeDtypeStruct((Bt, 8 * L, Ht, d), dt, sharding=s)
   args = (sd(Kt, jnp.bfloat16), sd(Kt, jnp.bfloat16), sd(Vt, jnp.bfloat16), sd(Kt, jnp.float32))
