@@ -17,6 +17,8 @@ from helpers import rel_err
 from models import GDNConfig, GLAConfig, KDAConfig, LM
 from models.generation import Sampling
 
+pytestmark = pytest.mark.usefixtures("compile_cache")
+
 CONFIGS = {
     "gla": GLAConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2,
                      use_short_conv=True, expand_k=1.0),

@@ -19,6 +19,8 @@ from flax import nnx
 from helpers import rel_err
 from zeco_jax.nn import GatedAttention, GatedDeltaNet, GatedLinearAttention, KimiDeltaAttention
 
+pytestmark = pytest.mark.usefixtures("compile_cache")
+
 D, T0, T1 = 128, 64, 4
 
 

@@ -16,6 +16,8 @@ from jax.sharding import PartitionSpec as P
 from helpers import rel_err
 from zeco_jax.nn import GatedDeltaNet, GatedLinearAttention, KimiDeltaAttention
 
+pytestmark = pytest.mark.usefixtures("compile_cache")
+
 B, T, D = 2, 256, 128
 # Row 0: documents starting 2 tokens after a shard boundary, 1 token before one, and
 # padding at the end; row 1: one document over every shard.
