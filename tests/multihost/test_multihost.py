@@ -2,7 +2,8 @@
 
 * 2 processes x 4 CPU devices, mesh ``seq=8`` spanning both: zeco_gla outputs and
   gradients equal the single-process 8-device result (all_scan and all_gather);
-* a process dying mid-run makes the launcher exit non-zero promptly with its error;
+* a process dying mid-run makes the launcher exit non-zero promptly with its error, found by
+  the time its exception was raised (stamped in the process);
 * the launcher stops hung peers (and their children), honours its timeout and SIGTERM;
 * ``zeco_jax.runtime.distributed`` resolves and validates its settings.
 
@@ -163,6 +164,42 @@ def test_launcher_success_and_module_programs(tmp_path):
                          ["-m", "hello_mod"], timeout=60, pythonpath=[str(tmp_path)])
   assert proc.returncode == 0, proc.stderr
   assert "[p0] hello from 0" in proc.stdout and "[p1] hello from 1" in proc.stdout
+
+
+def test_child_runs_the_program_as_python_and_stamps_its_exception(tmp_path):
+  """``_launch_child``: a script runs as ``__main__`` with its argv and its folder on
+  sys.path; an uncaught exception writes its monotonic time to stderr first."""
+  (tmp_path / "helper_mod.py").write_text("VALUE = 7\n")
+  (tmp_path / "prog.py").write_text(textwrap.dedent("""\
+      import sys, helper_mod
+      print(__name__, sys.argv[1:], helper_mod.VALUE, flush=True)
+      raise RuntimeError("on purpose")
+  """))
+  before = time.monotonic()
+  proc = subprocess.run([sys.executable, "-u", launch._CHILD, str(tmp_path / "prog.py"), "a",
+                         "b"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+  assert proc.returncode == 1 and proc.stdout == "__main__ ['a', 'b'] 7\n", proc
+  first, rest = proc.stderr.split("\n", 1)
+  assert first.startswith(launch._EXCEPTION_MARK), proc.stderr
+  assert before <= float(first[len(launch._EXCEPTION_MARK):]) <= time.monotonic()
+  assert rest.startswith("Traceback") and "RuntimeError: on purpose" in rest
+
+
+def test_failures_are_ordered_by_the_processes_own_stamps():
+  """Process 1 raised first (its stamp), though its lines reach the launcher after process
+  0's traceback (a reader thread late on a loaded machine): it is the one that failed first,
+  and the stamp line is not forwarded."""
+  import io
+  runner = launch.Launcher(["true"], 2, 1, stdout=io.StringIO(), stderr=io.StringIO())
+  runner._forward(0, io.BytesIO(b"Traceback (most recent call last)\nRuntimeError: peer\n"),
+                  runner.err)
+  stamp = time.monotonic() - 5.0
+  runner._forward(1, io.BytesIO(f"{launch._EXCEPTION_MARK}{stamp:.6f}\nTraceback (most "
+                                f"recent call last)\nRuntimeError: on purpose\n".encode()),
+                  runner.err)
+  assert runner._died_at(1) < runner._died_at(0)
+  assert launch._EXCEPTION_MARK not in runner.err.getvalue()
+  assert list(runner.tails[1])[-1] == "RuntimeError: on purpose"
 
 
 # --- settings ------------------------------------------------------------------------------

@@ -13,7 +13,9 @@ collectives then run over gloo, exactly as they would across hosts.
 Output: every line of a process's stdout / stderr is forwarded to the launcher's stdout /
 stderr with a ``[p<id>] `` prefix. Failure: when a process exits non-zero (or is killed),
 the others are stopped (SIGTERM to each process group, SIGKILL after ``--grace`` seconds),
-the failing process and its last lines are reported, and the launcher exits with its
+the process that failed first (by the time its uncaught exception was raised, stamped in the
+process: a Python program runs under :mod:`zeco_jax.runtime._launch_child`) and its last
+lines are reported, and the launcher exits with its
 status (128 + signal for a signal). ``--timeout``: the same, with status 124. SIGINT /
 SIGTERM / SIGHUP to the launcher stop every process first. Each process runs in its own
 process group, so nothing it started outlives the launcher.
@@ -38,6 +40,9 @@ from typing import Optional, Sequence
 
 TIMEOUT_STATUS = 124
 _TAIL_LINES = 25
+# Runs a Python program as python would, stamping an uncaught exception's time on stderr.
+_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launch_child.py")
+_EXCEPTION_MARK = "[launch] exception at "        # _launch_child.MARK
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -56,11 +61,11 @@ def python_command(script: Sequence[str]) -> list[str]:
   if script[0] == "-m":
     if len(script) < 2:
       raise ValueError("zeco_jax.runtime.launch: `-m` needs a module name")
-    return [sys.executable, "-u", *script]
+    return [sys.executable, "-u", _CHILD, *script]
   if script[0].endswith(".py"):
     if not os.path.isfile(script[0]):
       raise ValueError(f"zeco_jax.runtime.launch: script {script[0]!r} does not exist")
-    return [sys.executable, "-u", *script]
+    return [sys.executable, "-u", _CHILD, *script]
   return script
 
 
@@ -139,6 +144,13 @@ class Launcher:
     prefix = f"[p{i}] "
     for raw in iter(pipe.readline, b""):
       line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+      if line.startswith(_EXCEPTION_MARK):      # stamped by the process itself: not shown
+        try:
+          self.traceback_times[i] = min(self.traceback_times[i],
+                                        float(line[len(_EXCEPTION_MARK):]))
+          continue
+        except ValueError:
+          pass
       if line.startswith("Traceback (most recent call last)"):
         self.traceback_times[i] = min(self.traceback_times[i], time.monotonic())
       self.tails[i].append(line)
@@ -154,11 +166,14 @@ class Launcher:
     self.exits.put((i, returncode))
 
   def _died_at(self, i: int) -> float:
-    """When process i started to die: the first Python traceback it printed, else the
-    moment its pipes closed (while the kernel tears it down, before it is reaped), else
-    when it was reaped. A process that raises prints its traceback before its teardown
-    closes the sockets its peers then fail on, so the traceback orders causes better than
-    exit times, which a loaded machine can reverse."""
+    """When process i started to die: when its uncaught exception reached the top (stamped
+    by the process itself, :mod:`zeco_jax.runtime._launch_child`), else when its first
+    Python traceback reached the launcher, else the moment its pipes closed (while the
+    kernel tears it down, before it is reaped), else when it was reaped. A process that
+    raises does so before its teardown closes the sockets its peers then fail on, so the
+    exception orders causes better than exit times, which a loaded machine can reverse;
+    the stamp is taken in the process, since the launcher's reader threads can be late to
+    a line on a loaded machine."""
     eofs = self.eof_times[i]
     died = min(self.exit_times[i], max(eofs)) if len(eofs) == 2 else self.exit_times[i]
     return min(died, self.traceback_times[i])
