@@ -119,3 +119,12 @@ def delta_walk_launch(B: int, H: int, V: int, *, sm_count: Optional[int], stages
   programs = sm_count or DEFAULT_SM_COUNT
   bv = next((t for t in (64, 32) if V % t == 0 and B * H * (V // t) >= programs), 16)
   return Launch(bv=bv, warps=8 if bv == 64 else 4, stages=stages)
+
+
+def with_delta_walks(config, B: int, H: int, V: int, *, sm_count: Optional[int]):
+  """A delta-rule family's ``KernelConfig`` with its ``walk`` and ``dwalk`` launches from
+  :func:`delta_walk_launch` (``sm_count`` read on a GPU target only), stages kept."""
+  sms = sm_count if config.platform == "gpu" else None
+  return config.replace(
+      walk=delta_walk_launch(B, H, V, sm_count=sms, stages=config.walk.stages),
+      dwalk=delta_walk_launch(B, H, V, sm_count=sms, stages=config.dwalk.stages))

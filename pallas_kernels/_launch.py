@@ -114,14 +114,11 @@ def dot01(m, x):
   cumulative sum, or a reverse one, which Triton lacks) at bf16 dot speed; an IEEE float32
   dot runs on the CUDA cores (``benchmarks/results/kda_h200.md``)."""
   bf = jnp.bfloat16
-  mb = m.astype(bf)
   hi = x.astype(bf)
   rest = x - hi.astype(F32)
   mid = rest.astype(bf)
   lo = (rest - mid.astype(F32)).astype(bf)
-  return (lax.dot_general(mb, hi, (((1,), (0,)), ((), ())), preferred_element_type=F32)
-          + lax.dot_general(mb, mid, (((1,), (0,)), ((), ())), preferred_element_type=F32)
-          + lax.dot_general(mb, lo, (((1,), (0,)), ((), ())), preferred_element_type=F32))
+  return dot(m, hi, bf) + dot(m, mid, bf) + dot(m, lo, bf)
 
 
 def iota(shape, axis):

@@ -12,14 +12,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from pallas_kernels._config import (PLATFORMS, Launch, check_config, delta_walk_launch,
-                                     replace_config)
+from pallas_kernels._config import (PLATFORMS, Launch, check_config, replace_config,
+                                     with_delta_walks)
 
 # Every kernel's launch, by stage (module docstring of pallas_kernels.gated_delta.gpu).
 STAGE_DEFAULTS = {
     "inv": Launch(warps=2, stages=1),           # A and its UT inverse per chunk
     "wu": Launch(bv=64, warps=4, stages=1),     # w, u, kd per chunk (bv: the K / V tile)
-    "walk": Launch(bv=16, warps=4, stages=2),  # the forward walk (h, v_new); tile, warps by shape
+    "walk": Launch(bv=16, warps=4, stages=2),   # forward walk (h, v_new); tile, warps by shape
     "out": Launch(bv=128, warps=4, stages=2),   # the output per chunk and V tile
     "vnew": Launch(bv=128, warps=4, stages=2),  # backward: v_new and the local dv per V tile
     "dwalk": Launch(bv=16, warps=4, stages=2),  # backward walk; tile, warps by shape
@@ -75,8 +75,5 @@ def default_config(platform: str, B: int, T: int, H: int, K: int, V: int, dtype,
   if platform not in PLATFORMS:
     raise ValueError(f"gated_delta default_config: unknown `platform` {platform!r}; choose "
                      f"one of {', '.join(map(repr, PLATFORMS))}.")
-  base = KernelConfig(platform=platform, interpret=platform == "cpu")
-  sms = sm_count if platform == "gpu" else None
-  return base.replace(
-      walk=delta_walk_launch(B, H, V, sm_count=sms, stages=base.walk.stages),
-      dwalk=delta_walk_launch(B, H, V, sm_count=sms, stages=base.dwalk.stages))
+  return with_delta_walks(KernelConfig(platform=platform, interpret=platform == "cpu"),
+                          B, H, V, sm_count=sm_count)

@@ -16,17 +16,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from pallas_kernels._config import (PLATFORMS, Launch, check_config, delta_walk_launch,
-                                     replace_config)
+from pallas_kernels._config import (PLATFORMS, Launch, check_config, replace_config,
+                                     with_delta_walks)
 
 # Every kernel's launch, by stage (module docstring of pallas_kernels.kda.gpu).
 STAGE_DEFAULTS = {
     "intra": Launch(kd=128, warps=4, stages=1),  # A and P per chunk (kd: the K slice), T
     "wu": Launch(bv=64, warps=4, stages=1),      # w, u, kd, e^gamma per chunk (K / V tile)
-    "walk": Launch(bv=16, warps=4, stages=2),  # the forward walk (h, v_new); tile, warps by shape
+    "walk": Launch(bv=16, warps=4, stages=2),    # forward walk (h, v_new); tile, warps by shape
     "out": Launch(bk=64, bv=64, warps=4, stages=2),   # the output per chunk and V tile
     "vnew": Launch(bv=128, warps=4, stages=2),   # backward: v_new and the local dv per V tile
-    "dwalk": Launch(bv=16, warps=4, stages=2),  # backward walk; tile, warps by shape
+    "dwalk": Launch(bv=16, warps=4, stages=2),   # backward walk; tile, warps by shape
     "dqk": Launch(bv=64, warps=4, stages=1),     # backward: state terms of dq, dk, dg; dw, dP
     "dwy": Launch(bv=64, warps=4, stages=1),     # backward: through w, u and T; dA
     "dpairs": Launch(kd=32, warps=4, stages=1),  # backward: through A and P (kd: K slice)
@@ -89,8 +89,5 @@ def default_config(platform: str, B: int, T: int, H: int, K: int, V: int, dtype,
   if platform not in PLATFORMS:
     raise ValueError(f"kda default_config: unknown `platform` {platform!r}; choose one of "
                      f"{', '.join(map(repr, PLATFORMS))}.")
-  base = KernelConfig(platform=platform, interpret=platform == "cpu")
-  sms = sm_count if platform == "gpu" else None
-  return base.replace(
-      walk=delta_walk_launch(B, H, V, sm_count=sms, stages=base.walk.stages),
-      dwalk=delta_walk_launch(B, H, V, sm_count=sms, stages=base.dwalk.stages))
+  return with_delta_walks(KernelConfig(platform=platform, interpret=platform == "cpu"),
+                          B, H, V, sm_count=sm_count)

@@ -180,8 +180,8 @@ def test_child_runs_the_program_as_python_and_stamps_its_exception(tmp_path):
                          "b"], capture_output=True, text=True, timeout=60, cwd=ROOT)
   assert proc.returncode == 1 and proc.stdout == "__main__ ['a', 'b'] 7\n", proc
   first, rest = proc.stderr.split("\n", 1)
-  assert first.startswith(launch._EXCEPTION_MARK), proc.stderr
-  assert before <= float(first[len(launch._EXCEPTION_MARK):]) <= time.monotonic()
+  assert first.startswith(launch.MARK), proc.stderr
+  assert before <= float(first[len(launch.MARK):]) <= time.monotonic()
   assert rest.startswith("Traceback") and "RuntimeError: on purpose" in rest
 
 
@@ -194,11 +194,11 @@ def test_failures_are_ordered_by_the_processes_own_stamps():
   runner._forward(0, io.BytesIO(b"Traceback (most recent call last)\nRuntimeError: peer\n"),
                   runner.err)
   stamp = time.monotonic() - 5.0
-  runner._forward(1, io.BytesIO(f"{launch._EXCEPTION_MARK}{stamp:.6f}\nTraceback (most "
+  runner._forward(1, io.BytesIO(f"{launch.MARK}{stamp:.6f}\nTraceback (most "
                                 f"recent call last)\nRuntimeError: on purpose\n".encode()),
                   runner.err)
   assert runner._died_at(1) < runner._died_at(0)
-  assert launch._EXCEPTION_MARK not in runner.err.getvalue()
+  assert launch.MARK not in runner.err.getvalue()
   assert list(runner.tails[1])[-1] == "RuntimeError: on purpose"
 
 

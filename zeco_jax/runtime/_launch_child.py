@@ -6,8 +6,7 @@
 (by path, so it needs nothing importable; it imports only the standard library) runs the
 program as ``python -m MODULE ARGS`` / ``python SCRIPT.py ARGS`` would (as ``__main__``,
 with its ``sys.argv``, the working folder or the script's folder first on ``sys.path``),
-with one
-addition: an uncaught exception first writes ``[launch] exception at <t>`` to stderr, t the
+with one addition: an uncaught exception first writes ``[launch] exception at <t>`` to stderr, t the
 ``time.monotonic()`` of the moment it reached the top (the clock is system-wide, so the
 launcher can compare processes). The launcher orders failures by it: a process's own
 exception comes before the teardown that makes its peers fail, however late the launcher

@@ -38,11 +38,12 @@ import threading
 import time
 from typing import Optional, Sequence
 
+from zeco_jax.runtime._launch_child import MARK
+
 TIMEOUT_STATUS = 124
 _TAIL_LINES = 25
 # Runs a Python program as python would, stamping an uncaught exception's time on stderr.
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launch_child.py")
-_EXCEPTION_MARK = "[launch] exception at "        # _launch_child.MARK
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -144,10 +145,10 @@ class Launcher:
     prefix = f"[p{i}] "
     for raw in iter(pipe.readline, b""):
       line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-      if line.startswith(_EXCEPTION_MARK):      # stamped by the process itself: not shown
+      if line.startswith(MARK):      # stamped by the process itself: not shown
         try:
           self.traceback_times[i] = min(self.traceback_times[i],
-                                        float(line[len(_EXCEPTION_MARK):]))
+                                        float(line[len(MARK):]))
           continue
         except ValueError:
           pass
