@@ -22,7 +22,8 @@ class Launch:
   Triton options, None where the kernel takes none.
 
   ``kd``: the K slice of a kernel that works on one; ``bk`` / ``bv``: K and V tiles of the
-  state-shaped kernels; ``both_bv``: the V tile of the state walks when the backward runs
+  state-shaped kernels; ``bh``: the heads of one program of a kernel that runs a program
+  per token; ``both_bv``: the V tile of the state walks when the backward runs
   both in one launch (twice the programs). A tile is a cap: a kernel uses the largest power
   of two <= the cap that divides the dimension. ``warps`` / ``stages``: Triton's
   ``num_warps`` / ``num_stages`` (ignored by the interpreter and the TPU kernels).
@@ -31,6 +32,7 @@ class Launch:
   bk: Optional[int] = None
   bv: Optional[int] = None
   both_bv: Optional[int] = None
+  bh: Optional[int] = None
   warps: Optional[int] = None
   stages: Optional[int] = None
 

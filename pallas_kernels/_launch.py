@@ -81,6 +81,15 @@ def call(kernel, out_shape, grid, *, config, num_warps, num_stages, name, aliase
   return lambda *args: with_varying(fn, out_shape, args)
 
 
+def program_barrier(config) -> None:
+  """Make what one program's threads stored to memory visible to all its threads before
+  they load it (Triton's ``debug_barrier``, a ``__syncthreads``). Nothing in the
+  interpreter, which runs a program's operations in order."""
+  if not config.interpret:
+    from jax.experimental.pallas import triton as pltriton
+    pltriton.debug_barrier()
+
+
 def head_major(x):
   """``[B, T, H, D]`` -> ``[B*H, T, D]`` (the TPU kernels' dense ``[C, D]`` tiles)."""
   B, T, H, D = x.shape

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._delta import block_inverse
-from pallas_kernels._launch import F32, block, call, dot, iota, masked_exp, tiles
+from pallas_kernels._launch import F32, block, call, dot, iota, masked_exp, program_barrier, tiles
 
 S = 16                       # rows of a block of the UT inverse
 
@@ -149,11 +149,21 @@ def _load_chunk(refs, b, hd, n, C):
 
 # --- forward ------------------------------------------------------------------------------
 
-def _inverse_kernel(k_ref, g_ref, beta_ref, t_ref, *, C, dt):
+def _inverse_kernel(k_ref, g_ref, beta_ref, t_ref, *scratch, C, dt, config):
   b, hd, n = (pl.program_id(i) for i in range(3))
   rows, _, betas, ks, dec = _load_chunk((k_ref, g_ref, beta_ref), b, hd, n, C)
   A, _, _ = block_kkt(ks, betas, dec, dt)
-  X = block_inverse(A, dec.L)
+  a_row = None
+  if scratch:                          # the diagonal blocks through memory, read by rows
+    (ad_ref,) = scratch
+    for I in range(dec.L):
+      ad_ref[b, rows[I], hd, :] = A[I, I]
+    program_barrier(config)
+
+    def a_row(I, i):
+      return ad_ref[b, n * C + I * S + i, hd, :]
+
+  X = block_inverse(A, dec.L, a_row)
   for I in range(dec.L):
     for J in range(dec.L):
       block = X[I, J] if J <= I else jnp.zeros((S, S), F32)
@@ -162,12 +172,17 @@ def _inverse_kernel(k_ref, g_ref, beta_ref, t_ref, *, C, dt):
 
 def inverse(k, g, beta, *, chunk_size, config):
   """T = (I + A)^{-1} per chunk, ``[B, T, H, C]`` (row i of its chunk's inverse at token i)
-  in k's dtype (every dot reads it so)."""
+  in k's dtype (every dot reads it so). With ``config.diag_in_memory`` A's diagonal
+  blocks go through a float32 scratch output ``[B, T, H, 16]`` so that the substitution
+  reads their rows from memory (:func:`pallas_kernels._delta.block_inverse`)."""
   B, T, H, K = k.shape
-  kern = functools.partial(_inverse_kernel, C=chunk_size, dt=k.dtype)
-  return call(kern, jax.ShapeDtypeStruct((B, T, H, chunk_size), k.dtype),
-              (B, H, T // chunk_size), config=config, num_warps=config.inv.warps,
-              num_stages=config.inv.stages, name="gdn_ut_inverse")(k, g, beta)
+  kern = functools.partial(_inverse_kernel, C=chunk_size, dt=k.dtype, config=config)
+  out = jax.ShapeDtypeStruct((B, T, H, chunk_size), k.dtype)
+  if config.diag_in_memory:
+    out = (out, jax.ShapeDtypeStruct((B, T, H, S), F32))
+  res = call(kern, out, (B, H, T // chunk_size), config=config, num_warps=config.inv.warps,
+             num_stages=config.inv.stages, name="gdn_ut_inverse")(k, g, beta)
+  return res[0] if config.diag_in_memory else res
 
 
 def _chunk_decays(g, C):

@@ -26,7 +26,7 @@ STAGE_DEFAULTS = {
     "dqk": Launch(bv=64, warps=4, stages=1),    # backward: dq, dk, dw, dg per chunk
     "dwy": Launch(bv=64, warps=4, stages=1),    # backward: through w, u and A per chunk
 }
-FLAGS = ("interpret", "states_in_input_dtype")
+FLAGS = ("interpret", "states_in_input_dtype", "diag_in_memory")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +38,10 @@ class KernelConfig:
   ``"cpu"``). One :class:`~pallas_kernels.Launch` per GPU stage (:data:`STAGE_DEFAULTS`);
   ``bv`` is a cap on the V tile. ``states_in_input_dtype``: the chunk states kept for the
   backward and their cotangents are stored in the input dtype (the dots read them so),
-  else float32.
+  else float32. ``diag_in_memory``: the UT inverse reads the rows of A's diagonal blocks
+  from a scratch output instead of picking them out of register tiles (the same sums;
+  not yet timed against the default; PTX for sm_90 in
+  ``benchmarks/results/gdn_h200.md``).
 
   Change one with :meth:`replace` (``cfg.replace(walk_bv=32, dqk_warps=4)``).
   """
@@ -53,6 +56,7 @@ class KernelConfig:
   dqk: Launch = STAGE_DEFAULTS["dqk"]
   dwy: Launch = STAGE_DEFAULTS["dwy"]
   states_in_input_dtype: bool = True
+  diag_in_memory: bool = False
 
   def __post_init__(self):
     check_config(self, stage_defaults=STAGE_DEFAULTS, flags=FLAGS,

@@ -22,6 +22,7 @@ from pallas_kernels._config import (PLATFORMS, Launch, check_config, replace_con
 # Every kernel's launch, by stage (module docstring of pallas_kernels.kda.gpu).
 STAGE_DEFAULTS = {
     "intra": Launch(kd=128, warps=4, stages=1),  # A and P per chunk (kd: the K slice), T
+    "diag": Launch(bh=16, warps=4, stages=2),    # with diag_in_memory: A, P's diagonal blocks
     "wu": Launch(bv=64, warps=4, stages=1),      # w, u, kd, e^gamma per chunk (K / V tile)
     "walk": Launch(bv=16, warps=4, stages=2),    # forward walk (h, v_new); tile, warps by shape
     "out": Launch(bk=64, bv=64, warps=4, stages=2),   # the output per chunk and V tile
@@ -31,7 +32,7 @@ STAGE_DEFAULTS = {
     "dwy": Launch(bv=64, warps=4, stages=1),     # backward: through w, u and T; dA
     "dpairs": Launch(kd=32, warps=4, stages=1),  # backward: through A and P (kd: K slice)
 }
-FLAGS = ("interpret", "states_in_input_dtype")
+FLAGS = ("interpret", "states_in_input_dtype", "diag_in_memory")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +47,18 @@ class KernelConfig:
   K / V tile, ``kd`` the K slice of the kernels that form per-channel pairwise decays.
   ``states_in_input_dtype``: the chunk states kept for the backward and their cotangents
   are stored in the input dtype (the dots read them so), else float32.
+  ``diag_in_memory``: the diagonal 16 x 16 blocks' columns go through memory instead of
+  being gathered into and picked out of register tiles: A and P's diagonal blocks from a
+  program per token (``kda_diag``, ``diag.bh`` heads each), the UT inverse reading A's
+  rows, ``kda_dpairs`` loading dP's and dA's columns. The same sums; not yet timed
+  against the default (PTX for sm_90: ``kda_intra`` 87 barriers against 674).
 
   Change one with :meth:`replace` (``cfg.replace(walk_bv=32, dpairs_kd=64)``).
   """
   platform: str = "gpu"
   interpret: bool = False
   intra: Launch = STAGE_DEFAULTS["intra"]
+  diag: Launch = STAGE_DEFAULTS["diag"]
   wu: Launch = STAGE_DEFAULTS["wu"]
   walk: Launch = STAGE_DEFAULTS["walk"]
   out: Launch = STAGE_DEFAULTS["out"]
@@ -61,12 +68,13 @@ class KernelConfig:
   dwy: Launch = STAGE_DEFAULTS["dwy"]
   dpairs: Launch = STAGE_DEFAULTS["dpairs"]
   states_in_input_dtype: bool = True
+  diag_in_memory: bool = False
 
   def __post_init__(self):
     check_config(self, stage_defaults=STAGE_DEFAULTS, flags=FLAGS, label="kda KernelConfig")
     for stage in STAGE_DEFAULTS:
       launch = getattr(self, stage)
-      for field in ("kd", "bk", "bv"):
+      for field in ("kd", "bk", "bv"):   # bh (heads per program) may be any power of two
         value = getattr(launch, field)
         if value is not None and (value < 16 or value & (value - 1)):
           raise ValueError(f"kda KernelConfig: `{stage}_{field}` must be a power of two "

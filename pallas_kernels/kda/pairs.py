@@ -11,7 +11,9 @@ with ``seg[i, j, d] = sum_{j < m <= i} g[m, d]``, and T = (I + A)^{-1}.
   sum_{J <= M < I} A_IM X_MJ``, float32 at HIGHEST precision:
   :func:`pallas_kernels._delta.block_inverse`, verified on an H200). Writes T
   (k's dtype) and P (float32), ``[B, T, H, C]`` each (row i of its chunk's matrix at
-  token i). A itself never leaves the kernel.
+  token i). A itself never leaves the kernel; with ``diag_in_memory`` its diagonal blocks
+  and P's come from :func:`diag` (``kda_diag``, a program per token and head group) and
+  the inverse reads A's rows from there.
 * :func:`dpairs` (``kda_dpairs``): the backward through A and P, from their cotangents dA
   (:func:`pallas_kernels.kda.chunk.dwy`) and dP (:func:`pallas_kernels.kda.chunk.dqk`):
   dq, dk, dg and dbeta's parts.
@@ -130,11 +132,50 @@ def _diag_scores(sub, I, A, P):
   return A, P
 
 
-def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, t_ref, p_ref, *, C, K, KD, dt):
+def _diag_kernel(q_ref, k_ref, g_ref, ad_ref, pd_ref, *, BH):
+  """Token i's row of its sub-chunk's diagonal blocks, for BH heads at once: column j
+  from i down to the sub-chunk's start, ``e^{E}`` with ``E = sum_{j < m <= i} g_m`` carried
+  from column to column (``E += g_j``), each column's sums stored in place (no
+  accumulator tile). Only the columns j <= i are written."""
+  b, i, hg = (pl.program_id(x) for x in range(3))
+  hs = pl.ds(hg * BH, BH)
+  start = (i // S) * S
+  qi = q_ref[b, i, hs, :].astype(F32)            # [BH, K]
+  ki = k_ref[b, i, hs, :].astype(F32)
+
+  def column(s, E):
+    j = i - s
+    ke = k_ref[b, j, hs, :].astype(F32) * jnp.exp(E)
+    ad_ref[b, i, hs, j - start] = jnp.sum(ki * ke, axis=1)
+    pd_ref[b, i, hs, j - start] = jnp.sum(qi * ke, axis=1)
+    return E + g_ref[b, j, hs, :].astype(F32)
+
+  jax.lax.fori_loop(0, i - start + 1, column, jnp.zeros(qi.shape, F32))
+
+
+def diag(q, k, g, *, config):
+  """(Ad, Pd float32 ``[B, T, H, 16]``): ``sum_d k_i k_j e^{seg}`` and ``sum_d q_i k_j
+  e^{seg}`` for each token i and the tokens j <= i of its 16-token sub-chunk (column j
+  at ``j % 16``; the columns after i are left unwritten), one program per token and
+  ``config.diag.bh`` heads (``kda_diag``)."""
+  B, T, H, K = k.shape
+  BH = block(H, config.diag.bh)
+  kern = functools.partial(_diag_kernel, BH=BH)
+  out = (jax.ShapeDtypeStruct((B, T, H, S), F32),) * 2
+  return call(kern, out, (B, T, H // BH), config=config, num_warps=config.diag.warps,
+              num_stages=config.diag.stages, name="kda_diag")(q, k, g)
+
+
+def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, C, K, KD, dt):
+  if len(refs) == 4:
+    ad_ref, pd_ref, t_ref, p_ref = refs
+  else:
+    (t_ref, p_ref), ad_ref = refs, None
   b, hd, n = (pl.program_id(i) for i in range(3))
   L = C // S
-  pairs = [(I, J) for I in range(L) for J in range(I + 1)]
-  betas = [beta_ref[b, pl.ds(n * C + I * S, S), hd].astype(F32) for I in range(L)]
+  rows = [pl.ds(n * C + I * S, S) for I in range(L)]
+  pairs = [(I, J) for I in range(L) for J in range(I + (ad_ref is None))]
+  betas = [beta_ref[b, rows[I], hd].astype(F32) for I in range(L)]
 
   def k_slice(kk, acc):
     sub = SubChunks(g_ref, q_ref, k_ref, b, hd, n, pl.ds(kk * KD, KD), C, after=after_ieee,
@@ -147,21 +188,30 @@ def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, t_ref, p_ref, *, C, K, KD, dt):
         kc = sub.columns(J, I)
         A[I, J] = A[I, J] + dot(ke, kc, dt, tb=True)
         P[I, J] = P[I, J] + dot(qe, kc, dt, tb=True)
-      A[I, I], P[I, I] = _diag_scores(sub, I, A[I, I], P[I, I])
+      if ad_ref is None:
+        A[I, I], P[I, I] = _diag_scores(sub, I, A[I, I], P[I, I])
     return tuple(A[p] for p in pairs), tuple(P[p] for p in pairs)
 
   zero = tuple(jnp.zeros((S, S), F32) for _ in pairs)
   accA, accP = jax.lax.fori_loop(0, K // KD, k_slice, (zero, zero))
+  A, P = dict(zip(pairs, accA)), dict(zip(pairs, accP))
+  if ad_ref is not None:
+    for I in range(L):
+      A[I, I], P[I, I] = ad_ref[b, rows[I], hd, :], pd_ref[b, rows[I], hd, :]
   r, c = iota((S, S), 0), iota((S, S), 1)
-  A, P = {}, {}
-  for (I, J), a, p in zip(pairs, accA, accP):
-    A[I, J] = betas[I][:, None] * (jnp.where(r > c, a, 0.0) if I == J else a)
-    P[I, J] = jnp.where(r >= c, p, 0.0) if I == J else p
-  rows = [pl.ds(n * C + I * S, S) for I in range(L)]
+  for I in range(L):
+    for J in range(I + 1):
+      A[I, J] = betas[I][:, None] * (jnp.where(r > c, A[I, J], 0.0) if I == J else A[I, J])
+      P[I, J] = jnp.where(r >= c, P[I, J], 0.0) if I == J else P[I, J]
   for I in range(L):
     for J in range(L):
       p_ref[b, rows[I], hd, pl.ds(J * S, S)] = P[I, J] if J <= I else jnp.zeros((S, S), F32)
-  X = block_inverse(A, L)
+  def a_row(I, i):                     # row i of A[I, I], straight from memory
+    t = n * C + I * S + i
+    a = ad_ref[b, t, hd, :]
+    return jnp.where(iota((S,), 0) < i, beta_ref[b, t, hd].astype(F32) * a, 0.0)
+
+  X = block_inverse(A, L, None if ad_ref is None else a_row)
   for I in range(L):
     for J in range(L):
       blk = X[I, J] if J <= I else jnp.zeros((S, S), F32)
@@ -170,21 +220,63 @@ def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, t_ref, p_ref, *, C, K, KD, dt):
 
 def intra(q, k, g, beta, *, chunk_size, config):
   """(T = (I + A)^{-1} in k's dtype, P float32), each ``[B, T, H, C]`` (row i of its
-  chunk's matrix at token i; zero above the diagonal). P is unscaled."""
+  chunk's matrix at token i; zero above the diagonal). P is unscaled. With
+  ``config.diag_in_memory`` the diagonal blocks come from :func:`diag` (a program per token),
+  else from each chunk's own column loop."""
   B, T, H, K = k.shape
   C = chunk_size
+  args = (q, k, g, beta) + (diag(q, k, g, config=config) if config.diag_in_memory else ())
   kern = functools.partial(_intra_kernel, C=C, K=K, KD=block(K, config.intra.kd), dt=k.dtype)
   out = (jax.ShapeDtypeStruct((B, T, H, C), k.dtype), jax.ShapeDtypeStruct((B, T, H, C), F32))
   return call(kern, out, (B, H, T // C), config=config, num_warps=config.intra.warps,
-              num_stages=config.intra.stages, name="kda_intra")(q, k, g, beta)
+              num_stages=config.intra.stages, name="kda_intra")(*args)
 
 
 # --- backward: through A and P ------------------------------------------------------------
 
-def _diag_grads(sub, M, beta, dPd, dAd):
+def _diag_grads(sub, M, beta, dcol):
   """The diagonal block's terms of (dq, dk, dg, dbeta) for sub-chunk M, exact in log
-  space: column j from the last, ``e^{E_j}`` shared by every term. ``dPd`` and ``dAd``
-  the block's cotangents of P and A (A's without beta)."""
+  space: column j from the last, ``e^{E_j}`` shared by every term. ``dcol(j)`` loads
+  column j of the block's cotangents of P and A (A's without beta) as ``[16]`` vectors
+  straight from memory (no extraction from a tile)."""
+  q, k = sub.load("q", M), sub.load("k", M)
+  shape = k.shape
+  row = iota(shape, 0)
+  ri, ci = iota((S, S), 0), iota((S, S), 1)
+  rv = iota((S,), 0)
+  bcol = beta[:, None]
+
+  def column(i, carry):
+    dq, dk, dg, dbeta, E = carry   # E[r] = sum_{j < m <= r} g_m on rows r >= j
+    j = S - 1 - i
+    kj = sub.row("k", M, j)
+    e = masked_exp(row >= j, E)
+    pcol, acol = dcol(j)
+    pc = jnp.where(rv >= j, pcol, 0.0)[:, None]                       # dP[:, j]
+    ac = jnp.where(rv > j, acol, 0.0)[:, None]                        # dA[:, j]
+    ke = kj * e
+    ta = ac * ke
+    dq = dq + pc * ke                                                  # rows: sum_j
+    dbeta = dbeta + jnp.sum(k * ta, axis=1)
+    z = (pc * q + (bcol * ac) * k) * e                                 # column j's terms / k_j
+    # below[m] = sum_{r >= m} z[r] for m >= j: on row j the column's sum (dk_j's term);
+    # dseg[r, j] = k_j z[r] reaches the tokens m with j < m <= r: k_j below[m] for m > j.
+    below = dot01(jnp.where((ci >= ri) & (ri >= j), 1.0, 0.0).astype(F32), z)
+    dk = dk + bcol * ta + jnp.where(row == j, below, 0.0)
+    dg = dg + jnp.where(row > j, kj * below, 0.0)
+    E = jnp.where(row >= j, E + sub.row("g", M, j), 0.0)
+    return dq, dk, dg, dbeta, E
+
+  zero = jnp.zeros(shape, F32)
+  dq, dk, dg, dbeta, _ = unrolled(S, DIAG_UNROLL, column,
+                                  (zero, zero, zero, jnp.zeros((S,), F32), zero))
+  return dq, dk, dg, dbeta
+
+
+def _diag_grads_tiles(sub, M, beta, dPd, dAd):
+  """:func:`_diag_grads` with the block's cotangents ``dPd`` and ``dAd`` as ``[16, 16]``
+  tiles, each column extracted from them, and dk's column term a sum down the rows (the
+  form before ``diag_in_memory``; the same sums)."""
   q, k = sub.load("q", M), sub.load("k", M)
   shape = k.shape
   row = iota(shape, 0)
@@ -219,7 +311,7 @@ def _diag_grads(sub, M, beta, dPd, dAd):
 
 
 def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref, dg_ref,
-                   dbeta_ref, *, C, K, KD, dt):
+                   dbeta_ref, *, C, K, KD, dt, in_memory):
   b, hd, n = (pl.program_id(i) for i in range(3))
   L = C // S
   rows = [pl.ds(n * C + I * S, S) for I in range(L)]
@@ -252,7 +344,12 @@ def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref
         span = sub.between(M, I)
         col = col + (ci if span is None else span[None, :] * ci)
       dk_col = sub.eafter(M) * col
-      dq_d, dk_d, dg_d, dbeta_d = _diag_grads(sub, M, betas[M], dP(M, M), dA(M, M))
+      if in_memory:
+        dcol = lambda j, M=M: (dp_ref[b, rows[M], hd, M * S + j],
+                               da_ref[b, rows[M], hd, M * S + j])
+        dq_d, dk_d, dg_d, dbeta_d = _diag_grads(sub, M, betas[M], dcol)
+      else:
+        dq_d, dk_d, dg_d, dbeta_d = _diag_grads_tiles(sub, M, betas[M], dP(M, M), dA(M, M))
       dq_ref[b, rows[M], hd, ks] = into * row_p + dq_d
       dk_ref[b, rows[M], hd, ks] = bcol * into * row_a + dk_col + dk_d
       dbetas[M] = dbetas[M] + jnp.sum(xk * row_a, axis=1) + dbeta_d
@@ -277,7 +374,8 @@ def dpairs(q, k, g, beta, dP, dA, *, chunk_size, config):
   float32 ``[B, T, H, C]``)."""
   B, T, H, K = q.shape
   C = chunk_size
-  kern = functools.partial(_dpairs_kernel, C=C, K=K, KD=block(K, config.dpairs.kd), dt=q.dtype)
+  kern = functools.partial(_dpairs_kernel, C=C, K=K, KD=block(K, config.dpairs.kd), dt=q.dtype,
+                           in_memory=config.diag_in_memory)
   f32k = jax.ShapeDtypeStruct((B, T, H, K), F32)
   out = (f32k, f32k, f32k, jax.ShapeDtypeStruct((B, T, H), F32))
   return call(kern, out, (B, H, T // C), config=config, num_warps=config.dpairs.warps,

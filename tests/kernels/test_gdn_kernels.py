@@ -39,9 +39,10 @@ def test_kernels_match_float64(shape):
   B, T, H, K, V, C = shape
   inputs, weights = gdn_inputs(0, B, T, H, K, V, g_low=-5.0, beta_high=0.9999)
   # V = 32 walks in one V tile of 32 (the walks' default at large B * H takes 32 or 64);
-  # every other test walks in tiles of 16.
+  # every other test walks in tiles of 16. V = 16 takes the UT inverse's diagonal blocks
+  # through memory (``diag_in_memory``).
   cfg = gated_delta.default_config("cpu", B, T, H, K, V, jnp.float32)
-  cfg = cfg.replace(walk_bv=32, dwalk_bv=32) if V == 32 else None
+  cfg = cfg.replace(walk_bv=32, dwalk_bv=32) if V == 32 else cfg.replace(diag_in_memory=True)
   check_gdn_against_float64(_kernel_op(C, kernel_config=cfg), inputs, weights)
 
 
@@ -158,12 +159,14 @@ def test_default_config_and_errors():
   assert np.array_equal(np.asarray(o_auto), np.asarray(o_jax))
 
 
-def test_kernels_lower_to_triton_for_a_gpu_target():
+@pytest.mark.parametrize("diag_in_memory", [False, True])
+def test_kernels_lower_to_triton_for_a_gpu_target(diag_in_memory):
   """Every GPU kernel of the forward and backward lowers through Pallas's Triton lowering
   for an H200 on this CPU host (an abstract device): what the interpreter does not check."""
   mesh = abstract_mesh("gpu", "NVIDIA H200", 132)
   B, T, H, K, V = 1, 256, 2, 128, 128
-  config = gated_delta.default_config("gpu", B, T, H, K, V, jnp.bfloat16)
+  config = gated_delta.default_config("gpu", B, T, H, K, V, jnp.bfloat16).replace(
+      diag_in_memory=diag_in_memory)
   kw = dict(scale=K ** -0.5, initial_state=jnp.zeros((B, H, K, V)), chunk_size=64,
             config=config)
 

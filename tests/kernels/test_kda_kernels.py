@@ -79,6 +79,16 @@ def test_head_128_one_chunk_pair():
   _check(inputs, cot, 64, 1e-5, 1e-4)
 
 
+def test_diagonal_blocks_by_token():
+  """``diag_in_memory``: the diagonal blocks of A and P from a program per token and head
+  group (``kda_diag``, 2 heads per program here), the UT inverse reading their rows from
+  memory; K = V = 128, documents starting mid-sub-chunk and on a chunk boundary."""
+  inputs, cot = _inputs(4, 1, 128, 2, 128, 128, resets=(21, 64))
+  config = kda.default_config("cpu", 1, 128, 2, 128, 128, jnp.float32).replace(
+      diag_in_memory=True)
+  _check(inputs, cot, 64, 1e-5, 1e-4, config=config)
+
+
 # The same programs twice (the second only runs): several 16-token chunks, K != V, and
 # then document starts (-1e4 on every channel) mid-chunk and on a chunk boundary.
 @pytest.mark.parametrize("resets", [(), (5, 16, 37, 50)], ids=["decay-5", "documents"])
@@ -130,14 +140,16 @@ def test_default_config_and_errors():
     gpu.fwd(q, k, v, g, beta, scale=1.0, initial_state=h0, chunk_size=16, config=cfg)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-def test_kernels_lower_to_triton_for_a_gpu_target(dtype):
+@pytest.mark.parametrize("dtype,diag_in_memory", [(jnp.bfloat16, False), (jnp.float32, False),
+                                              (jnp.bfloat16, True)],
+                         ids=["bf16", "f32", "bf16-diag-in-memory"])
+def test_kernels_lower_to_triton_for_a_gpu_target(dtype, diag_in_memory):
   """Every GPU kernel of the forward and backward lowers through Pallas's Triton lowering
   for an H200 on this CPU host (an abstract device), K = V = 128, C = 64: what the
   interpreter does not check (Triton IR only; not compiled to PTX, not run)."""
   mesh = abstract_mesh("gpu", "NVIDIA H200", 132)
   B, T, H, K, V = 1, 128, 1, 128, 128
-  config = kda.default_config("gpu", B, T, H, K, V, dtype)
+  config = kda.default_config("gpu", B, T, H, K, V, dtype).replace(diag_in_memory=diag_in_memory)
   kw = dict(scale=K ** -0.5, initial_state=jnp.zeros((B, H, K, V)), chunk_size=64,
             config=config)
 
@@ -151,7 +163,7 @@ def test_kernels_lower_to_triton_for_a_gpu_target(dtype):
   with jax.sharding.use_abstract_mesh(mesh):
     text = jax.jit(fwd_bwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   names = ("kda_intra", "kda_wu", "kda_state_walk", "kda_output", "kda_vnew",
-           "kda_grad_walk", "kda_dqk", "kda_dwy", "kda_dpairs")
+           "kda_grad_walk", "kda_dqk", "kda_dwy", "kda_dpairs") + ("kda_diag",) * diag_in_memory
   assert all(name in text for name in names), [n for n in names if n not in text]
   assert text.count("xla.gpu.triton") >= len(names)
 
