@@ -23,6 +23,9 @@ Kernels and ops (one GPU unless said):
 * ``delta_h200``: the delta-rule families, our ``chunk_gated_delta_rule`` (``--family gdn``)
   or ``chunk_kda`` (``--family kda``) against FLA's: time and agreement (torch + FLA;
   ``--no-fla`` without). -> results/gdn_h200.md, results/kda_h200.md
+* ``ptx_stats``: what the delta-rule kernels compile to for sm_90 (registers, spills,
+  barriers), on a CPU-only host: lowers for an abstract H200, then compiles with pip
+  ``triton`` (a second process). No timing. -> results/ptx_sm90.md
 
 Training step (one GPU):
 

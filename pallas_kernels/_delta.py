@@ -55,7 +55,7 @@ def _substitute(a, row=None):
   sum runs along a tile row, inside one warp in Triton's layout of a ``[16, 16]`` tile,
   where the row-by-row form sums down the columns, across the warps, through shared
   memory (PTX of ``kda_intra`` for sm_90: 274 barriers with the rows loaded and summed
-  down, 594 extracting them from the tile)."""
+  down, 87 transposed; ``benchmarks/results/ptx_sm90.md``)."""
   r, c = _tile()
   x = jnp.zeros((S, S), F32)
   for i in range(S):

@@ -41,7 +41,7 @@ class KernelConfig:
   else float32. ``diag_in_memory``: the UT inverse reads the rows of A's diagonal blocks
   from a scratch output instead of picking them out of register tiles (the same sums;
   not yet timed against the default; PTX for sm_90 in
-  ``benchmarks/results/gdn_h200.md``).
+  ``benchmarks/results/ptx_sm90.md``).
 
   Change one with :meth:`replace` (``cfg.replace(walk_bv=32, dqk_warps=4)``).
   """

@@ -51,7 +51,7 @@ class KernelConfig:
   being gathered into and picked out of register tiles: A and P's diagonal blocks from a
   program per token (``kda_diag``, ``diag.bh`` heads each), the UT inverse reading A's
   rows, ``kda_dpairs`` loading dP's and dA's columns. The same sums; not yet timed
-  against the default (PTX for sm_90: ``kda_intra`` 87 barriers against 674).
+  against the default (its PTX for sm_90: ``benchmarks/results/ptx_sm90.md``).
 
   Change one with :meth:`replace` (``cfg.replace(walk_bv=32, dpairs_kd=64)``).
   """

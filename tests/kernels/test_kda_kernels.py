@@ -205,3 +205,23 @@ def test_auto_picks_the_gpu_kernels_and_holds_back_unrun_ones(monkeypatch):
   with pytest.warns(UserWarning, match="not yet run on a GPU"):
     assert _dispatch.resolve_backend("auto", family="kda", platform="gpu") == "jax"
   assert _dispatch.resolve_backend("pallas", family="kda", platform="gpu") == "pallas"
+
+
+def test_ptx_stats_dumps_each_kernels_triton_ir(tmp_path):
+  """benchmarks.ptx_stats's first step (no Triton needed): one Triton IR file per kernel
+  of the forward + backward, with its launch, through the private lowering hooks it
+  patches (and restores)."""
+  import json
+  if not hasattr(jax.sharding, "AbstractDevice"):
+    pytest.skip("this jax has no jax.sharding.AbstractDevice")
+  from benchmarks import ptx_stats
+  from jax._src.pallas.triton import lowering
+  hook = lowering.lower_jaxpr_to_triton_module
+  kernels = ptx_stats.dump("kda", (1, 128, 1, 128, 128), {"diag_in_memory": True},
+                           str(tmp_path))
+  assert lowering.lower_jaxpr_to_triton_module is hook
+  names = [k["name"] for k in kernels]
+  assert names.count("kda_diag") == 2 and "kda_dpairs" in names, names
+  assert all(open(k["path"]).read().startswith("module") for k in kernels)
+  meta = json.load(open(tmp_path / "kernels.json"))
+  assert meta["changes"] == {"diag_in_memory": True} and len(meta["kernels"]) == len(names)
