@@ -82,11 +82,13 @@ def test_head_128_one_chunk_pair():
 def test_diagonal_blocks_by_token():
   """``diag_in_memory``: the diagonal blocks of A and P from a program per token and head
   group (``kda_diag``, 2 heads per program here), the UT inverse reading their rows from
-  memory; K = V = 128, documents starting mid-sub-chunk and on a chunk boundary."""
-  inputs, cot = _inputs(4, 1, 128, 2, 128, 128, resets=(21, 64))
-  config = kda.default_config("cpu", 1, 128, 2, 128, 128, jnp.float32).replace(
+  memory, ``kda_dpairs`` loading dP's and dA's columns; documents starting mid-sub-chunk
+  and on a chunk boundary (chunks of 32). K = V = 64 (K = 128 is lowered to Triton
+  below)."""
+  inputs, cot = _inputs(4, 1, 96, 2, 64, 64, resets=(21, 64))
+  config = kda.default_config("cpu", 1, 96, 2, 64, 64, jnp.float32).replace(
       diag_in_memory=True)
-  _check(inputs, cot, 64, 1e-5, 1e-4, config=config)
+  _check(inputs, cot, 32, 1e-5, 1e-4, config=config)
 
 
 # The same programs twice (the second only runs): several 16-token chunks, K != V, and
