@@ -234,16 +234,16 @@ def intra(q, k, g, beta, *, chunk_size, config):
 
 # --- backward: through A and P ------------------------------------------------------------
 
-def _diag_grads(sub, M, beta, dcol):
+def _diag_grads(sub, M, beta, column_of, *, in_memory):
   """The diagonal block's terms of (dq, dk, dg, dbeta) for sub-chunk M, exact in log
-  space: column j from the last, ``e^{E_j}`` shared by every term. ``dcol(j)`` loads
-  column j of the block's cotangents of P and A (A's without beta) as ``[16]`` vectors
-  straight from memory (no extraction from a tile)."""
+  space: column j from the last, ``e^{E_j}`` shared by every term. ``column_of(j)``: column
+  j of the block's cotangents of P and A (A's without beta), ``[16, 1]`` each, masked to
+  the rows below (``>= j`` for P, ``> j`` for A). ``in_memory``: dk's column term and dg's
+  from one masked dot (below), else dk's a sum down the rows and dg's a dot of its own."""
   q, k = sub.load("q", M), sub.load("k", M)
   shape = k.shape
   row = iota(shape, 0)
   ri, ci = iota((S, S), 0), iota((S, S), 1)
-  rv = iota((S,), 0)
   bcol = beta[:, None]
 
   def column(i, carry):
@@ -251,56 +251,20 @@ def _diag_grads(sub, M, beta, dcol):
     j = S - 1 - i
     kj = sub.row("k", M, j)
     e = masked_exp(row >= j, E)
-    pcol, acol = dcol(j)
-    pc = jnp.where(rv >= j, pcol, 0.0)[:, None]                       # dP[:, j]
-    ac = jnp.where(rv > j, acol, 0.0)[:, None]                        # dA[:, j]
+    pc, ac = column_of(j)                                              # dP[:, j], dA[:, j]
     ke = kj * e
     ta = ac * ke
     dq = dq + pc * ke                                                  # rows: sum_j
     dbeta = dbeta + jnp.sum(k * ta, axis=1)
     z = (pc * q + (bcol * ac) * k) * e                                 # column j's terms / k_j
-    # below[m] = sum_{r >= m} z[r] for m >= j: on row j the column's sum (dk_j's term);
-    # dseg[r, j] = k_j z[r] reaches the tokens m with j < m <= r: k_j below[m] for m > j.
-    below = dot01(jnp.where((ci >= ri) & (ri >= j), 1.0, 0.0).astype(F32), z)
-    dk = dk + bcol * ta + jnp.where(row == j, below, 0.0)
-    dg = dg + jnp.where(row > j, kj * below, 0.0)
-    E = jnp.where(row >= j, E + sub.row("g", M, j), 0.0)
-    return dq, dk, dg, dbeta, E
-
-  zero = jnp.zeros(shape, F32)
-  dq, dk, dg, dbeta, _ = unrolled(S, DIAG_UNROLL, column,
-                                  (zero, zero, zero, jnp.zeros((S,), F32), zero))
-  return dq, dk, dg, dbeta
-
-
-def _diag_grads_tiles(sub, M, beta, dPd, dAd):
-  """:func:`_diag_grads` with the block's cotangents ``dPd`` and ``dAd`` as ``[16, 16]``
-  tiles, each column extracted from them, and dk's column term a sum down the rows (the
-  form before ``diag_in_memory``; the same sums)."""
-  q, k = sub.load("q", M), sub.load("k", M)
-  shape = k.shape
-  row = iota(shape, 0)
-  ri, ci = iota((S, S), 0), iota((S, S), 1)
-  dPd = jnp.where(ri >= ci, dPd, 0.0)
-  dAd = jnp.where(ri > ci, dAd, 0.0)
-  bcol = beta[:, None]
-
-  def column(i, carry):
-    dq, dk, dg, dbeta, E = carry   # E[r] = sum_{j < m <= r} g_m on rows r >= j
-    j = S - 1 - i
-    kj = sub.row("k", M, j)
-    e = masked_exp(row >= j, E)
-    pc = jnp.sum(jnp.where(ci == j, dPd, 0.0), axis=1)[:, None]       # dP[:, j]
-    ac = jnp.sum(jnp.where(ci == j, dAd, 0.0), axis=1)[:, None]       # dA[:, j]
-    ke = kj * e
-    ta = ac * ke
-    dq = dq + pc * ke                                                  # rows: sum_j
-    dbeta = dbeta + jnp.sum(k * ta, axis=1)
-    z = (pc * q + (bcol * ac) * k) * e                                 # column j's terms / k_j
-    dk = dk + bcol * ta + jnp.where(row == j, jnp.sum(z, axis=0)[None, :], 0.0)
     # dseg[r, j] = k_j z[r] reaches the tokens m with j < m <= r: sum_{r >= m} for m > j.
-    spans = jnp.where((ci >= ri) & (ri > j), 1.0, 0.0).astype(F32)
-    dg = dg + dot01(spans, kj * z)
+    if in_memory:    # below[m] = sum_{r >= m} z[r], m >= j; on row j the column's sum
+      below = dot01(jnp.where((ci >= ri) & (ri >= j), 1.0, 0.0).astype(F32), z)
+      dk = dk + bcol * ta + jnp.where(row == j, below, 0.0)
+      dg = dg + jnp.where(row > j, kj * below, 0.0)
+    else:
+      dk = dk + bcol * ta + jnp.where(row == j, jnp.sum(z, axis=0)[None, :], 0.0)
+      dg = dg + dot01(jnp.where((ci >= ri) & (ri > j), 1.0, 0.0).astype(F32), kj * z)
     E = jnp.where(row >= j, E + sub.row("g", M, j), 0.0)
     return dq, dk, dg, dbeta, E
 
@@ -308,6 +272,26 @@ def _diag_grads_tiles(sub, M, beta, dPd, dAd):
   dq, dk, dg, dbeta, _ = unrolled(S, DIAG_UNROLL, column,
                                   (zero, zero, zero, jnp.zeros((S,), F32), zero))
   return dq, dk, dg, dbeta
+
+
+def _columns_in_memory(dp_ref, da_ref, b, rows, hd, M):
+  """:func:`_diag_grads`'s ``column_of``: each column loaded straight from memory."""
+  rv = iota((S,), 0)
+
+  def column_of(j):
+    col = lambda ref: ref[b, rows, hd, M * S + j]
+    return (jnp.where(rv >= j, col(dp_ref), 0.0)[:, None],
+            jnp.where(rv > j, col(da_ref), 0.0)[:, None])
+  return column_of
+
+
+def _columns_of_tiles(dPd, dAd):
+  """:func:`_diag_grads`'s ``column_of``: each column picked out of the ``[16, 16]``
+  tiles (a sum along a row)."""
+  ri, ci = iota((S, S), 0), iota((S, S), 1)
+  dPd, dAd = jnp.where(ri >= ci, dPd, 0.0), jnp.where(ri > ci, dAd, 0.0)
+  pick = lambda x, j: jnp.sum(jnp.where(ci == j, x, 0.0), axis=1)[:, None]
+  return lambda j: (pick(dPd, j), pick(dAd, j))
 
 
 def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref, dg_ref,
@@ -344,12 +328,10 @@ def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref
         span = sub.between(M, I)
         col = col + (ci if span is None else span[None, :] * ci)
       dk_col = sub.eafter(M) * col
-      if in_memory:
-        dcol = lambda j, M=M: (dp_ref[b, rows[M], hd, M * S + j],
-                               da_ref[b, rows[M], hd, M * S + j])
-        dq_d, dk_d, dg_d, dbeta_d = _diag_grads(sub, M, betas[M], dcol)
-      else:
-        dq_d, dk_d, dg_d, dbeta_d = _diag_grads_tiles(sub, M, betas[M], dP(M, M), dA(M, M))
+      column_of = (_columns_in_memory(dp_ref, da_ref, b, rows[M], hd, M) if in_memory
+                   else _columns_of_tiles(dP(M, M), dA(M, M)))
+      dq_d, dk_d, dg_d, dbeta_d = _diag_grads(sub, M, betas[M], column_of,
+                                              in_memory=in_memory)
       dq_ref[b, rows[M], hd, ks] = into * row_p + dq_d
       dk_ref[b, rows[M], hd, ks] = bcol * into * row_a + dk_col + dk_d
       dbetas[M] = dbetas[M] + jnp.sum(xk * row_a, axis=1) + dbeta_d
