@@ -55,7 +55,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._launch import F32, block, call, dot, dot01, iota, masked_exp, unrolled
+from pallas_kernels._launch import (F32, block, call, dot, dot01, iota, masked_exp,
+                                     program_barrier, unrolled)
 from pallas_kernels._delta import block_inverse
 from pallas_kernels.kda.chunk import S, after, after_ieee, before, from_here, inclusive
 
@@ -234,12 +235,11 @@ def intra(q, k, g, beta, *, chunk_size, config):
 
 # --- backward: through A and P ------------------------------------------------------------
 
-def _diag_grads(sub, M, beta, column_of, *, in_memory):
+def _diag_grads(sub, M, beta, column_of):
   """The diagonal block's terms of (dq, dk, dg, dbeta) for sub-chunk M, exact in log
   space: column j from the last, ``e^{E_j}`` shared by every term. ``column_of(j)``: column
   j of the block's cotangents of P and A (A's without beta), ``[16, 1]`` each, masked to
-  the rows below (``>= j`` for P, ``> j`` for A). ``in_memory``: dk's column term and dg's
-  from one masked dot (below), else dk's a sum down the rows and dg's a dot of its own."""
+  the rows below (``>= j`` for P, ``> j`` for A)."""
   q, k = sub.load("q", M), sub.load("k", M)
   shape = k.shape
   row = iota(shape, 0)
@@ -257,14 +257,9 @@ def _diag_grads(sub, M, beta, column_of, *, in_memory):
     dq = dq + pc * ke                                                  # rows: sum_j
     dbeta = dbeta + jnp.sum(k * ta, axis=1)
     z = (pc * q + (bcol * ac) * k) * e                                 # column j's terms / k_j
+    dk = dk + bcol * ta + jnp.where(row == j, jnp.sum(z, axis=0)[None, :], 0.0)
     # dseg[r, j] = k_j z[r] reaches the tokens m with j < m <= r: sum_{r >= m} for m > j.
-    if in_memory:    # below[m] = sum_{r >= m} z[r], m >= j; on row j the column's sum
-      below = dot01(jnp.where((ci >= ri) & (ri >= j), 1.0, 0.0).astype(F32), z)
-      dk = dk + bcol * ta + jnp.where(row == j, below, 0.0)
-      dg = dg + jnp.where(row > j, kj * below, 0.0)
-    else:
-      dk = dk + bcol * ta + jnp.where(row == j, jnp.sum(z, axis=0)[None, :], 0.0)
-      dg = dg + dot01(jnp.where((ci >= ri) & (ri > j), 1.0, 0.0).astype(F32), kj * z)
+    dg = dg + dot01(jnp.where((ci >= ri) & (ri > j), 1.0, 0.0).astype(F32), kj * z)
     E = jnp.where(row >= j, E + sub.row("g", M, j), 0.0)
     return dq, dk, dg, dbeta, E
 
@@ -274,15 +269,47 @@ def _diag_grads(sub, M, beta, column_of, *, in_memory):
   return dq, dk, dg, dbeta
 
 
-def _columns_in_memory(dp_ref, da_ref, b, rows, hd, M):
-  """:func:`_diag_grads`'s ``column_of``: each column loaded straight from memory."""
-  rv = iota((S,), 0)
+def _diag_grads_chunk(refs, b, hd, n, ks, C):
+  """:func:`_diag_grads` for every sub-chunk of the chunk at once (``diag_in_memory``):
+  ``[C, kd]`` tiles whose rows each walk the columns of their own sub-chunk, so a K slice
+  takes 16 column steps instead of 16 per sub-chunk. Column j of each row's sub-chunk (k,
+  g, and the row's entries of dP and dA) is gathered from memory; the suffix sums run over
+  the rows of the same sub-chunk (a block-diagonal 0 / 1 dot). The same sums as
+  :func:`_diag_grads`."""
+  q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref = refs
+  t = pl.ds(n * C, C)
+  q, k = q_ref[b, t, hd, ks].astype(F32), k_ref[b, t, hd, ks].astype(F32)
+  bcol = beta_ref[b, t, hd].astype(F32)[:, None]
+  shape = k.shape
+  pos = iota(shape, 0) % S                       # each row's place in its sub-chunk
+  rv = iota((C,), 0)
+  tok, first = n * C + rv, (rv // S) * S         # each row's token; its sub-chunk's column 0
+  ri, ci = iota((C, C), 0), iota((C, C), 1)
+  same = (ri // S) == (ci // S)
 
-  def column_of(j):
-    col = lambda ref: ref[b, rows, hd, M * S + j]
-    return (jnp.where(rv >= j, col(dp_ref), 0.0)[:, None],
-            jnp.where(rv > j, col(da_ref), 0.0)[:, None])
-  return column_of
+  def column(i, carry):
+    dq, dk, dg, dbeta, E = carry   # E[r] = sum_{j < m <= r} g_m on rows r >= j (own sub-chunk)
+    j = S - 1 - i
+    kj = k_ref[b, n * C + first + j, hd, ks].astype(F32)            # [C, kd], gathered
+    e = masked_exp(pos >= j, E)
+    pc = jnp.where(rv % S >= j, dp_ref[b, tok, hd, first + j], 0.0)[:, None]
+    ac = jnp.where(rv % S > j, da_ref[b, tok, hd, first + j], 0.0)[:, None]
+    ke = kj * e
+    ta = ac * ke
+    dq = dq + pc * ke
+    dbeta = dbeta + jnp.sum(k * ta, axis=1)
+    z = (pc * q + (bcol * ac) * k) * e
+    # below[m] = sum_{r >= m} z[r] over m's sub-chunk, m >= j: on row j the column's sum
+    # (dk_j's term); k_j below[m] for m > j is dg's (the tokens the pairs' spans hold).
+    below = dot01(jnp.where(same & (ci >= ri) & (ri % S >= j), 1.0, 0.0).astype(F32), z)
+    dk = dk + bcol * ta + jnp.where(pos == j, below, 0.0)
+    dg = dg + jnp.where(pos > j, kj * below, 0.0)
+    E = jnp.where(pos >= j, E + g_ref[b, n * C + first + j, hd, ks].astype(F32), 0.0)
+    return dq, dk, dg, dbeta, E
+
+  zero = jnp.zeros(shape, F32)
+  return unrolled(S, DIAG_UNROLL, column,
+                  (zero, zero, zero, jnp.zeros((C,), F32), zero))[:4]
 
 
 def _columns_of_tiles(dPd, dAd):
@@ -295,18 +322,25 @@ def _columns_of_tiles(dPd, dAd):
 
 
 def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref, dg_ref,
-                   dbeta_ref, *, C, K, KD, dt, in_memory):
+                   dbeta_ref, *, C, K, KD, dt, in_memory, config):
   b, hd, n = (pl.program_id(i) for i in range(3))
   L = C // S
+  t = pl.ds(n * C, C)
   rows = [pl.ds(n * C + I * S, S) for I in range(L)]
   betas = [beta_ref[b, rows[I], hd].astype(F32) for I in range(L)]
   dP = lambda I, J: dp_ref[b, rows[I], hd, pl.ds(J * S, S)]
   dA = lambda I, J: da_ref[b, rows[I], hd, pl.ds(J * S, S)]
 
-  def k_slice(kk, dbetas):
+  def k_slice(kk, carry):
     ks = pl.ds(kk * KD, KD)
     sub = SubChunks(g_ref, q_ref, k_ref, b, hd, n, ks, C)
-    dbetas = list(dbetas)
+    dbetas, dbeta_diag = list(carry[0]), carry[1]
+    if in_memory:      # the diagonal blocks first, stored; the rest added to them below
+      dq_d, dk_d, dg_d, dbeta_d = _diag_grads_chunk(
+          (q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref), b, hd, n, ks, C)
+      dq_ref[b, t, hd, ks], dk_ref[b, t, hd, ks], dg_ref[b, t, hd, ks] = dq_d, dk_d, dg_d
+      dbeta_diag = dbeta_diag + dbeta_d
+      program_barrier(config)
     totals = {}                        # (I, J): sum of dseg over the block pair, [KD]
     for M in reversed(range(L)):
       bcol = betas[M][:, None]
@@ -328,10 +362,11 @@ def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref
         span = sub.between(M, I)
         col = col + (ci if span is None else span[None, :] * ci)
       dk_col = sub.eafter(M) * col
-      column_of = (_columns_in_memory(dp_ref, da_ref, b, rows[M], hd, M) if in_memory
-                   else _columns_of_tiles(dP(M, M), dA(M, M)))
-      dq_d, dk_d, dg_d, dbeta_d = _diag_grads(sub, M, betas[M], column_of,
-                                              in_memory=in_memory)
+      if in_memory:
+        diag = [ref[b, rows[M], hd, ks] for ref in (dq_ref, dk_ref, dg_ref)] + [0.0]
+      else:
+        diag = _diag_grads(sub, M, betas[M], _columns_of_tiles(dP(M, M), dA(M, M)))
+      dq_d, dk_d, dg_d, dbeta_d = diag
       dq_ref[b, rows[M], hd, ks] = into * row_p + dq_d
       dk_ref[b, rows[M], hd, ks] = bcol * into * row_a + dk_col + dk_d
       dbetas[M] = dbetas[M] + jnp.sum(xk * row_a, axis=1) + dbeta_d
@@ -342,22 +377,31 @@ def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref
       dg = (dg_d + from_here(xq * row_p + bcol * xk * row_a)
             + before(sub.load("k", M) * dk_col))
       dg_ref[b, rows[M], hd, ks] = dg if through is None else dg + through[None, :]
-    return tuple(dbetas)
+    return tuple(dbetas), dbeta_diag
 
-  dbetas = jax.lax.fori_loop(0, K // KD, k_slice,
-                             tuple(jnp.zeros((S,), F32) for _ in range(L)))
-  for M in range(L):
-    dbeta_ref[b, rows[M], hd] = dbetas[M]
+  dbetas, dbeta_diag = jax.lax.fori_loop(
+      0, K // KD, k_slice,
+      (tuple(jnp.zeros((S,), F32) for _ in range(L)), jnp.zeros((C,), F32)))
+  if in_memory:
+    dbeta_ref[b, t, hd] = dbeta_diag
+    program_barrier(config)
+    for M in range(L):
+      dbeta_ref[b, rows[M], hd] = dbeta_ref[b, rows[M], hd] + dbetas[M]
+  else:
+    for M in range(L):
+      dbeta_ref[b, rows[M], hd] = dbetas[M]
 
 
 def dpairs(q, k, g, beta, dP, dA, *, chunk_size, config):
   """(dq, dk, dg float32 [B, T, H, K], dbeta float32 [B, T, H]): the backward through P
   and A from their cotangents (``dP`` incl. the output's scale, ``dA`` without beta;
-  float32 ``[B, T, H, C]``)."""
+  float32 ``[B, T, H, C]``). With ``config.diag_in_memory`` the diagonal blocks' terms
+  come from :func:`_diag_grads_chunk` (every sub-chunk at once), stored first, the rest
+  added to them after a barrier."""
   B, T, H, K = q.shape
   C = chunk_size
   kern = functools.partial(_dpairs_kernel, C=C, K=K, KD=block(K, config.dpairs.kd), dt=q.dtype,
-                           in_memory=config.diag_in_memory)
+                           in_memory=config.diag_in_memory, config=config)
   f32k = jax.ShapeDtypeStruct((B, T, H, K), F32)
   out = (f32k, f32k, f32k, jax.ShapeDtypeStruct((B, T, H), F32))
   return call(kern, out, (B, H, T // C), config=config, num_warps=config.dpairs.warps,
