@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._launch import F32, block, call, dot, iota
+from pallas_kernels._launch import F32, block, call, dot, iota, program_barrier
 
 S = 16                       # rows of a block of the UT inverse
 
@@ -48,33 +48,42 @@ def _tile():
   return iota((S, S), 0), iota((S, S), 1)
 
 
-def _substitute(a, row=None):
-  """``(I + a)^{-1}`` of one strictly lower ``[S, S]`` block, row by row. ``row(i)``, if
-  given, loads ``a[i, :]`` as a ``[S]`` vector from memory; the inverse is then formed
-  transposed, column by column (``y[:, i] = e_i - y a[i, :]^T``), so that every step's
-  sum runs along a tile row, inside one warp in Triton's layout of a ``[16, 16]`` tile,
-  where the row-by-row form sums down the columns, across the warps, through shared
-  memory (PTX of ``kda_intra`` for sm_90: 274 barriers with the rows loaded and summed
-  down, 87 transposed; ``benchmarks/results/ptx_sm90.md``)."""
-  r, c = _tile()
+def _substitute(a):
+  """``(I + a)^{-1}`` of one strictly lower ``[S, S]`` block, row by row."""
+  r, _ = _tile()
   x = jnp.zeros((S, S), F32)
   for i in range(S):
-    e_i = jnp.where(iota((S,), 0) == i, 1.0, 0.0)
-    if row is None:
-      a_i = jnp.sum(jnp.where(r == i, a, 0.0), axis=0)         # a[i, :] by column
-      new = e_i - jnp.sum(a_i[:, None] * x, axis=0)
-      x = jnp.where(r == i, new[None, :], x)
-    else:                                                        # x holds the transpose
-      new = e_i - jnp.sum(x * row(i)[None, :], axis=1)
-      x = jnp.where(c == i, new[:, None], x)
-  return x if row is None else x.T
+    a_i = jnp.sum(jnp.where(r == i, a, 0.0), axis=0)           # a[i, :] by column
+    new = jnp.where(iota((S,), 0) == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * x, axis=0)
+    x = jnp.where(r == i, new[None, :], x)
+  return x
 
 
-def block_inverse(A, L, rows=None):
-  """The blocks ``X[I, J]`` (J <= I) of ``(I + A)^{-1}``, float32. ``rows(I, i)``, if
-  given, loads row i of the diagonal block ``A[I, I]`` (see :func:`_substitute`)."""
-  X = {(I, I): _substitute(A[I, I], None if rows is None else functools.partial(rows, I))
-       for I in range(L)}
+def _substitute_stacked(L, gather, roundtrip):
+  """:func:`_substitute` of all L diagonal blocks at once, through memory: the blocks'
+  inverses formed transposed and stacked, ``y [L * S, S]`` (block I's rows at I * S),
+  column by column: ``y[:, i] = e_i - y a_i^T``, ``gather(i)`` giving ``[L * S, S]``, on
+  each row row i of that row's own block (strictly lower, from memory). 16 steps for the
+  chunk instead of 16 per block, every step's sum along a tile row (inside one warp in
+  Triton's layout, where the row-by-row form sums down the columns, across the warps).
+  ``roundtrip(y)`` stores y, and after a barrier returns the blocks ``y_I^T``."""
+  C = L * S
+  pos, c = iota((C,), 0) % S, iota((C, S), 1)
+  y = jnp.zeros((C, S), F32)
+  for i in range(S):
+    new = jnp.where(pos == i, 1.0, 0.0) - jnp.sum(y * gather(i), axis=1)
+    y = jnp.where(c == i, new[:, None], y)
+  return roundtrip(y)
+
+
+def block_inverse(A, L, stacked=None):
+  """The blocks ``X[I, J]`` (J <= I) of ``(I + A)^{-1}``, float32. ``stacked``: None (the
+  diagonal blocks from the tiles ``A[I, I]``, one by one) or ``(gather, roundtrip)``, the
+  diagonal blocks all at once through memory (:func:`_substitute_stacked`)."""
+  if stacked is None:
+    X = {(I, I): _substitute(A[I, I]) for I in range(L)}
+  else:
+    X = {(I, I): x for I, x in enumerate(_substitute_stacked(L, *stacked))}
   for d in range(1, L):
     for I in range(d, L):
       J = I - d
@@ -84,6 +93,23 @@ def block_inverse(A, L, rows=None):
         acc = term if acc is None else acc + term
       X[I, J] = -dot(X[I, I], acc, F32)
   return X
+
+
+def stacked_through(scratch_ref, b, hd, n, C, config, row_of):
+  """``block_inverse``'s ``stacked`` pair for one chunk: ``gather(i)`` is ``row_of(i,
+  first)`` with ``first`` ``[C]`` each row's block start in the chunk; ``roundtrip`` stores
+  the stacked transposed inverses to ``scratch_ref`` (``[B, T, H, 16]`` float32, free once
+  the gathers are done) and reads the blocks back transposed."""
+  first = (iota((C,), 0) // S) * S
+  rows = [pl.ds(n * C + I * S, S) for I in range(C // S)]
+
+  def roundtrip(y):
+    program_barrier(config)            # every gather of the scratch has been done
+    scratch_ref[b, pl.ds(n * C, C), hd, :] = y
+    program_barrier(config)
+    return [scratch_ref[b, r, hd, :].T for r in rows]
+
+  return (lambda i: row_of(i, first)), roundtrip
 
 
 class Residual(NamedTuple):

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._delta import block_inverse
+from pallas_kernels._delta import block_inverse, stacked_through
 from pallas_kernels._launch import F32, block, call, dot, iota, masked_exp, program_barrier, tiles
 
 S = 16                       # rows of a block of the UT inverse
@@ -153,17 +153,16 @@ def _inverse_kernel(k_ref, g_ref, beta_ref, t_ref, *scratch, C, dt, config):
   b, hd, n = (pl.program_id(i) for i in range(3))
   rows, _, betas, ks, dec = _load_chunk((k_ref, g_ref, beta_ref), b, hd, n, C)
   A, _, _ = block_kkt(ks, betas, dec, dt)
-  a_row = None
-  if scratch:                          # the diagonal blocks through memory, read by rows
+  stacked = None
+  if scratch:                          # the diagonal blocks through memory, all at once
     (ad_ref,) = scratch
     for I in range(dec.L):
       ad_ref[b, rows[I], hd, :] = A[I, I]
     program_barrier(config)
+    stacked = stacked_through(ad_ref, b, hd, n, C, config,
+                              lambda i, first: ad_ref[b, n * C + first + i, hd, :])
 
-    def a_row(I, i):
-      return ad_ref[b, n * C + I * S + i, hd, :]
-
-  X = block_inverse(A, dec.L, a_row)
+  X = block_inverse(A, dec.L, stacked)
   for I in range(dec.L):
     for J in range(dec.L):
       block = X[I, J] if J <= I else jnp.zeros((S, S), F32)

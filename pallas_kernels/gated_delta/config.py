@@ -38,10 +38,10 @@ class KernelConfig:
   ``"cpu"``). One :class:`~pallas_kernels.Launch` per GPU stage (:data:`STAGE_DEFAULTS`);
   ``bv`` is a cap on the V tile. ``states_in_input_dtype``: the chunk states kept for the
   backward and their cotangents are stored in the input dtype (the dots read them so),
-  else float32. ``diag_in_memory``: the UT inverse reads the rows of A's diagonal blocks
-  from a scratch output instead of picking them out of register tiles (the same sums;
-  not yet timed against the default; PTX for sm_90 in
-  ``benchmarks/results/ptx_sm90.md``).
+  else float32. ``diag_in_memory``: the UT inverse stores A's diagonal blocks to a
+  scratch output and inverts all four at once, each row gathering its block's rows from
+  there, instead of one by one from register tiles (the same sums; not yet timed against
+  the default; PTX for sm_90 in ``benchmarks/results/ptx_sm90.md``).
 
   Change one with :meth:`replace` (``cfg.replace(walk_bv=32, dqk_warps=4)``).
   """

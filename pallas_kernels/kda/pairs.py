@@ -13,7 +13,7 @@ with ``seg[i, j, d] = sum_{j < m <= i} g[m, d]``, and T = (I + A)^{-1}.
   (k's dtype) and P (float32), ``[B, T, H, C]`` each (row i of its chunk's matrix at
   token i). A itself never leaves the kernel; with ``diag_in_memory`` its diagonal blocks
   and P's come from :func:`diag` (``kda_diag``, a program per token and head group) and
-  the inverse reads A's rows from there.
+  the inverse gathers A's rows from there (``block_inverse(stacked=...)``).
 * :func:`dpairs` (``kda_dpairs``): the backward through A and P, from their cotangents dA
   (:func:`pallas_kernels.kda.chunk.dwy`) and dP (:func:`pallas_kernels.kda.chunk.dqk`):
   dq, dk, dg and dbeta's parts.
@@ -57,7 +57,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._launch import (F32, block, call, dot, dot01, iota, masked_exp,
                                      program_barrier, unrolled)
-from pallas_kernels._delta import block_inverse
+from pallas_kernels._delta import block_inverse, stacked_through
 from pallas_kernels.kda.chunk import S, after, after_ieee, before, from_here, inclusive
 
 DIAG_UNROLL = 4              # column steps per fori_loop iteration of the diagonal loops
@@ -167,9 +167,9 @@ def diag(q, k, g, *, config):
               num_stages=config.diag.stages, name="kda_diag")(q, k, g)
 
 
-def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, C, K, KD, dt):
-  if len(refs) == 4:
-    ad_ref, pd_ref, t_ref, p_ref = refs
+def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, C, K, KD, dt, config):
+  if len(refs) == 5:
+    ad_ref, pd_ref, t_ref, p_ref, y_ref = refs
   else:
     (t_ref, p_ref), ad_ref = refs, None
   b, hd, n = (pl.program_id(i) for i in range(3))
@@ -207,12 +207,16 @@ def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, C, K, KD, dt):
   for I in range(L):
     for J in range(L):
       p_ref[b, rows[I], hd, pl.ds(J * S, S)] = P[I, J] if J <= I else jnp.zeros((S, S), F32)
-  def a_row(I, i):                     # row i of A[I, I], straight from memory
-    t = n * C + I * S + i
-    a = ad_ref[b, t, hd, :]
-    return jnp.where(iota((S,), 0) < i, beta_ref[b, t, hd].astype(F32) * a, 0.0)
+  stacked = None
+  if ad_ref is not None:               # A's diagonal blocks by rows, all at once
 
-  X = block_inverse(A, L, None if ad_ref is None else a_row)
+    def a_rows(i, first):              # row i of each row's block, with its beta
+      tok = n * C + first + i
+      a = beta_ref[b, tok, hd].astype(F32)[:, None] * ad_ref[b, tok, hd, :]
+      return jnp.where(iota(a.shape, 1) < i, a, 0.0)
+
+    stacked = stacked_through(y_ref, b, hd, n, C, config, a_rows)
+  X = block_inverse(A, L, stacked)
   for I in range(L):
     for J in range(L):
       blk = X[I, J] if J <= I else jnp.zeros((S, S), F32)
@@ -227,10 +231,14 @@ def intra(q, k, g, beta, *, chunk_size, config):
   B, T, H, K = k.shape
   C = chunk_size
   args = (q, k, g, beta) + (diag(q, k, g, config=config) if config.diag_in_memory else ())
-  kern = functools.partial(_intra_kernel, C=C, K=K, KD=block(K, config.intra.kd), dt=k.dtype)
+  kern = functools.partial(_intra_kernel, C=C, K=K, KD=block(K, config.intra.kd), dt=k.dtype,
+                           config=config)
   out = (jax.ShapeDtypeStruct((B, T, H, C), k.dtype), jax.ShapeDtypeStruct((B, T, H, C), F32))
-  return call(kern, out, (B, H, T // C), config=config, num_warps=config.intra.warps,
-              num_stages=config.intra.stages, name="kda_intra")(*args)
+  if config.diag_in_memory:            # + the inverse's scratch, [B, T, H, 16] float32
+    out = out + (jax.ShapeDtypeStruct((B, T, H, S), F32),)
+  res = call(kern, out, (B, H, T // C), config=config, num_warps=config.intra.warps,
+             num_stages=config.intra.stages, name="kda_intra")(*args)
+  return res[:2]
 
 
 # --- backward: through A and P ------------------------------------------------------------
