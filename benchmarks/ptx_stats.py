@@ -17,7 +17,13 @@ Two steps, two processes (jaxlib's MLIR and Triton's must not share one):
 XLA compiles the same IR with its own Triton, so the figures are a close proxy.
 
     python -m benchmarks.ptx_stats --family kda --set diag_in_memory=True --out /tmp/kda
-    PYTHONPATH=<site with triton> python -m benchmarks.ptx_stats --compile /tmp/kda
+    PYTHONPATH=<site with triton> python -m benchmarks.ptx_stats --compile /tmp/kda \
+        [--against /tmp/kda_default]
+
+``--compile`` prints one JSON line per kernel, then a markdown table of each kernel once
+(the backward's recomputed forward kernels are the same programs); with ``--against``,
+each figure as ``against -> this`` where they differ (the tables of
+``benchmarks/results/ptx_sm90.md``).
 """
 from __future__ import annotations
 
@@ -128,6 +134,32 @@ def compile_all(folder: str) -> list:
   return rows
 
 
+FIELDS = ("warps", "registers", "spills", "instructions", "barriers", "mmas", "exps")
+
+
+def table(rows, against=None) -> str:
+  """Markdown: each kernel once; ``against`` (rows of another build) as ``a -> this``."""
+  def once(rs):
+    out = {}
+    for r in rs:
+      r = dict(r, spills=f"{r['spill_stores']} / {r['spill_loads']}")
+      out.setdefault(r["kernel"], r)
+    return out
+  mine, theirs = once(rows), once(against or [])
+  lines = ["| kernel | " + " | ".join(FIELDS) + " |", "|---" * (len(FIELDS) + 1) + "|"]
+  for name in list(theirs) + [n for n in mine if n not in theirs]:
+    a, b = theirs.get(name), mine.get(name)
+    cells = []
+    for f in FIELDS:
+      x, y = (None if a is None else a[f]), (None if b is None else b[f])
+      if x == y or against is None:
+        cells.append(str(y))
+      else:
+        cells.append(f"{'-' if x is None else x} -> {'-' if y is None else y}")
+    lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--family", choices=("gdn", "kda"), default="kda")
@@ -136,10 +168,14 @@ def main(argv=None):
                   help="KernelConfig.replace arguments, e.g. diag_in_memory=True intra_kd=32")
   ap.add_argument("--out", default=None, help="folder for step 1's IR")
   ap.add_argument("--compile", default=None, metavar="DIR", help="step 2 on DIR")
+  ap.add_argument("--against", default=None, metavar="DIR",
+                  help="with --compile: another step-1 folder, shown as 'DIR -> --compile'")
   args = ap.parse_args(argv)
   if args.compile:
-    for row in compile_all(args.compile):
+    rows = compile_all(args.compile)
+    for row in rows:
       print(json.dumps(row), flush=True)
+    print(table(rows, compile_all(args.against) if args.against else None))
     return
   changes = {}
   for item in args.set:

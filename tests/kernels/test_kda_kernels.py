@@ -227,3 +227,10 @@ def test_ptx_stats_dumps_each_kernels_triton_ir(tmp_path):
   assert all(open(k["path"]).read().startswith("module") for k in kernels)
   meta = json.load(open(tmp_path / "kernels.json"))
   assert meta["changes"] == {"diag_in_memory": True} and len(meta["kernels"]) == len(names)
+  # The table: each kernel once, another build's figures as "theirs -> ours" where they differ.
+  row = dict(kernel="kda_intra", warps=4, registers=255, spill_stores=8, spill_loads=8,
+             instructions=100, barriers=9, mmas=2, exps=3)
+  text = ptx_stats.table([row, row, dict(row, kernel="kda_diag")],
+                         [dict(row, barriers=70, spill_stores=16)])
+  assert "| `kda_intra` | 4 | 255 | 16 / 8 -> 8 / 8 | 100 | 70 -> 9 | 2 | 3 |" in text, text
+  assert text.count("kda_intra") == 1 and "| `kda_diag` | - -> 4 |" in text, text
