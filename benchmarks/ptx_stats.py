@@ -180,8 +180,8 @@ def main(argv=None):
   changes = {}
   for item in args.set:
     name, value = item.split("=", 1)
-    changes[name] = {"True": True, "False": False}.get(value) if value in ("True", "False") \
-        else int(value)
+    flags = {"True": True, "False": False}
+    changes[name] = flags[value] if value in flags else int(value)
   out = args.out or f"/tmp/ptx_{args.family}"
   kernels = dump(args.family, tuple(int(x) for x in args.shape.split(",")), changes, out)
   print(f"{len(kernels)} kernels in {out}; next: python -m benchmarks.ptx_stats --compile {out}",

@@ -172,8 +172,9 @@ def _inverse_kernel(k_ref, g_ref, beta_ref, t_ref, *scratch, C, dt, config):
 def inverse(k, g, beta, *, chunk_size, config):
   """T = (I + A)^{-1} per chunk, ``[B, T, H, C]`` (row i of its chunk's inverse at token i)
   in k's dtype (every dot reads it so). With ``config.diag_in_memory`` A's diagonal
-  blocks go through a float32 scratch output ``[B, T, H, 16]`` so that the substitution
-  reads their rows from memory (:func:`pallas_kernels._delta.block_inverse`)."""
+  blocks go through a float32 scratch output ``[B, T, H, 16]``, from which the
+  substitution gathers their rows, all four blocks at once
+  (:func:`pallas_kernels._delta.block_inverse`)."""
   B, T, H, K = k.shape
   kern = functools.partial(_inverse_kernel, C=chunk_size, dt=k.dtype, config=config)
   out = jax.ShapeDtypeStruct((B, T, H, chunk_size), k.dtype)

@@ -50,9 +50,10 @@ class KernelConfig:
   ``diag_in_memory``: the diagonal 16 x 16 blocks' columns go through memory instead of
   being gathered into and picked out of register tiles: A and P's diagonal blocks from a
   program per token (``kda_diag``, ``diag.bh`` heads each), the UT inverse gathering A's
-  rows from there (all four diagonal blocks at once); ``kda_dpairs`` walks every sub-chunk's diagonal block at once on ``[C, kd]``
-  tiles, gathering each row's column from memory. The same sums; not yet timed against
-  the default (its PTX for sm_90: ``benchmarks/results/ptx_sm90.md``).
+  rows from there (all four diagonal blocks at once); ``kda_dpairs`` walks every
+  sub-chunk's diagonal block at once on ``[C, kd]`` tiles, gathering each row's column
+  from memory. The same sums; not yet timed against the default (its PTX for sm_90:
+  ``benchmarks/results/ptx_sm90.md``).
 
   Change one with :meth:`replace` (``cfg.replace(walk_bv=32, dpairs_kd=64)``).
   """

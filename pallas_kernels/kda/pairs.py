@@ -168,7 +168,7 @@ def diag(q, k, g, *, config):
 
 
 def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, C, K, KD, dt, config):
-  if len(refs) == 5:
+  if config.diag_in_memory:            # kda_diag's blocks in; the inverse's scratch out
     ad_ref, pd_ref, t_ref, p_ref, y_ref = refs
   else:
     (t_ref, p_ref), ad_ref = refs, None
@@ -243,15 +243,16 @@ def intra(q, k, g, beta, *, chunk_size, config):
 
 # --- backward: through A and P ------------------------------------------------------------
 
-def _diag_grads(sub, M, beta, column_of):
+def _diag_grads(sub, M, beta, dPd, dAd):
   """The diagonal block's terms of (dq, dk, dg, dbeta) for sub-chunk M, exact in log
-  space: column j from the last, ``e^{E_j}`` shared by every term. ``column_of(j)``: column
-  j of the block's cotangents of P and A (A's without beta), ``[16, 1]`` each, masked to
-  the rows below (``>= j`` for P, ``> j`` for A)."""
+  space: column j from the last, ``e^{E_j}`` shared by every term. ``dPd`` and ``dAd``
+  the block's cotangents of P and A (A's without beta)."""
   q, k = sub.load("q", M), sub.load("k", M)
   shape = k.shape
   row = iota(shape, 0)
   ri, ci = iota((S, S), 0), iota((S, S), 1)
+  dPd = jnp.where(ri >= ci, dPd, 0.0)
+  dAd = jnp.where(ri > ci, dAd, 0.0)
   bcol = beta[:, None]
 
   def column(i, carry):
@@ -259,7 +260,8 @@ def _diag_grads(sub, M, beta, column_of):
     j = S - 1 - i
     kj = sub.row("k", M, j)
     e = masked_exp(row >= j, E)
-    pc, ac = column_of(j)                                              # dP[:, j], dA[:, j]
+    pc = jnp.sum(jnp.where(ci == j, dPd, 0.0), axis=1)[:, None]       # dP[:, j]
+    ac = jnp.sum(jnp.where(ci == j, dAd, 0.0), axis=1)[:, None]       # dA[:, j]
     ke = kj * e
     ta = ac * ke
     dq = dq + pc * ke                                                  # rows: sum_j
@@ -320,15 +322,6 @@ def _diag_grads_chunk(refs, b, hd, n, ks, C):
                   (zero, zero, zero, jnp.zeros((C,), F32), zero))[:4]
 
 
-def _columns_of_tiles(dPd, dAd):
-  """:func:`_diag_grads`'s ``column_of``: each column picked out of the ``[16, 16]``
-  tiles (a sum along a row)."""
-  ri, ci = iota((S, S), 0), iota((S, S), 1)
-  dPd, dAd = jnp.where(ri >= ci, dPd, 0.0), jnp.where(ri > ci, dAd, 0.0)
-  pick = lambda x, j: jnp.sum(jnp.where(ci == j, x, 0.0), axis=1)[:, None]
-  return lambda j: (pick(dPd, j), pick(dAd, j))
-
-
 def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref, dg_ref,
                    dbeta_ref, *, C, K, KD, dt, in_memory, config):
   b, hd, n = (pl.program_id(i) for i in range(3))
@@ -373,7 +366,7 @@ def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref
       if in_memory:
         diag = [ref[b, rows[M], hd, ks] for ref in (dq_ref, dk_ref, dg_ref)] + [0.0]
       else:
-        diag = _diag_grads(sub, M, betas[M], _columns_of_tiles(dP(M, M), dA(M, M)))
+        diag = _diag_grads(sub, M, betas[M], dP(M, M), dA(M, M))
       dq_d, dk_d, dg_d, dbeta_d = diag
       dq_ref[b, rows[M], hd, ks] = into * row_p + dq_d
       dk_ref[b, rows[M], hd, ks] = bcol * into * row_a + dk_col + dk_d
