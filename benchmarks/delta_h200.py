@@ -105,7 +105,7 @@ def main():
     if args.profile:
       for label, fn in (("fwd", fwd), ("fwd+bwd", fb)):
         folder = os.path.join(args.profile, f"{name}_{label}".replace(" ", "_"))
-        row[f"{tag} {label} kernels"] = _kernel_profile(fn, (q, k, v, g, beta), folder, log)
+        row[f"{tag} {label} kernels"] = kernel_profile(fn, (q, k, v, g, beta), folder, log)
     if fla is not None:
       torch, fla_fn = fla
       dev = "cuda"
@@ -154,7 +154,7 @@ def main():
                               os.path.basename(args.json).rsplit(".", 1)[0])
 
 
-def _kernel_profile(fn, args, trace_dir, log, calls=3):
+def kernel_profile(fn, args, trace_dir, log, calls=3):
   """GPU time per kernel of ``calls`` calls of ``fn(*args)`` (already compiled), per call."""
   from benchmarks import profile_step
   profile_step.profile_steps(fn, lambda i, out: args, calls, trace_dir)

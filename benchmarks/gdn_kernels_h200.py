@@ -1,7 +1,7 @@
 """Gated DeltaNet's Pallas kernels on one GPU: each stage's launch options, the op, our GLA
 beside it, and the sequence-parallel local pass.
 
-    python -m benchmarks.gdn_kernels_h200 [--sweep] [--json out.json]
+    python -m benchmarks.gdn_kernels_h200 [--sweep] [--json out.json] [--profile TRACE_DIR]
 
 Results: benchmarks/results/gdn_h200.md (FLA beside the op: ``benchmarks.delta_h200``).
 
@@ -14,6 +14,9 @@ Results: benchmarks/results/gdn_h200.md (FLA beside the op: ``benchmarks.delta_h
   broadcast over K), and one rank's local pass: ``zeco_gated_delta_rule`` on a one-device
   mesh (the widened-state kernels and the fix-up; the scan over one rank is trivial)
   against ``chunk_gated_delta_rule`` on the same 2048 tokens (B1 H16, forward + backward).
+* ``--profile``: the local pass and the op on its tokens traced after their timing (3
+  calls each, ``jax.profiler``), the GPU time per kernel printed and kept in the JSON
+  (``benchmarks.delta_h200.kernel_profile``): where the widened state's cost goes.
 
 Inputs: q, k unit-norm over K, v ~ N(0, 1), g ~ U(-1, 0) per head, beta ~ U(0.05,
 0.9999), do ~ N(0, 1). Median over 3 repeats of the mean of 10 calls after one warm-up
@@ -135,7 +138,7 @@ def op_times(shape, log):
   return row
 
 
-def local_pass_times(log, T=2048):
+def local_pass_times(log, T=2048, profile=None):
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -152,6 +155,11 @@ def local_pass_times(log, T=2048):
          "chunk fwd+bwd ms": tl(lambda: fb_chunk(q, k, v, g, beta)),
          "local pass fwd+bwd ms": tl(lambda: fb_local(q, k, v, g, beta))}
   row["local / chunk"] = row["local pass fwd+bwd ms"] / row["chunk fwd+bwd ms"]
+  if profile:
+    from benchmarks.delta_h200 import kernel_profile
+    for name, fn in (("chunk", fb_chunk), ("local", fb_local)):
+      row[f"{name} fwd+bwd kernels"] = kernel_profile(
+          fn, (q, k, v, g, beta), os.path.join(profile, f"{name}_T{T}"), log)
   log(row)
   return row
 
@@ -160,6 +168,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--sweep", action="store_true")
   ap.add_argument("--json", default=None)
+  ap.add_argument("--profile", default=None, metavar="TRACE_DIR")
   args = ap.parse_args()
   t0 = time.perf_counter()
   log = lambda row: print(json.dumps(row, default=str),
@@ -169,7 +178,7 @@ def main():
     rows += sweep(SHAPES[0], tuple(_options()), log)
     rows += sweep(SHAPES[1], ("walk", "dwalk"), log)
   rows.append(op_times(SHAPES[0], log))
-  rows.append(local_pass_times(log))
+  rows.append(local_pass_times(log, profile=args.profile))
   rows.append(op_times(SHAPES[1], log))
   if args.json:
     with open(args.json, "w") as fh:
