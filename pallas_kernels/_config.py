@@ -75,6 +75,19 @@ def check_config(cfg, *, stage_defaults: dict, flags: tuple, label: str) -> None
                      "interpreter; set interpret=True (default_config('cpu', ...) does).")
 
 
+def check_dot_tiles(cfg, *, stage_defaults: dict, label: str) -> None:
+  """Every stage's ``kd``, ``bk`` and ``bv`` a power of two >= 16 (a tile that feeds a
+  dot; ``bh``, heads per program, may be any power of two): the delta-rule families'
+  check, at construction, before any kernel is traced."""
+  for stage in stage_defaults:
+    launch = getattr(cfg, stage)
+    for field in ("kd", "bk", "bv"):
+      value = getattr(launch, field)
+      if value is not None and (value < 16 or value & (value - 1)):
+        raise ValueError(f"{label}: `{stage}_{field}` must be a power of two >= 16 (a tile "
+                         f"that feeds a dot), got {value}.")
+
+
 def split_flat(name: str, stage_defaults: dict, flags: tuple, label: str) -> tuple:
   """``"dqdk_diag_bk"`` -> ``("dqdk_diag", "bk")`` (the longest stage name first, a field
   its default sets); ValueError naming the choices."""

@@ -294,11 +294,15 @@ def vnew(q, k, g, w, u, h, do, *, scale, chunk_size, config):
 
 
 def _dqk_kernel(q_ref, k_ref, g_ref, gc_ref, vn_ref, dvn_ref, do_ref, h_ref, dh_ref, dq_ref,
-                dk_ref, dw_ref, dg_ref, *, C, K, V, BK, BV, dt, scale):
-  b, hd, n = (pl.program_id(i) for i in range(3))
+                dk_ref, dw_ref, dg_ref, *, C, K, V, KS, BK, BV, dt, scale):
+  b, hd, f = (pl.program_id(i) for i in range(3))
+  NKS = K // KS                        # programs per chunk, each a K slice of KS channels
+  n, kk = f // NKS, f % NKS
   t = pl.ds(n * C, C)
   g, gc = g_ref[b, t, hd].astype(F32), gc_ref[b, t, hd]
   ktiles, vtiles = tiles(K, BK), tiles(V, BV)
+  bk = block(KS, BK)
+  slices = [pl.ds(kk * KS + i * bk, bk) for i in range(KS // bk)]
   # The chunk-wide [C, C] parts first: do v_new^T over V, q k^T over K.
   dP = jnp.zeros((C, C), F32)
   for vs in vtiles:
@@ -318,11 +322,10 @@ def _dqk_kernel(q_ref, k_ref, g_ref, gc_ref, vn_ref, dvn_ref, do_ref, h_ref, dh_
   db = jnp.zeros((C,), F32)
   dto_end = jnp.zeros((C,), F32)
   dgam = jnp.float32(0.0)                                     # sum h * dh'
-  for ks in ktiles:
-    BKk = block(K, BK)
-    dqb = jnp.zeros((C, BKk), F32)     # do h^T
-    dkd = jnp.zeros((C, BKk), F32)     # v_new dh'^T
-    dwa = jnp.zeros((C, BKk), F32)     # dv_new h^T
+  for ks in slices:
+    dqb = jnp.zeros((C, bk), F32)      # do h^T
+    dkd = jnp.zeros((C, bk), F32)      # v_new dh'^T
+    dwa = jnp.zeros((C, bk), F32)      # dv_new h^T
     for vs in vtiles:
       do, vn, dvn = do_ref[b, t, hd, vs], vn_ref[b, t, hd, vs], dvn_ref[b, t, hd, vs]
       h, dh = h_ref[b, hd, n, ks, vs], dh_ref[b, hd, n, ks, vs]
@@ -338,21 +341,31 @@ def _dqk_kernel(q_ref, k_ref, g_ref, gc_ref, vn_ref, dvn_ref, do_ref, h_ref, dh_
     dto_end = dto_end + jnp.sum(k.astype(F32) * dkd, axis=1)
   db = scale * eb * db
   dto_end = ek * dto_end
-  dg = (revsum(db, C) + dg_seg + exclsum(dto_end, C)
-        + jnp.exp(jnp.sum(g)) * dgam)
-  dg_ref[b, t, hd] = dg
+  if NKS > 1:                          # the chunk-wide part once, in the first slice's sum
+    dg_seg = jnp.where(kk == 0, dg_seg, 0.0)
+  dg = revsum(db, C) + dg_seg + exclsum(dto_end, C) + jnp.exp(jnp.sum(g)) * dgam
+  if NKS > 1:
+    dg_ref[b, t, hd, kk] = dg
+  else:
+    dg_ref[b, t, hd] = dg
 
 
 def dqk(q, k, g, gc, vn, dvn, do, h, dh, *, scale, chunk_size, config):
-  """(dq, dk's output and state part, dw, dg's part) per chunk, float32."""
+  """(dq, dk's output and state part, dw, dg's part) per chunk, float32. A program per
+  chunk and K slice of ``config.dqk.kd`` channels, each forming the chunk's ``[C, C]``
+  terms (over all of K and V) and its slice's part of dg (summed over the slices here)."""
   B, T, H, K = q.shape
   V = vn.shape[-1]
-  kern = functools.partial(_dqk_kernel, C=chunk_size, K=K, V=V, BK=config.dqk.bv,
+  KS = block(K, config.dqk.kd)
+  kern = functools.partial(_dqk_kernel, C=chunk_size, K=K, V=V, KS=KS, BK=config.dqk.bv,
                            BV=config.dqk.bv, dt=q.dtype, scale=scale)
   f32k = jax.ShapeDtypeStruct((B, T, H, K), F32)
-  out = (f32k, f32k, f32k, jax.ShapeDtypeStruct((B, T, H), F32))
-  return call(kern, out, (B, H, T // chunk_size), config=config, num_warps=config.dqk.warps,
-              num_stages=config.dqk.stages, name="gdn_dqk")(q, k, g, gc, vn, dvn, do, h, dh)
+  NKS = K // KS
+  out = (f32k, f32k, f32k, jax.ShapeDtypeStruct((B, T, H) + ((NKS,) if NKS > 1 else ()), F32))
+  dq, dk, dw, dg = call(kern, out, (B, H, (T // chunk_size) * NKS), config=config,
+                        num_warps=config.dqk.warps, num_stages=config.dqk.stages,
+                        name="gdn_dqk")(q, k, g, gc, vn, dvn, do, h, dh)
+  return dq, dk, dw, (jnp.sum(dg, axis=-1) if NKS > 1 else dg)
 
 
 def _dwy_kernel(t_ref, k_ref, v_ref, g_ref, beta_ref, dw_ref, du_ref, dk_ref, dv_ref,

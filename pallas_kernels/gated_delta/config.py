@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from pallas_kernels._config import (PLATFORMS, Launch, check_config, replace_config,
-                                     with_delta_walks)
+from pallas_kernels._config import (PLATFORMS, Launch, check_config, check_dot_tiles,
+                                     replace_config, with_delta_walks)
 
 # Every kernel's launch, by stage (module docstring of pallas_kernels.gated_delta.gpu).
 STAGE_DEFAULTS = {
@@ -23,7 +23,8 @@ STAGE_DEFAULTS = {
     "out": Launch(bv=128, warps=4, stages=2),   # the output per chunk and V tile
     "vnew": Launch(bv=128, warps=4, stages=2),  # backward: v_new and the local dv per V tile
     "dwalk": Launch(bv=16, warps=4, stages=2),  # backward walk; tile, warps by shape
-    "dqk": Launch(bv=64, warps=4, stages=1),    # backward: dq, dk, dw, dg per chunk
+    "dqk": Launch(kd=128, bv=64, warps=4, stages=1),  # backward: dq, dk, dw, dg per chunk
+                                                # (kd: K per program)
     "dwy": Launch(bv=64, warps=4, stages=1),    # backward: through w, u and A per chunk
 }
 FLAGS = ("interpret", "states_in_input_dtype", "diag_in_memory")
@@ -61,6 +62,7 @@ class KernelConfig:
   def __post_init__(self):
     check_config(self, stage_defaults=STAGE_DEFAULTS, flags=FLAGS,
                  label="gated_delta KernelConfig")
+    check_dot_tiles(self, stage_defaults=STAGE_DEFAULTS, label="gated_delta KernelConfig")
 
   def replace(self, **changes) -> "KernelConfig":
     """A copy with ``changes``: flags, whole stages or ``<stage>_<field>`` names."""

@@ -172,17 +172,24 @@ def vnew(P, w, u, h, do, *, scale, chunk_size, config):
 
 
 def _dqk_kernel(q_ref, k_ref, g_ref, vn_ref, dvn_ref, do_ref, h_ref, dh_ref, dq_ref, dk_ref,
-                dw_ref, dg_ref, dp_ref, *, C, K, V, BK, BV, dt, scale):
-  b, hd, n = (pl.program_id(i) for i in range(3))
+                dw_ref, dg_ref, dp_ref, *, C, K, V, KS, BK, BV, dt, scale):
+  b, hd, f = (pl.program_id(i) for i in range(3))
+  NKS = K // KS                        # programs per chunk, each a K slice of KS channels
+  n, kk = f // NKS, f % NKS
   t = pl.ds(n * C, C)
-  ktiles, vtiles = tiles(K, BK), tiles(V, BV)
+  bk = block(KS, BK)
+  ktiles = [pl.ds(kk * KS + i * bk, bk) for i in range(KS // bk)]
+  vtiles = tiles(V, BV)
   r, c = iota((C, C), 0), iota((C, C), 1)
-  dP = jnp.zeros((C, C), F32)
-  for vs in vtiles:
-    dP = dP + dot(do_ref[b, t, hd, vs], vn_ref[b, t, hd, vs], dt, tb=True)
-  dp_ref[b, t, hd, :] = jnp.where(r >= c, scale * dP, 0.0)      # the cotangent of P
+
+  @pl.when(kk == 0)
+  def _():
+    dP = jnp.zeros((C, C), F32)
+    for vs in vtiles:
+      dP = dP + dot(do_ref[b, t, hd, vs], vn_ref[b, t, hd, vs], dt, tb=True)
+    dp_ref[b, t, hd, :] = jnp.where(r >= c, scale * dP, 0.0)      # the cotangent of P
+
   for ks in ktiles:
-    bk = block(K, BK)
     dqs = jnp.zeros((C, bk), F32)      # do h^T
     dkd = jnp.zeros((C, bk), F32)      # v_new dh'^T
     dwa = jnp.zeros((C, bk), F32)      # dv_new h^T
@@ -209,14 +216,18 @@ def _dqk_kernel(q_ref, k_ref, g_ref, vn_ref, dvn_ref, do_ref, h_ref, dh_ref, dq_
 
 def dqk(q, k, g, vn, dvn, do, h, dh, *, scale, chunk_size, config):
   """(dq, dk through the output's state term and kd, dw, dg's part, all float32 [B, T, H,
-  K]; dP = incl_lower(scale do v_new^T), the cotangent of P, float32 [B, T, H, C])."""
+  K]; dP = incl_lower(scale do v_new^T), the cotangent of P, float32 [B, T, H, C]). A
+  program per chunk and K slice of ``config.dqk.kd`` channels (the first also forms
+  dP), in K and V tiles of ``config.dqk.bv``."""
   B, T, H, K = q.shape
   V = vn.shape[-1]
-  kern = functools.partial(_dqk_kernel, C=chunk_size, K=K, V=V, BK=config.dqk.bv,
+  KS = block(K, config.dqk.kd)
+  kern = functools.partial(_dqk_kernel, C=chunk_size, K=K, V=V, KS=KS, BK=config.dqk.bv,
                            BV=config.dqk.bv, dt=q.dtype, scale=scale)
   f32k = jax.ShapeDtypeStruct((B, T, H, K), F32)
   out = (f32k, f32k, f32k, f32k, jax.ShapeDtypeStruct((B, T, H, chunk_size), F32))
-  return call(kern, out, (B, H, T // chunk_size), config=config, num_warps=config.dqk.warps,
+  return call(kern, out, (B, H, (T // chunk_size) * (K // KS)), config=config,
+              num_warps=config.dqk.warps,
               num_stages=config.dqk.stages, name="kda_dqk")(q, k, g, vn, dvn, do, h, dh)
 
 

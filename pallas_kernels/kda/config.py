@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from pallas_kernels._config import (PLATFORMS, Launch, check_config, replace_config,
-                                     with_delta_walks)
+from pallas_kernels._config import (PLATFORMS, Launch, check_config, check_dot_tiles,
+                                     replace_config, with_delta_walks)
 
 # Every kernel's launch, by stage (module docstring of pallas_kernels.kda.gpu).
 STAGE_DEFAULTS = {
@@ -28,11 +28,12 @@ STAGE_DEFAULTS = {
     "out": Launch(bk=64, bv=64, warps=4, stages=2),   # the output per chunk and V tile
     "vnew": Launch(bv=128, warps=4, stages=2),   # backward: v_new and the local dv per V tile
     "dwalk": Launch(bv=16, warps=4, stages=2),   # backward walk; tile, warps by shape
-    "dqk": Launch(bv=64, warps=4, stages=1),     # backward: state terms of dq, dk, dg; dw, dP
+    "dqk": Launch(kd=128, bv=64, warps=4, stages=1),  # backward: state terms of dq, dk,
+                                                 # dg; dw, dP (kd: K per program)
     "dwy": Launch(bv=64, warps=4, stages=1),     # backward: through w, u and T; dA
     "dpairs": Launch(kd=32, warps=4, stages=1),  # backward: through A and P (kd: K slice)
 }
-FLAGS = ("interpret", "states_in_input_dtype", "diag_in_memory")
+FLAGS = ("interpret", "states_in_input_dtype", "diag_in_memory", "dpairs_by_subchunk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,12 @@ class KernelConfig:
   sub-chunk's diagonal block at once on ``[C, kd]`` tiles, gathering each row's column
   from memory. The same sums; not yet timed against the default (its PTX for sm_90:
   ``benchmarks/results/ptx_sm90.md``).
+  ``dpairs_by_subchunk``: ``kda_dpairs`` as a program per chunk, 16-token sub-chunk and K
+  slice (``dpairs.kd``), FLA's grid for this kernel: no sum across a tile's rows in its
+  loops, dg from each token's row and column roles, reverse-summed over the chunk after
+  the kernel (:func:`pallas_kernels.kda.pairs._dpairs_split`, which states its float32
+  error). Takes precedence over ``diag_in_memory`` for that kernel. Not yet timed (for
+  sm_90: 128 registers and no spills, against 255 and 100 bytes).
 
   Change one with :meth:`replace` (``cfg.replace(walk_bv=32, dpairs_kd=64)``).
   """
@@ -71,16 +78,11 @@ class KernelConfig:
   dpairs: Launch = STAGE_DEFAULTS["dpairs"]
   states_in_input_dtype: bool = True
   diag_in_memory: bool = False
+  dpairs_by_subchunk: bool = False
 
   def __post_init__(self):
     check_config(self, stage_defaults=STAGE_DEFAULTS, flags=FLAGS, label="kda KernelConfig")
-    for stage in STAGE_DEFAULTS:
-      launch = getattr(self, stage)
-      for field in ("kd", "bk", "bv"):   # bh (heads per program) may be any power of two
-        value = getattr(launch, field)
-        if value is not None and (value < 16 or value & (value - 1)):
-          raise ValueError(f"kda KernelConfig: `{stage}_{field}` must be a power of two "
-                           f">= 16 (a tile that feeds a dot), got {value}.")
+    check_dot_tiles(self, stage_defaults=STAGE_DEFAULTS, label="kda KernelConfig")
 
   def replace(self, **changes) -> "KernelConfig":
     """A copy with ``changes``: flags, whole stages or ``<stage>_<field>`` names."""

@@ -40,9 +40,10 @@ def test_kernels_match_float64(shape):
   inputs, weights = gdn_inputs(0, B, T, H, K, V, g_low=-5.0, beta_high=0.9999)
   # V = 32 walks in one V tile of 32 (the walks' default at large B * H takes 32 or 64);
   # every other test walks in tiles of 16. V = 16 takes the UT inverse's diagonal blocks
-  # through memory (``diag_in_memory``).
+  # through memory (``diag_in_memory``) and gdn_dqk in two programs per chunk (K slices).
   cfg = gated_delta.default_config("cpu", B, T, H, K, V, jnp.float32)
-  cfg = cfg.replace(walk_bv=32, dwalk_bv=32) if V == 32 else cfg.replace(diag_in_memory=True)
+  cfg = (cfg.replace(walk_bv=32, dwalk_bv=32) if V == 32
+         else cfg.replace(diag_in_memory=True, dqk_kd=16))
   check_gdn_against_float64(_kernel_op(C, kernel_config=cfg), inputs, weights)
 
 
@@ -141,6 +142,8 @@ def test_default_config_and_errors():
     gated_delta.KernelConfig(platform="cpu")
   with pytest.raises(ValueError, match="unknown setting 'walk_kd'"):
     cfg.replace(walk_kd=4)
+  with pytest.raises(ValueError, match=r"`dqk_kd` must be a power of two >= 16 \(a tile"):
+    cfg.replace(dqk_kd=8)
   assert pallas_kernels.backend("gated_delta", "gpu") is gpu
   assert pallas_kernels.backend("gated_delta", "cpu") is gpu
   assert isinstance(gpu, pallas_kernels.ChunkKernels)
@@ -166,7 +169,7 @@ def test_kernels_lower_to_triton_for_a_gpu_target(diag_in_memory):
   mesh = abstract_mesh("gpu", "NVIDIA H200", 132)
   B, T, H, K, V = 1, 256, 2, 128, 128
   config = gated_delta.default_config("gpu", B, T, H, K, V, jnp.bfloat16).replace(
-      diag_in_memory=diag_in_memory)
+      diag_in_memory=diag_in_memory, dqk_kd=64 if diag_in_memory else 128)
   kw = dict(scale=K ** -0.5, initial_state=jnp.zeros((B, H, K, V)), chunk_size=64,
             config=config)
 

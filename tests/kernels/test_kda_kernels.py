@@ -91,14 +91,26 @@ def test_diagonal_blocks_by_token():
   _check(inputs, cot, 32, 1e-5, 1e-4, config=config)
 
 
+def test_dpairs_by_subchunk():
+  """``dpairs_by_subchunk``: ``kda_dpairs`` as a program per sub-chunk and K slice (two of
+  32 here), dg summed from each token's row and column roles over the chunk; four
+  sub-chunks per chunk, a document starting mid-sub-chunk and one on a chunk boundary;
+  decays down to -5 on every channel."""
+  inputs, cot = _inputs(5, 1, 128, 1, 64, 64, resets=(37, 64))
+  config = kda.default_config("cpu", 1, 128, 1, 64, 64, jnp.float32).replace(
+      dpairs_by_subchunk=True)
+  _check(inputs, cot, 64, 1e-5, 1e-4, config=config)
+
+
 # The same programs twice (the second only runs): several 16-token chunks, K != V, and
 # then document starts (-1e4 on every channel) mid-chunk and on a chunk boundary.
 @pytest.mark.parametrize("resets", [(), (5, 16, 37, 50)], ids=["decay-5", "documents"])
 def test_several_chunks(resets):
   inputs, cot = _inputs(1, 2, 64, 2, 32, 64, resets=resets)
-  # The walks in V tiles of 64 and 32 (the defaults at large B * H); elsewhere 16.
-  config = kda.default_config("cpu", 2, 64, 2, 32, 64, jnp.float32).replace(walk_bv=64,
-                                                                           dwalk_bv=32)
+  # The walks in V tiles of 64 and 32 (the defaults at large B * H); elsewhere 16. kda_dqk
+  # in two programs per chunk (K slices of 16).
+  config = kda.default_config("cpu", 2, 64, 2, 32, 64, jnp.float32).replace(
+      walk_bv=64, dwalk_bv=32, dqk_kd=16)
   _check(inputs, cot, 16, 1e-5, 1e-4, config=config)
 
 
@@ -142,16 +154,18 @@ def test_default_config_and_errors():
     gpu.fwd(q, k, v, g, beta, scale=1.0, initial_state=h0, chunk_size=16, config=cfg)
 
 
-@pytest.mark.parametrize("dtype,diag_in_memory", [(jnp.bfloat16, False), (jnp.float32, False),
-                                              (jnp.bfloat16, True)],
-                         ids=["bf16", "f32", "bf16-diag-in-memory"])
-def test_kernels_lower_to_triton_for_a_gpu_target(dtype, diag_in_memory):
+@pytest.mark.parametrize("dtype,flags", [(jnp.bfloat16, {}), (jnp.float32, {}),
+                                         (jnp.bfloat16, {"diag_in_memory": True}),
+                                         (jnp.bfloat16, {"dpairs_by_subchunk": True,
+                                                         "dqk_kd": 32})],
+                         ids=["bf16", "f32", "bf16-diag-in-memory", "bf16-dpairs-by-subchunk"])
+def test_kernels_lower_to_triton_for_a_gpu_target(dtype, flags):
   """Every GPU kernel of the forward and backward lowers through Pallas's Triton lowering
   for an H200 on this CPU host (an abstract device), K = V = 128, C = 64: what the
   interpreter does not check (Triton IR only; not compiled to PTX, not run)."""
   mesh = abstract_mesh("gpu", "NVIDIA H200", 132)
   B, T, H, K, V = 1, 128, 1, 128, 128
-  config = kda.default_config("gpu", B, T, H, K, V, dtype).replace(diag_in_memory=diag_in_memory)
+  config = kda.default_config("gpu", B, T, H, K, V, dtype).replace(**flags)
   kw = dict(scale=K ** -0.5, initial_state=jnp.zeros((B, H, K, V)), chunk_size=64,
             config=config)
 
@@ -165,7 +179,8 @@ def test_kernels_lower_to_triton_for_a_gpu_target(dtype, diag_in_memory):
   with jax.sharding.use_abstract_mesh(mesh):
     text = jax.jit(fwd_bwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   names = ("kda_intra", "kda_wu", "kda_state_walk", "kda_output", "kda_vnew",
-           "kda_grad_walk", "kda_dqk", "kda_dwy", "kda_dpairs") + ("kda_diag",) * diag_in_memory
+           "kda_grad_walk", "kda_dqk", "kda_dwy", "kda_dpairs") + ("kda_diag",) * bool(
+               flags.get("diag_in_memory"))
   assert all(name in text for name in names), [n for n in names if n not in text]
   assert text.count("xla.gpu.triton") >= len(names)
 
