@@ -57,10 +57,10 @@ class KernelConfig:
   ``benchmarks/results/ptx_sm90.md``).
   ``dpairs_by_subchunk``: ``kda_dpairs`` as a program per chunk, 16-token sub-chunk and K
   slice (``dpairs.kd``), FLA's grid for this kernel: no sum across a tile's rows in its
-  loops, dg from each token's row and column roles, reverse-summed over the chunk after
-  the kernel (:func:`pallas_kernels.kda.pairs._dpairs_split`, which states its float32
-  error). Takes precedence over ``diag_in_memory`` for that kernel. Not yet timed (for
-  sm_90: 128 registers and no spills, against 255 and 100 bytes).
+  loops, the diagonal blocks' part of dg by the tokens' roles
+  (:func:`pallas_kernels.kda.pairs._dpairs_split`). Takes precedence over
+  ``diag_in_memory`` for that kernel. Not yet timed (for sm_90: 164 registers and no
+  spills, against 255 and 100 bytes).
 
   Change one with :meth:`replace` (``cfg.replace(walk_bv=32, dpairs_kd=64)``).
   """

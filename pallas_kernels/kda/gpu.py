@@ -21,8 +21,8 @@ Exactness (:mod:`pallas_kernels.kda.chunk`, :mod:`pallas_kernels.kda.pairs`): ev
 exponent is a sum of g over exactly the tokens it spans, and the decay gradient sums
 exactly the terms whose span holds each token, so g down to -5 per token and channel
 and the documents' -1e4 sentinel are exact to float32 rounding (with
-``dpairs_by_subchunk``, A's and P's part of dg is a difference of the tokens' row and
-column sums instead, within 6e-7 of float64: :func:`pallas_kernels.kda.pairs._dpairs_split`).
+``dpairs_by_subchunk`` the diagonal 16 x 16 blocks' part of dg is summed by the tokens'
+roles instead: :func:`pallas_kernels.kda.pairs._dpairs_split`).
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ with ``seg[i, j, d] = sum_{j < m <= i} g[m, d]``, and T = (I + A)^{-1}.
 * :func:`dpairs` (``kda_dpairs``): the backward through A and P, from their cotangents dA
   (:func:`pallas_kernels.kda.chunk.dwy`) and dP (:func:`pallas_kernels.kda.chunk.dqk`):
   dq, dk, dg and dbeta's parts. With ``dpairs_by_subchunk`` a program per sub-chunk and K
-  slice instead (:func:`_dpairs_split`), dg then by the tokens' roles (below).
+  slice instead (:func:`_dpairs_split`).
 
 How the per-channel decays stay exact (no exponent is a difference of two cumulative sums
 or positive; ``zeco_jax.ops.kda.chunked._pairs`` is the jnp form of the same scheme):
@@ -46,9 +46,10 @@ channel d), ``dg[m] = sum_{i >= m > j} dseg[i, j]``, for m in sub-chunk M:
 where a row's sum over a block J is ``x_i e^{into_i} * (dX_IJ @ kc)_i`` and a column's
 ``kc_j * (dX_IJ^T @ x e^{into})_j``, the very terms of dq and dk. Sub-chunks are taken
 last first, so the pairs spanning M (rows after M) have left their totals, ``[kd]`` rows,
-when M's gradient is formed. The split form (:func:`_dpairs_split`) sums the same terms
-by the tokens' roles instead, ``dg[m] = sum_{t >= m} (row_t - col_t)`` over the chunk,
-which needs no other sub-chunk's totals; its exponents are formed as above.
+when M's gradient is formed. The split form (:func:`_dpairs_split`, a program per
+sub-chunk) writes the block pairs' totals for XLA to add, and sums the diagonal blocks'
+terms by the tokens' roles, ``dg[m] = sum_{t >= m} (row_t - col_t)`` over the block; its
+exponents are formed as above.
 """
 from __future__ import annotations
 
@@ -397,13 +398,14 @@ def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref
 
 
 def _split_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref, dg_ref,
-                  dbeta_ref, *, C, NK, KD, dt):
+                  dbeta_ref, tot_ref, *, C, NK, KD, dt):
   """One sub-chunk M and K slice of one chunk (``dpairs_by_subchunk``): M's rows against
   the columns before them, M's columns against the rows after them, and M's diagonal
   block twice, once by its columns (the rows' sums) and once by its rows (the columns'
-  sums), so no sum runs across a tile's rows. Writes dq, dk, the token's part of dg before
-  the chunk's reverse sum (``q dq + k (beta dk_row - dk_col)``, the empty-span diagonal of
-  P left out), and dbeta's part from this K slice."""
+  sums), so no loop sums across a tile's rows. Writes dq, dk, dbeta's part from this K
+  slice, dg but for the block pairs spanning all of M, and for each earlier sub-chunk J
+  the total of dseg over the block pair (M, J) (``tot_ref[b, hd, n, M, J]``), from which
+  :func:`_dpairs_split` adds those."""
   b, hd, f = (pl.program_id(i) for i in range(3))
   L = C // S
   n, M, kk = f // (L * NK), (f // NK) % L, f % NK
@@ -413,6 +415,8 @@ def _split_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref,
   rowv = lambda ref, t: ref[b, t, hd, ks].astype(F32)[None, :]      # token t's [1, kd]
   q, k, g = load(q_ref, M), load(k_ref, M), load(g_ref, M)
   beta = beta_ref[b, sub(M), hd].astype(F32)[:, None]
+  into = jnp.exp(inclusive(g))
+  xq, xk = q * into, beta * k * into             # the rows' factors times their sums
   zero, zrow = jnp.zeros(q.shape, F32), jnp.zeros((KD,), F32)
 
   # Rows of M against the columns of J < M, J from M - 1 down; span: the totals of the
@@ -423,9 +427,10 @@ def _split_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref,
     gJ = load(g_ref, J)
     kc = load(k_ref, J) * jnp.exp(after(gJ) + span[None, :])
     cols = pl.ds(J * S, S)
-    rp = rp + dot(dp_ref[b, sub(M), hd, cols], kc, dt)
-    ra = ra + dot(da_ref[b, sub(M), hd, cols], kc, dt)
-    return rp, ra, span + jnp.sum(gJ, axis=0)
+    p = dot(dp_ref[b, sub(M), hd, cols], kc, dt)
+    a = dot(da_ref[b, sub(M), hd, cols], kc, dt)
+    tot_ref[b, hd, n, M, J, ks] = jnp.sum(xq * p + xk * a, axis=0)
+    return rp + p, ra + a, span + jnp.sum(gJ, axis=0)
 
   rp, ra, _ = jax.lax.fori_loop(0, M, earlier, (zero, zero, zrow))
 
@@ -472,42 +477,56 @@ def _split_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref,
 
   dkc, _ = unrolled(S, DIAG_UNROLL, by_rows, (zero, zero))
 
-  into = jnp.exp(inclusive(g))
-  dq = dq + into * rp
-  dkr = dkr + into * ra
-  dkc = dkc + jnp.exp(after(g)) * col
+  # dg: the diagonal block's pairs by the roles (a token's row sum minus its column sum,
+  # summed from it on: the pairs after it cancel, each term computed alike both ways in
+  # float32); the rows' pairs with earlier sub-chunks over the tokens from the row back
+  # to M's start (into), the columns' with later ones over those after the column (after).
+  ecol = jnp.exp(after(g)) * col
+  dg_ref[b, sub(M), hd, ks] = (
+      from_here(q * dq + k * (beta * dkr - dkc) + xq * rp + xk * ra) + before(k * ecol))
   rv = iota((S,), 0)
   pd = dp_ref[b, first + rv, hd, M * S + rv][:, None]      # P's diagonal: an empty span
-  dq_ref[b, sub(M), hd, ks] = dq + pd * k
-  dk_ref[b, sub(M), hd, ks] = beta * dkr + dkc + pd * q
-  dg_ref[b, sub(M), hd, ks] = q * dq + k * (beta * dkr - dkc)
+  dkr = dkr + into * ra
+  dq_ref[b, sub(M), hd, ks] = dq + into * rp + pd * k
+  dk_ref[b, sub(M), hd, ks] = beta * dkr + dkc + ecol + pd * q
   dbeta_ref[b, sub(M), hd, kk] = jnp.sum(k * dkr, axis=1)
 
 
 def _dpairs_split(q, k, g, beta, dP, dA, *, chunk_size, config):
   """:func:`dpairs` with ``config.dpairs_by_subchunk``: a program per chunk, sub-chunk and
-  K slice (:func:`_split_kernel`), then dg's reverse sum over each chunk and dbeta's sum
-  over the K slices in XLA.
+  K slice (:func:`_split_kernel`), then in XLA dbeta's sum over the K slices and, for
+  each sub-chunk M, the totals of the block pairs (I, J) with J < M < I added to dg on
+  its tokens.
 
-  dg by the roles: for a token m, ``sum_{i >= m > j} dseg[i, j]`` is the sum over the
-  tokens t >= m of the chunk of (t's sum as a row, over j < t) minus (t's sum as a column,
-  over i > t). The pairs inside the tokens >= m cancel there; each cancelled term spans at
-  least one token, so is no larger than the terms that stay (P's diagonal, whose span is
-  empty, never enters). In float32 against float64, one 64-token chunk, K = 128: 4e-7 to
-  6e-7 relative for g uniform in (-5, 0), -5 or -20 on every token, or documents, against
-  1e-7 to 3e-7 summing the spanning pairs exactly (5.9e-5 with P's diagonal in)."""
+  dg's terms of the blocks below the diagonal are summed over exactly the tokens their
+  spans hold, as in the default form. Those of the diagonal blocks are summed by the
+  tokens' roles: for m in the block, ``sum_{t >= m} (row_t - col_t)`` over its tokens
+  (t's pairs with earlier columns, minus with later rows), where the pairs inside the
+  tokens >= m cancel. Every such term is formed in float32 from the same factors both ways
+  and spans at least one token (P's diagonal, whose span is empty, stays out), so the
+  cancelled terms are no larger than the ones that stay: in the Pallas interpreter the
+  whole of dg is within 1e-6 of the default form in float32 and as close to float32's as
+  the default form's in bf16 (``tests/kernels/test_kda_kernels.py``)."""
   B, T, H, K = q.shape
   C = chunk_size
+  L, N = C // S, T // C
   KD = block(K, config.dpairs.kd)
   NK = K // KD
   kern = functools.partial(_split_kernel, C=C, NK=NK, KD=KD, dt=q.dtype)
   f32k = jax.ShapeDtypeStruct((B, T, H, K), F32)
-  out = (f32k, f32k, f32k, jax.ShapeDtypeStruct((B, T, H, NK), F32))
-  dq, dk, dgl, dbeta = call(kern, out, (B, H, (T // C) * (C // S) * NK), config=config,
-                            num_warps=config.dpairs.warps, num_stages=config.dpairs.stages,
-                            name="kda_dpairs")(q, k, g, beta, dP, dA)
-  dg = jax.lax.cumsum(dgl.reshape(B, T // C, C, H, K), axis=2, reverse=True)
-  return dq, dk, dg.reshape(B, T, H, K), jnp.sum(dbeta, axis=-1)
+  out = (f32k, f32k, f32k, jax.ShapeDtypeStruct((B, T, H, NK), F32),
+         jax.ShapeDtypeStruct((B, H, N, L, L, K), F32))
+  dq, dk, dg, dbeta, tot = call(kern, out, (B, H, N * L * NK), config=config,
+                                num_warps=config.dpairs.warps,
+                                num_stages=config.dpairs.stages,
+                                name="kda_dpairs")(q, k, g, beta, dP, dA)
+  # through[M] = sum of tot[I, J] over I > M > J (only entries J < I are written).
+  through = [sum((tot[:, :, :, I, J] for I in range(M + 1, L) for J in range(M)),
+                 jnp.zeros((B, H, N, K), F32)) for M in range(L)]
+  through = jnp.stack(through, axis=3)                      # [B, H, N, L, K]
+  through = jnp.repeat(through.transpose(0, 2, 3, 1, 4), S, axis=2)   # [B, N, C, H, K]
+  dg = dg + through.reshape(B, T, H, K)
+  return dq, dk, dg, jnp.sum(dbeta, axis=-1)
 
 
 def dpairs(q, k, g, beta, dP, dA, *, chunk_size, config):

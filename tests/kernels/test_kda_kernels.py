@@ -93,13 +93,39 @@ def test_diagonal_blocks_by_token():
 
 def test_dpairs_by_subchunk():
   """``dpairs_by_subchunk``: ``kda_dpairs`` as a program per sub-chunk and K slice (two of
-  32 here), dg summed from each token's row and column roles over the chunk; four
-  sub-chunks per chunk, a document starting mid-sub-chunk and one on a chunk boundary;
-  decays down to -5 on every channel."""
+  32 here), the block pairs spanning a sub-chunk added after the kernel, the diagonal
+  blocks' dg by the tokens' roles; four sub-chunks per chunk, a document starting
+  mid-sub-chunk and one on a chunk boundary; decays down to -5 on every channel."""
   inputs, cot = _inputs(5, 1, 128, 1, 64, 64, resets=(37, 64))
   config = kda.default_config("cpu", 1, 128, 1, 64, 64, jnp.float32).replace(
       dpairs_by_subchunk=True)
   _check(inputs, cot, 64, 1e-5, 1e-4, config=config)
+
+
+def test_dpairs_by_subchunk_rounds_as_the_default_form():
+  """``kda_dpairs`` alone, the sub-chunk form against the default on the same cotangents:
+  in float32 within 1e-6 (dg's diagonal blocks are summed by the tokens' roles), and in
+  bf16 no further from the float32 result than the default form (dg's off-diagonal terms
+  summed over the tokens they span, never as a difference of bf16-rounded dots). Weak
+  decays, so that the block pairs spanning a whole sub-chunk count."""
+  from pallas_kernels.kda import pairs
+  B, T, H, K, C = 1, 128, 1, 64, 64
+  (q, k, _, g, beta, _), _ = _inputs(6, B, T, H, K, K)
+  g = g / 50.0                                     # in (-0.1, 0]
+  rng = np.random.default_rng(6)
+  dP = jnp.asarray(rng.standard_normal((B, T, H, C)), jnp.float32)
+  dA = jnp.asarray(rng.standard_normal((B, T, H, C)), jnp.float32)
+  base = kda.default_config("cpu", B, T, H, K, K, jnp.float32)
+  split = base.replace(dpairs_by_subchunk=True)
+  run = jax.jit(lambda q, k, cfg: pairs.dpairs(q, k, g, beta, dP, dA, chunk_size=C,
+                                               config=cfg), static_argnums=2)
+  bq, bk = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
+  want = run(bq.astype(jnp.float32), bk.astype(jnp.float32), base)
+  got32 = run(bq.astype(jnp.float32), bk.astype(jnp.float32), split)
+  default16, split16 = run(bq, bk, base), run(bq, bk, split)
+  for name, a, b, c, d in zip(("dq", "dk", "dg", "dbeta"), got32, want, split16, default16):
+    assert rel_err(a, b) <= 1e-6, (name, rel_err(a, b))
+    assert rel_err(c, b) <= 1.2 * rel_err(d, b) + 1e-6, (name, rel_err(c, b), rel_err(d, b))
 
 
 # The same programs twice (the second only runs): several 16-token chunks, K != V, and
