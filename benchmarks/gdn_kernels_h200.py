@@ -40,7 +40,8 @@ def _options():
   walk = [L(bv=16, warps=4, stages=2), L(bv=32, warps=4, stages=2),
           L(bv=64, warps=4, stages=2), L(bv=32, warps=2, stages=2)]
   return {
-      "inv": [L(warps=1, stages=1), L(warps=2, stages=1), L(warps=4, stages=1)],
+      "inv": [L(kd=128, warps=1, stages=1), L(kd=128, warps=2, stages=1),
+              L(kd=128, warps=4, stages=1)],
       "wu": [L(bv=64, warps=4, stages=1), L(bv=128, warps=4, stages=1),
              L(bv=64, warps=2, stages=1)],
       "walk": walk,
@@ -49,8 +50,9 @@ def _options():
       "vnew": [L(bv=64, warps=4, stages=2), L(bv=128, warps=4, stages=2),
                L(bv=128, warps=8, stages=2)],
       "dwalk": walk,
-      "dqk": [L(bv=64, warps=4, stages=1), L(bv=64, warps=8, stages=1),
-              L(bv=128, warps=8, stages=1)],
+      "dqk": [L(kd=128, bv=64, warps=4, stages=1), L(kd=32, bv=64, warps=4, stages=1),
+              L(kd=128, bv=64, warps=8, stages=1),
+              L(kd=128, bv=128, warps=8, stages=1)],
       "dwy": [L(bv=64, warps=4, stages=1), L(bv=64, warps=8, stages=1),
               L(bv=128, warps=8, stages=1)],
   }

@@ -122,24 +122,28 @@ def state_store_dtype(config, input_dtype):
   return input_dtype if config.states_in_input_dtype else jnp.float32
 
 
-def delta_walk_launch(B: int, H: int, V: int, *, sm_count: Optional[int], stages: int) -> Launch:
+def delta_walk_launch(B: int, H: int, K: int, V: int, *, sm_count: Optional[int],
+                      stages: int) -> Launch:
   """The delta-rule walks' launch (both families, forward and backward; a program per ``[K,
   bv]`` state tile, ``B * H * V / bv`` programs): the largest V tile of 64, 32 and 16 that
-  still gives every SM a program, 16 when none does; 8 warps with a tile of 64, else 4.
+  still gives every SM a program, 16 when none does; 8 warps with a tile of 64 or with K >=
+  256, else 4.
   Measured on an H200 for Gated DeltaNet (``benchmarks/results/gdn_h200.md``): at B1 T16384
   H16 K=V=128 (128 programs at tile 16) the forward walk took 0.44 / 0.50 / 0.72 ms at tile
   16 / 32 / 64; at B8 T4096 H16 tile 64 with 8 warps made the op 1.265 / 5.660 ms forward /
   forward + backward against 1.808 / 6.815 at tile 16 (the backward walk at 32 with 4
-  warps: 5.830)."""
+  warps: 5.830). K >= 256 (Gated DeltaNet-340M's K = 256, V = 512): not timed; for sm_90
+  the walks at tile 16 with 4 warps spill 328 and 1912 bytes in their chunk loops, with 8
+  warps nothing (``benchmarks/results/ptx_sm90.md``)."""
   programs = sm_count or DEFAULT_SM_COUNT
   bv = next((t for t in (64, 32) if V % t == 0 and B * H * (V // t) >= programs), 16)
-  return Launch(bv=bv, warps=8 if bv == 64 else 4, stages=stages)
+  return Launch(bv=bv, warps=8 if bv == 64 or K >= 256 else 4, stages=stages)
 
 
-def with_delta_walks(config, B: int, H: int, V: int, *, sm_count: Optional[int]):
+def with_delta_walks(config, B: int, H: int, K: int, V: int, *, sm_count: Optional[int]):
   """A delta-rule family's ``KernelConfig`` with its ``walk`` and ``dwalk`` launches from
   :func:`delta_walk_launch` (``sm_count`` read on a GPU target only), stages kept."""
   sms = sm_count if config.platform == "gpu" else None
   return config.replace(
-      walk=delta_walk_launch(B, H, V, sm_count=sms, stages=config.walk.stages),
-      dwalk=delta_walk_launch(B, H, V, sm_count=sms, stages=config.dwalk.stages))
+      walk=delta_walk_launch(B, H, K, V, sm_count=sms, stages=config.walk.stages),
+      dwalk=delta_walk_launch(B, H, K, V, sm_count=sms, stages=config.dwalk.stages))

@@ -120,13 +120,21 @@ class Blocks:
     return (r > c) if I == J else (r >= 0)
 
 
-def block_kkt(ks, betas, dec, dt):
+def block_kkt(k_of, slices, betas, dec, dt):
   """The strictly lower blocks of A (``{(I, J): [S, S]}`` for J <= I), the decays
-  ``e^{seg}`` (masked) and the raw ``k_I k_J^T``."""
-  A, E, KK = {}, {}, {}
+  ``e^{seg}`` (masked) and the raw ``k_I k_J^T``, summed over the K ``slices``
+  (``k_of(I, ks)``: block I's keys ``[S, kd]``, loaded per slice so that only one slice
+  of the chunk's keys is live)."""
+  KK = {}
+  for ks in slices:
+    kb = [k_of(I, ks) for I in range(dec.L)]
+    for I in range(dec.L):
+      for J in range(I + 1):
+        term = dot(kb[I], kb[J], dt, tb=True)
+        KK[I, J] = term if (I, J) not in KK else KK[I, J] + term
+  A, E = {}, {}
   for I in range(dec.L):
     for J in range(I + 1):
-      KK[I, J] = dot(ks[I], ks[J], dt, tb=True)
       E[I, J] = masked_exp(dec.mask(I, J), dec.seg(I, J))
       A[I, J] = betas[I][:, None] * E[I, J] * KK[I, J]
   return A, E, KK
@@ -137,22 +145,21 @@ def _rows(n, C, L):
 
 
 def _load_chunk(refs, b, hd, n, C):
-  """Per block: g, beta (float32 [S]), k (input dtype [S, K]); and their Blocks."""
-  k_ref, g_ref, beta_ref = refs
+  """Per block: g, beta (float32 [S]); and their Blocks."""
+  g_ref, beta_ref = refs
   L = C // S
   rows = _rows(n, C, L)
   gs = [g_ref[b, r, hd].astype(F32) for r in rows]
   betas = [beta_ref[b, r, hd].astype(F32) for r in rows]
-  ks = [k_ref[b, r, hd, :] for r in rows]
-  return rows, gs, betas, ks, Blocks(gs)
+  return rows, gs, betas, Blocks(gs)
 
 
 # --- forward ------------------------------------------------------------------------------
 
-def _inverse_kernel(k_ref, g_ref, beta_ref, t_ref, *scratch, C, dt, config):
+def _inverse_kernel(k_ref, g_ref, beta_ref, t_ref, *scratch, C, K, KD, dt, config):
   b, hd, n = (pl.program_id(i) for i in range(3))
-  rows, _, betas, ks, dec = _load_chunk((k_ref, g_ref, beta_ref), b, hd, n, C)
-  A, _, _ = block_kkt(ks, betas, dec, dt)
+  rows, _, betas, dec = _load_chunk((g_ref, beta_ref), b, hd, n, C)
+  A, _, _ = block_kkt(lambda I, ks: k_ref[b, rows[I], hd, ks], tiles(K, KD), betas, dec, dt)
   stacked = None
   if scratch:                          # the diagonal blocks through memory, all at once
     (ad_ref,) = scratch
@@ -176,7 +183,8 @@ def inverse(k, g, beta, *, chunk_size, config):
   substitution gathers their rows, all four blocks at once
   (:func:`pallas_kernels._delta.block_inverse`)."""
   B, T, H, K = k.shape
-  kern = functools.partial(_inverse_kernel, C=chunk_size, dt=k.dtype, config=config)
+  kern = functools.partial(_inverse_kernel, C=chunk_size, K=K, KD=config.inv.kd, dt=k.dtype,
+                           config=config)
   out = jax.ShapeDtypeStruct((B, T, H, chunk_size), k.dtype)
   if config.diag_in_memory:
     out = (out, jax.ShapeDtypeStruct((B, T, H, S), F32))

@@ -17,7 +17,8 @@ from pallas_kernels._config import (PLATFORMS, Launch, check_config, check_dot_t
 
 # Every kernel's launch, by stage (module docstring of pallas_kernels.gated_delta.gpu).
 STAGE_DEFAULTS = {
-    "inv": Launch(warps=2, stages=1),           # A and its UT inverse per chunk
+    "inv": Launch(kd=128, warps=2, stages=1),   # A and its UT inverse per chunk (kd: the
+                                                # K slice of k k^T)
     "wu": Launch(bv=64, warps=4, stages=1),     # w, u, kd per chunk (bv: the K / V tile)
     "walk": Launch(bv=16, warps=4, stages=2),   # forward walk (h, v_new); tile, warps by shape
     "out": Launch(bv=128, warps=4, stages=2),   # the output per chunk and V tile
@@ -76,10 +77,11 @@ def default_config(platform: str, B: int, T: int, H: int, K: int, V: int, dtype,
   (:data:`STAGE_DEFAULTS`, chosen at B1 T16384 H16 K=V=128 bf16 on an H200), and the
   walks' V tile and warps by the number of walk programs
   (:func:`pallas_kernels._config.delta_walk_launch`: 16 at B1 H16, 64 with 8 warps at B8
-  H16, as measured; ``sm_count`` None: 132). T, K and dtype change no default yet."""
-  del T, K, dtype
+  H16, as measured; 8 warps with K >= 256; ``sm_count`` None: 132). T and dtype change
+  no default yet."""
+  del T, dtype
   if platform not in PLATFORMS:
     raise ValueError(f"gated_delta default_config: unknown `platform` {platform!r}; choose "
                      f"one of {', '.join(map(repr, PLATFORMS))}.")
   return with_delta_walks(KernelConfig(platform=platform, interpret=platform == "cpu"),
-                          B, H, V, sm_count=sm_count)
+                          B, H, K, V, sm_count=sm_count)

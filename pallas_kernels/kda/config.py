@@ -95,11 +95,11 @@ def default_config(platform: str, B: int, T: int, H: int, K: int, V: int, dtype,
   """The default :class:`KernelConfig` for a target (:data:`STAGE_DEFAULTS`, module docstring;
   on ``"tpu"`` the stages are unused: the Mosaic kernels take whole-chunk blocks), with the
   walks' V tile and warps by the number of walk programs, the walks being Gated DeltaNet's
-  (:func:`pallas_kernels._config.delta_walk_launch`; ``sm_count`` None: 132). T, K and
-  dtype change no default yet."""
-  del T, K, dtype
+  (:func:`pallas_kernels._config.delta_walk_launch`; ``sm_count`` None: 132). T and dtype
+  change no default yet."""
+  del T, dtype
   if platform not in PLATFORMS:
     raise ValueError(f"kda default_config: unknown `platform` {platform!r}; choose one of "
                      f"{', '.join(map(repr, PLATFORMS))}.")
   return with_delta_walks(KernelConfig(platform=platform, interpret=platform == "cpu"),
-                          B, H, V, sm_count=sm_count)
+                          B, H, K, V, sm_count=sm_count)

@@ -40,10 +40,11 @@ def test_kernels_match_float64(shape):
   inputs, weights = gdn_inputs(0, B, T, H, K, V, g_low=-5.0, beta_high=0.9999)
   # V = 32 walks in one V tile of 32 (the walks' default at large B * H takes 32 or 64);
   # every other test walks in tiles of 16. V = 16 takes the UT inverse's diagonal blocks
-  # through memory (``diag_in_memory``) and gdn_dqk in two programs per chunk (K slices).
+  # through memory (``diag_in_memory``), k k^T in two K slices and gdn_dqk in two programs
+  # per chunk (K slices).
   cfg = gated_delta.default_config("cpu", B, T, H, K, V, jnp.float32)
   cfg = (cfg.replace(walk_bv=32, dwalk_bv=32) if V == 32
-         else cfg.replace(diag_in_memory=True, dqk_kd=16))
+         else cfg.replace(diag_in_memory=True, dqk_kd=16, inv_kd=16))
   check_gdn_against_float64(_kernel_op(C, kernel_config=cfg), inputs, weights)
 
 
@@ -131,6 +132,9 @@ def test_default_config_and_errors():
   assert (cfg.walk.warps, cfg.dwalk.bv) == (4, 16)
   mid = gated_delta.default_config("gpu", 4, 4096, 16, 128, 128, jnp.bfloat16)
   assert (mid.walk.bv, mid.walk.warps) == (32, 4)
+  # Gated DeltaNet-340M's heads (K = 256, V = 512): tile 16 (192 programs), 8 warps.
+  wide = gated_delta.default_config("gpu", 1, 16384, 6, 256, 512, jnp.bfloat16)
+  assert (wide.walk.bv, wide.walk.warps, wide.dwalk.warps) == (16, 8, 8)
   assert gated_delta.default_config("gpu", 4, 4096, 16, 128, 128, jnp.bfloat16,
                                     sm_count=64).walk.bv == 64
   assert hash(cfg) == hash(gated_delta.default_config("gpu", 1, 16384, 16, 128, 128,
