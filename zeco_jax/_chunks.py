@@ -257,14 +257,26 @@ def local_pass(q, k, v, g, beta, *, recurrence, chunked_op, axis_name, method, n
                                    axis_name, num_blocks=nb, method=method,
                                    initial=initial_state, group_size=group_size)
   if _scan.SCAN_METHODS[method].overlaps_local:
-    fix = jnp.einsum("bthk,bhkv->bthv", rows, entering, precision=_HI)
-    return (o_local + fix).astype(v.dtype), after
+    return (o_local + fix_up(rows, entering, v.dtype)).astype(v.dtype), after
   # LASP-1: compute after receive, the whole chunked pass from the received state.
   if first_starts is not None:
     g = segments.reset_first_token(g, first_starts)
   o, _ = chunked_op(q, k, v, g, beta, scale=scale, initial_state=entering,
                     chunk_size=chunk_size)
   return o, after
+
+
+def fix_up(rows, entering, dtype):
+  """``R X`` in float32 (``rows [B, T, H, K]``, the state entering the segment ``[B, H,
+  K, V]``): at HIGHEST precision for float32 inputs; for a narrower input dtype, whose
+  rounding the output takes anyway, at the default precision (jax's
+  ``default_matmul_precision``: TF32 tensor cores on an H200, one bf16 pass on a TPU), so
+  the GEMM and the two of its backward are not float32 FMAs (one rank's local pass at
+  2048 tokens, H16, K = V = 128: three GEMMs of 2048 x 128 x 128 per head). R already
+  comes from the widened kernels in the input dtype."""
+  precision = _HI if jnp.dtype(dtype) == jnp.float32 else None
+  return jnp.einsum("bthk,bhkv->bthv", rows, entering, precision=precision,
+                    preferred_element_type=jnp.float32)
 
 
 def default_overlap_pieces(platform: str, method: str, P: int, H: int) -> int:
@@ -318,6 +330,6 @@ def _local_pass_in_pieces(q, k, v, g, beta, *, recurrence, axis_name, pieces, ch
   initial = None if initial_state is None else [heads(initial_state, i, 1)
                                                 for i in range(pieces)]
   entering, after, extras = _scan.all_scan_of_pieces(work, axis_name, initial=initial)
-  o = jnp.concatenate([o_local + jnp.einsum("bthk,bhkv->bthv", rows, x, precision=_HI)
+  o = jnp.concatenate([o_local + fix_up(rows, x, v.dtype)
                        for (o_local, rows), x in zip(extras, entering)], axis=2)
   return o.astype(v.dtype), jnp.concatenate(after, axis=1)

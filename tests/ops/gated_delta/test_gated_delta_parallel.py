@@ -56,6 +56,23 @@ def test_bf16():
   check_gdn_against_float64(op, inputs, weights, fwd_tol=2e-2, grad_tol=2e-2)
 
 
+def test_fix_up_precision_follows_the_input_dtype():
+  """The fix-up GEMM ``R X`` (and so its backward's two) is float32 at HIGHEST for float32
+  inputs and at the default matmul precision for bf16 ones (TF32 on a GPU; the output is
+  bf16): read from the jaxpr of its forward and backward."""
+  from zeco_jax._chunks import fix_up
+  rows, x = jnp.ones((1, 8, 2, 4)), jnp.ones((1, 2, 4, 3))
+
+  def precisions(dtype):
+    f = lambda r, x: jnp.sum(fix_up(r, x, dtype))
+    jaxpr = jax.make_jaxpr(jax.grad(f, (0, 1)))(rows.astype(dtype), x)
+    return {str(e.params["precision"]) for e in jaxpr.eqns if e.primitive.name == "dot_general"}
+
+  highest = str(jax.lax.Precision.HIGHEST)
+  assert all(highest in p for p in precisions(jnp.float32))
+  assert not any(highest in p for p in precisions(jnp.bfloat16))
+
+
 def test_no_final_state_and_data_axis_kept():
   # B split over "data" stays split; without output_final_state the state is None.
   mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "seq"))
