@@ -26,6 +26,7 @@ from jax import lax
 
 from zeco_jax import segments
 from zeco_jax._linalg import HI as _HI
+from zeco_jax._linalg import output_precision
 from zeco_jax._linalg import opaque
 from zeco_jax._vma import match_varying
 from zeco_jax.runtime.target import platform_of
@@ -268,14 +269,11 @@ def local_pass(q, k, v, g, beta, *, recurrence, chunked_op, axis_name, method, n
 
 def fix_up(rows, entering, dtype):
   """``R X`` in float32 (``rows [B, T, H, K]``, the state entering the segment ``[B, H,
-  K, V]``): at HIGHEST precision for float32 inputs; for a narrower input dtype, whose
-  rounding the output takes anyway, at the default precision (jax's
-  ``default_matmul_precision``: TF32 tensor cores on an H200, one bf16 pass on a TPU), so
-  the GEMM and the two of its backward are not float32 FMAs (one rank's local pass at
-  2048 tokens, H16, K = V = 128: three GEMMs of 2048 x 128 x 128 per head). R already
-  comes from the widened kernels in the input dtype."""
-  precision = _HI if jnp.dtype(dtype) == jnp.float32 else None
-  return jnp.einsum("bthk,bhkv->bthv", rows, entering, precision=precision,
+  K, V]``) at :func:`zeco_jax._linalg.output_precision` of the input dtype: HIGHEST for
+  float32, else the default, so that for bf16 inputs the GEMM and the two of its backward
+  are not float32 FMAs (one rank's local pass at 2048 tokens, H16, K = V = 128: three GEMMs
+  of 2048 x 128 x 128 per head)."""
+  return jnp.einsum("bthk,bhkv->bthv", rows, entering, precision=output_precision(dtype),
                     preferred_element_type=jnp.float32)
 
 

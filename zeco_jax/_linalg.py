@@ -1,4 +1,5 @@
-"""Small numerical helpers every family shares: the matmul precision, einsum, FLA's l2norm
+"""Small numerical helpers every family shares: the matmul precision (and the fix-ups'),
+einsum, FLA's l2norm
 (the delta-rule families' ``use_qk_l2norm``), and the guard that keeps a possibly constant
 state out of XLA:CPU's YNN fusions.
 
@@ -13,6 +14,14 @@ from jax import lax
 HI = lax.Precision.HIGHEST
 """float32 matmuls at full precision (no TF32 / bf16 passes): the references and the jnp
 paths are tested to 1e-5 against float64."""
+
+
+def output_precision(dtype):
+  """The precision of a sequence-parallel fix-up GEMM (``o += R X`` after the scan) whose
+  output is rounded to ``dtype``: :data:`HI` for float32; for a narrower dtype jax's
+  default (``default_matmul_precision``: TF32 tensor cores on a GPU, one bf16 pass on a
+  TPU, instead of float32 FMAs or six passes), whose rounding is below the output's."""
+  return HI if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def ein(eq, *xs):

@@ -84,6 +84,36 @@ def test_zeco_gla_bf16():
                                grad_tol=2e-2)
 
 
+
+def test_fix_up_precision_follows_the_input_dtype():
+  """GLA's fix-up ``scale (q e^c) X_p`` (and its backward's GEMMs): float32 at HIGHEST for
+  float32 inputs, the default matmul precision for bf16 ones (the delta rule's likewise:
+  tests/ops/gated_delta/test_gated_delta_parallel.py)."""
+  from zeco_jax.ops.gla.parallel import _fix_up
+  q, g, x = jnp.ones((1, 8, 2, 4)), -jnp.ones((1, 8, 2, 4)), jnp.ones((1, 2, 4, 3))
+
+  def precisions(dtype):
+    f = lambda q, x: jnp.sum(_fix_up(q, g, x, 0.5))
+    jaxpr = jax.make_jaxpr(jax.grad(f, (0, 1)))(q.astype(dtype), x)
+    return [str(e.params["precision"]) for e in _dots(jaxpr.jaxpr)]
+
+  highest = str(jax.lax.Precision.HIGHEST)
+  assert len(precisions(jnp.float32)) == 3 and all(highest in p for p in precisions(jnp.float32))
+  assert len(precisions(jnp.bfloat16)) == 3
+  assert not any(highest in p for p in precisions(jnp.bfloat16))
+
+
+def _dots(jaxpr):
+  """Every dot_general of a jaxpr, inside its sub-jaxprs (jit's, the checkpoint's) too."""
+  for e in jaxpr.eqns:
+    if e.primitive.name == "dot_general":
+      yield e
+    for value in e.params.values():
+      for sub in value if isinstance(value, (list, tuple)) else (value,):
+        sub = getattr(sub, "jaxpr", sub)            # a ClosedJaxpr's Jaxpr
+        if hasattr(sub, "eqns"):
+          yield from _dots(sub)
+
 def test_data_axis_shards_batch_and_is_kept():
   mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "seq"))
   q, k, v, g, h0 = gla_inputs(5, B, 64, H, K, V)

@@ -35,6 +35,7 @@ from jax import lax
 from zeco_jax import _checks
 from zeco_jax import segments
 from zeco_jax._linalg import HI as _HI
+from zeco_jax._linalg import output_precision
 from zeco_jax.ops.gla import chunked
 from zeco_jax.ops.gla.op import chunk_gla, resolve_backend
 from zeco_jax.runtime.target import platform_of
@@ -215,12 +216,15 @@ def _fix_up(q, g, entering, scale):
   (exp(c) <= 1).
 
   Rematerialized in the backward, so that only X_p (one state) is kept for it beyond the
-  inputs the local pass keeps anyway.
+  inputs the local pass keeps anyway. At :func:`zeco_jax._linalg.output_precision` of q's
+  dtype: HIGHEST for float32, the default matmul precision for bf16 (the output's own
+  rounding is coarser).
   """
   q_decayed = q.astype(jnp.float32)
   if g is not None:
     q_decayed = q_decayed * _over_keys(jnp.exp(jnp.cumsum(g.astype(jnp.float32), axis=1)))
-  return scale * jnp.einsum("bthk,bhkv->bthv", q_decayed, entering, precision=_HI)
+  return scale * jnp.einsum("bthk,bhkv->bthv", q_decayed, entering,
+                            precision=output_precision(q.dtype))
 
 
 def zeco_gla(q, k, v, g=None, *, mesh=None, seq_axis="seq", method="all_scan",
