@@ -166,12 +166,16 @@ def test_default_config_and_errors():
   assert np.array_equal(np.asarray(o_auto), np.asarray(o_jax))
 
 
-@pytest.mark.parametrize("diag_in_memory", [False, True])
-def test_kernels_lower_to_triton_for_a_gpu_target(diag_in_memory):
+@pytest.mark.parametrize("diag_in_memory,K,V", [(False, 128, 128), (True, 128, 128),
+                                                (False, 256, 512)],
+                         ids=["K128", "K128-diag-in-memory", "K256-V512"])
+def test_kernels_lower_to_triton_for_a_gpu_target(diag_in_memory, K, V):
   """Every GPU kernel of the forward and backward lowers through Pallas's Triton lowering
-  for an H200 on this CPU host (an abstract device): what the interpreter does not check."""
+  for an H200 on this CPU host (an abstract device): what the interpreter does not check.
+  K = 256, V = 512 is Gated DeltaNet-340M's head (the walks with 8 warps, k k^T and dqk in
+  two K slices)."""
   mesh = abstract_mesh("gpu", "NVIDIA H200", 132)
-  B, T, H, K, V = 1, 256, 2, 128, 128
+  B, T, H = 1, 256, 2
   config = gated_delta.default_config("gpu", B, T, H, K, V, jnp.bfloat16).replace(
       diag_in_memory=diag_in_memory, dqk_kd=64 if diag_in_memory else 128)
   kw = dict(scale=K ** -0.5, initial_state=jnp.zeros((B, H, K, V)), chunk_size=64,
