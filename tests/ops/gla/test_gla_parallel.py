@@ -13,8 +13,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from helpers import (check_gla_against_recurrence, collective_operand_shapes, cotangents,
-                     gla_inputs, gla_shapes, local_pass_waits_for_the_state, loss_and_grads,
-                     output_sum_grad, rel_err, seq_mesh, states_sent_per_rank)
+                     find_eqns, gla_inputs, gla_shapes, local_pass_waits_for_the_state,
+                     loss_and_grads, output_sum_grad, rel_err, seq_mesh, states_sent_per_rank)
 from zeco_jax import recurrent_gla, transitions, zeco_gla, zeco_gla_local
 from zeco_jax.ops.gla.parallel import segment_transition
 from zeco_jax.sp.scan import SCAN_METHODS
@@ -84,7 +84,6 @@ def test_zeco_gla_bf16():
                                grad_tol=2e-2)
 
 
-
 def test_fix_up_precision_follows_the_input_dtype():
   """GLA's fix-up ``scale (q e^c) X_p`` (and its backward's GEMMs): float32 at HIGHEST for
   float32 inputs, the default matmul precision for bf16 ones (the delta rule's likewise:
@@ -95,24 +94,13 @@ def test_fix_up_precision_follows_the_input_dtype():
   def precisions(dtype):
     f = lambda q, x: jnp.sum(_fix_up(q, g, x, 0.5))
     jaxpr = jax.make_jaxpr(jax.grad(f, (0, 1)))(q.astype(dtype), x)
-    return [str(e.params["precision"]) for e in _dots(jaxpr.jaxpr)]
+    return [str(e.params["precision"]) for e in find_eqns(jaxpr, "dot_general")]
 
   highest = str(jax.lax.Precision.HIGHEST)
-  assert len(precisions(jnp.float32)) == 3 and all(highest in p for p in precisions(jnp.float32))
-  assert len(precisions(jnp.bfloat16)) == 3
-  assert not any(highest in p for p in precisions(jnp.bfloat16))
+  f32, bf16 = precisions(jnp.float32), precisions(jnp.bfloat16)
+  assert len(f32) == len(bf16) == 3
+  assert all(highest in p for p in f32) and not any(highest in p for p in bf16)
 
-
-def _dots(jaxpr):
-  """Every dot_general of a jaxpr, inside its sub-jaxprs (jit's, the checkpoint's) too."""
-  for e in jaxpr.eqns:
-    if e.primitive.name == "dot_general":
-      yield e
-    for value in e.params.values():
-      for sub in value if isinstance(value, (list, tuple)) else (value,):
-        sub = getattr(sub, "jaxpr", sub)            # a ClosedJaxpr's Jaxpr
-        if hasattr(sub, "eqns"):
-          yield from _dots(sub)
 
 def test_data_axis_shards_batch_and_is_kept():
   mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "seq"))
