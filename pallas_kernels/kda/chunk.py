@@ -227,8 +227,8 @@ def dqk(q, k, g, vn, dvn, do, h, dh, *, scale, chunk_size, config):
   f32k = jax.ShapeDtypeStruct((B, T, H, K), F32)
   out = (f32k, f32k, f32k, f32k, jax.ShapeDtypeStruct((B, T, H, chunk_size), F32))
   return call(kern, out, (B, H, (T // chunk_size) * (K // KS)), config=config,
-              num_warps=config.dqk.warps,
-              num_stages=config.dqk.stages, name="kda_dqk")(q, k, g, vn, dvn, do, h, dh)
+              num_warps=config.dqk.warps, num_stages=config.dqk.stages,
+              name="kda_dqk")(q, k, g, vn, dvn, do, h, dh)
 
 
 def _dwy_kernel(t_ref, k_ref, v_ref, g_ref, beta_ref, dw_ref, du_ref, dk_ref, dv_ref,

@@ -327,7 +327,8 @@ def _diag_grads_chunk(refs, b, hd, n, ks, C):
 
 
 def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref, dg_ref,
-                   dbeta_ref, *, C, K, KD, dt, in_memory, config):
+                   dbeta_ref, *, C, K, KD, dt, config):
+  in_memory = config.diag_in_memory
   b, hd, n = (pl.program_id(i) for i in range(3))
   L = C // S
   t = pl.ds(n * C, C)
@@ -411,6 +412,7 @@ def _split_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref,
   n, M, kk = f // (L * NK), (f // NK) % L, f % NK
   ks, base = pl.ds(kk * KD, KD), n * C
   sub = lambda I: pl.ds(base + I * S, S)
+  mcols = pl.ds(M * S, S)                        # M's columns of the chunk's dP and dA
   load = lambda ref, I: ref[b, sub(I), hd, ks].astype(F32)
   rowv = lambda ref, t: ref[b, t, hd, ks].astype(F32)[None, :]      # token t's [1, kd]
   q, k, g = load(q_ref, M), load(k_ref, M), load(g_ref, M)
@@ -441,9 +443,8 @@ def _split_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref,
     gI = load(g_ref, I)
     ei = jnp.exp(inclusive(gI) + span[None, :])
     bI = beta_ref[b, sub(I), hd].astype(F32)[:, None]
-    cols = pl.ds(M * S, S)
-    col = (col + dot(dp_ref[b, sub(I), hd, cols], load(q_ref, I) * ei, dt, ta=True)
-           + dot(da_ref[b, sub(I), hd, cols], bI * load(k_ref, I) * ei, dt, ta=True))
+    col = (col + dot(dp_ref[b, sub(I), hd, mcols], load(q_ref, I) * ei, dt, ta=True)
+           + dot(da_ref[b, sub(I), hd, mcols], bI * load(k_ref, I) * ei, dt, ta=True))
     return col, span + jnp.sum(gI, axis=0)
 
   col, _ = jax.lax.fori_loop(0, L - 1 - M, later, (zero, zrow))
@@ -469,9 +470,8 @@ def _split_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref,
     dkc, E = carry
     E = jnp.where(row < i, E + rowv(g_ref, first + i), 0.0)
     e = masked_exp(row < i, E)
-    cols = pl.ds(M * S, S)
-    pr = dp_ref[b, first + i, hd, cols][:, None]
-    ar = (beta_ref[b, first + i, hd].astype(F32) * da_ref[b, first + i, hd, cols])[:, None]
+    pr = dp_ref[b, first + i, hd, mcols][:, None]
+    ar = (beta_ref[b, first + i, hd].astype(F32) * da_ref[b, first + i, hd, mcols])[:, None]
     dkc = dkc + (pr * rowv(q_ref, first + i) + ar * rowv(k_ref, first + i)) * e
     return dkc, E
 
@@ -540,7 +540,7 @@ def dpairs(q, k, g, beta, dP, dA, *, chunk_size, config):
   B, T, H, K = q.shape
   C = chunk_size
   kern = functools.partial(_dpairs_kernel, C=C, K=K, KD=block(K, config.dpairs.kd), dt=q.dtype,
-                           in_memory=config.diag_in_memory, config=config)
+                           config=config)
   f32k = jax.ShapeDtypeStruct((B, T, H, K), F32)
   out = (f32k, f32k, f32k, jax.ShapeDtypeStruct((B, T, H), F32))
   return call(kern, out, (B, H, T // C), config=config, num_warps=config.dpairs.warps,
