@@ -311,19 +311,25 @@ def _dqk_kernel(q_ref, k_ref, g_ref, gc_ref, vn_ref, dvn_ref, do_ref, h_ref, dh_
   ktiles, vtiles = tiles(K, BK), tiles(V, BV)
   bk = block(KS, BK)
   slices = [pl.ds(kk * KS + i * bk, bk) for i in range(KS // bk)]
-  # The chunk-wide [C, C] parts first: do v_new^T over V, q k^T over K.
+  # The chunk-wide [C, C] parts first: do v_new^T over V, and (for dg's part through the
+  # decays of q k^T) q k^T over K; with K slices only the first slice's program forms the
+  # latter, after its loops.
+  def qk_tile():
+    qk = jnp.zeros((C, C), F32)
+    for ks in ktiles:
+      qk = qk + dot(q_ref[b, t, hd, ks], k_ref[b, t, hd, ks], dt, tb=True)
+    return qk
+
   dP = jnp.zeros((C, C), F32)
   for vs in vtiles:
     dP = dP + dot(do_ref[b, t, hd, vs], vn_ref[b, t, hd, vs], dt, tb=True)
-  qk = jnp.zeros((C, C), F32)
-  for ks in ktiles:
-    qk = qk + dot(q_ref[b, t, hd, ks], k_ref[b, t, hd, ks], dt, tb=True)
+  qk = qk_tile() if NKS == 1 else None
   r, c = iota((C, C), 0), iota((C, C), 1)
   dS = scale * dP * masked_exp(r >= c, seg_sums(g, C))       # cotangent of q k^T
   # The decays' part of dg now, so that of the [C, C] tiles only dS stays live in the
   # loops below (with dP, E and q k^T live as well the kernel spilled 1784 bytes of
   # registers for sm_90: benchmarks/results/ptx_sm90.md).
-  dg_seg = seg_grad(dS * qk, C)
+  dg_seg = seg_grad(dS * qk, C) if NKS == 1 else None
   eb = jnp.exp(gc)
   to_end = jnp.sum(jnp.where(r > c, g[:, None], 0.0), axis=0)  # [C]: sum_{m > j} g_m
   ek = jnp.exp(to_end)
@@ -349,19 +355,25 @@ def _dqk_kernel(q_ref, k_ref, g_ref, gc_ref, vn_ref, dvn_ref, do_ref, h_ref, dh_
     dto_end = dto_end + jnp.sum(k.astype(F32) * dkd, axis=1)
   db = scale * eb * db
   dto_end = ek * dto_end
-  if NKS > 1:                          # the chunk-wide part once, in the first slice's sum
-    dg_seg = jnp.where(kk == 0, dg_seg, 0.0)
-  dg = revsum(db, C) + dg_seg + exclsum(dto_end, C) + jnp.exp(jnp.sum(g)) * dgam
-  if NKS > 1:
-    dg_ref[b, t, hd, kk] = dg
-  else:
-    dg_ref[b, t, hd] = dg
+  if NKS == 1:
+    dg_ref[b, t, hd] = (revsum(db, C) + dg_seg + exclsum(dto_end, C)
+                        + jnp.exp(jnp.sum(g)) * dgam)
+    return
+  dg = revsum(db, C) + exclsum(dto_end, C) + jnp.exp(jnp.sum(g)) * dgam
 
+  @pl.when(kk == 0)
+  def _():                             # the chunk-wide part once, in the first slice's sum
+    dg_ref[b, t, hd, kk] = dg + seg_grad(dS * qk_tile(), C)
+
+  @pl.when(kk != 0)
+  def _():
+    dg_ref[b, t, hd, kk] = dg
 
 def dqk(q, k, g, gc, vn, dvn, do, h, dh, *, scale, chunk_size, config):
   """(dq, dk's output and state part, dw, dg's part) per chunk, float32. A program per
-  chunk and K slice of ``config.dqk.kd`` channels, each forming the chunk's ``[C, C]``
-  terms (over all of K and V) and its slice's part of dg (summed over the slices here)."""
+  chunk and K slice of ``config.dqk.kd`` channels, each forming the cotangent of q k^T
+  (over V) and its slice's part of dg (summed over the slices here); the first slice's
+  also forms q k^T (over K) for dg's part through its decays."""
   B, T, H, K = q.shape
   V = vn.shape[-1]
   KS = block(K, config.dqk.kd)
