@@ -16,7 +16,7 @@ Two steps, two processes (jaxlib's MLIR and Triton's must not share one):
 
 XLA compiles the same IR with its own Triton, so the figures are a close proxy.
 
-    python -m benchmarks.ptx_stats --family kda --set diag_in_memory=True --out /tmp/kda
+    python -m benchmarks.ptx_stats --family kda --set dqk_kd=64 --out /tmp/kda
     PYTHONPATH=<site with triton> python -m benchmarks.ptx_stats --compile /tmp/kda \
         [--against /tmp/kda_default]
 
@@ -165,7 +165,7 @@ def main(argv=None):
   ap.add_argument("--family", choices=("gdn", "kda"), default="kda")
   ap.add_argument("--shape", default="1,16384,16,128,128", help="B,T,H,K,V")
   ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
-                  help="KernelConfig.replace arguments, e.g. diag_in_memory=True intra_kd=32")
+                  help="KernelConfig.replace arguments, e.g. dqk_kd=64 intra_kd=32")
   ap.add_argument("--out", default=None, help="folder for step 1's IR")
   ap.add_argument("--compile", default=None, metavar="DIR", help="step 2 on DIR")
   ap.add_argument("--against", default=None, metavar="DIR",

@@ -5,11 +5,15 @@ value.
 interpreter, and each GPU kernel's launch (a :class:`pallas_kernels.Launch` per stage,
 the GLA kernels' launch type). An op passes it to its custom_vjp as a static argument, so
 two configurations are two programs and nothing else is read while tracing.
-:func:`default_config` is the one place defaults are chosen. Measured on an H200 for KDA:
-``kda_intra``'s K slice (128: 1.97 ms at B1 T16384 H16 K=V=128, against 2.11 / 2.20 for
-32 / 64; ``benchmarks/results/kda_h200.md``). The other stages follow Gated DeltaNet's
-measured defaults (``benchmarks/results/gdn_h200.md``), with smaller K slices where a
-kernel holds several per-channel ``[16, kd]`` decay tiles at once; not swept for KDA.
+:func:`default_config` is the one place defaults are chosen. Measured on an H200 for KDA
+(B1 T16384 H16 K=V=128, bf16; ``benchmarks/results/kda_h200.md``): ``kda_intra``'s K slice
+(128: 0.62 ms with ``kda_diag`` included, against 0.70 / 0.77 for 64 / 32), ``kda_diag``'s
+heads per program (8: 0.60 ms against 0.62 / 0.66 for 16 / 4), ``kda_dpairs``'s warps (2:
+2.65 ms against 3.33 with 4, 3.38 with 1; K slice 64 with 4 warps 2.80), and ``kda_dqk``'s
+K per program (32: the op's forward + backward 8.11 against 8.64 ms with 128). The other
+stages follow Gated DeltaNet's measured defaults (``benchmarks/results/gdn_h200.md``),
+with smaller K slices where a kernel holds several per-channel ``[16, kd]`` decay tiles at
+once; not swept for KDA.
 """
 from __future__ import annotations
 
@@ -22,18 +26,19 @@ from pallas_kernels._config import (PLATFORMS, Launch, check_config, check_dot_t
 # Every kernel's launch, by stage (module docstring of pallas_kernels.kda.gpu).
 STAGE_DEFAULTS = {
     "intra": Launch(kd=128, warps=4, stages=1),  # A and P per chunk (kd: the K slice), T
-    "diag": Launch(bh=16, warps=4, stages=2),    # with diag_in_memory: A, P's diagonal blocks
+    "diag": Launch(bh=8, warps=4, stages=2),     # A, P's diagonal blocks per token
     "wu": Launch(bv=64, warps=4, stages=1),      # w, u, kd, e^gamma per chunk (K / V tile)
     "walk": Launch(bv=16, warps=4, stages=2),    # forward walk (h, v_new); tile, warps by shape
     "out": Launch(bk=64, bv=64, warps=4, stages=2),   # the output per chunk and V tile
     "vnew": Launch(bv=128, warps=4, stages=2),   # backward: v_new and the local dv per V tile
     "dwalk": Launch(bv=16, warps=4, stages=2),   # backward walk; tile, warps by shape
-    "dqk": Launch(kd=128, bv=64, warps=4, stages=1),  # backward: state terms of dq, dk,
+    "dqk": Launch(kd=32, bv=64, warps=4, stages=1),   # backward: state terms of dq, dk,
                                                  # dg; dw, dP (kd: K per program)
     "dwy": Launch(bv=64, warps=4, stages=1),     # backward: through w, u and T; dA
-    "dpairs": Launch(kd=32, warps=4, stages=1),  # backward: through A and P (kd: K slice)
+    "dpairs": Launch(kd=32, warps=2, stages=1),  # backward: through A and P, per sub-chunk
+                                                 # and K slice (kd)
 }
-FLAGS = ("interpret", "states_in_input_dtype", "diag_in_memory", "dpairs_by_subchunk")
+FLAGS = ("interpret", "states_in_input_dtype")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,20 +53,6 @@ class KernelConfig:
   K / V tile, ``kd`` the K slice of the kernels that form per-channel pairwise decays.
   ``states_in_input_dtype``: the chunk states kept for the backward and their cotangents
   are stored in the input dtype (the dots read them so), else float32.
-  ``diag_in_memory``: the diagonal 16 x 16 blocks' columns go through memory instead of
-  being gathered into and picked out of register tiles: A and P's diagonal blocks from a
-  program per token (``kda_diag``, ``diag.bh`` heads each), the UT inverse gathering A's
-  rows from there (all four diagonal blocks at once); ``kda_dpairs`` walks every
-  sub-chunk's diagonal block at once on ``[C, kd]`` tiles, gathering each row's column
-  from memory. The same sums; not yet timed against the default (its PTX for sm_90:
-  ``benchmarks/results/ptx_sm90.md``).
-  ``dpairs_by_subchunk``: ``kda_dpairs`` as a program per chunk, 16-token sub-chunk and K
-  slice (``dpairs.kd``), FLA's grid for this kernel: no sum across a tile's rows in its
-  loops, the diagonal blocks' part of dg by the tokens' roles
-  (:func:`pallas_kernels.kda.pairs._dpairs_split`). Takes precedence over
-  ``diag_in_memory`` for that kernel. Not yet timed (for sm_90: 164 registers and no
-  spills, against 255 and 100 bytes).
-
   Change one with :meth:`replace` (``cfg.replace(walk_bv=32, dpairs_kd=64)``).
   """
   platform: str = "gpu"
@@ -77,8 +68,6 @@ class KernelConfig:
   dwy: Launch = STAGE_DEFAULTS["dwy"]
   dpairs: Launch = STAGE_DEFAULTS["dpairs"]
   states_in_input_dtype: bool = True
-  diag_in_memory: bool = False
-  dpairs_by_subchunk: bool = False
 
   def __post_init__(self):
     check_config(self, stage_defaults=STAGE_DEFAULTS, flags=FLAGS, label="kda KernelConfig")

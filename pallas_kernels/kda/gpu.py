@@ -7,7 +7,7 @@ Same contract as ``zeco_jax.ops.kda.chunked`` (padded, validated inputs; layout
 initial_state float32 ``[B, H, K, V]``; T a multiple of the chunk), plus the launch
 configuration ``config`` (:class:`pallas_kernels.kda.KernelConfig`):
 
-  fwd: A, P and T = (I + A)^{-1} per chunk (kda_intra) -> w, u, kd, e^{gamma} (kda_wu)
+  fwd: A, P and T = (I + A)^{-1} per chunk (kda_diag, kda_intra) -> w, u, kd, e^{gamma} (kda_wu)
        -> state walk (h, v_new, final) -> output
   bwd: T, P, w, u, kd, e^{gamma} (recomputed) and qb = scale e^{b} * q
        -> v_new and its local cotangent (from the kept states) -> state-gradient walk
@@ -20,9 +20,8 @@ per token) as its :class:`Residual`; the backward recomputes everything per toke
 Exactness (:mod:`pallas_kernels.kda.chunk`, :mod:`pallas_kernels.kda.pairs`): every
 exponent is a sum of g over exactly the tokens it spans, and the decay gradient sums
 exactly the terms whose span holds each token, so g down to -5 per token and channel
-and the documents' -1e4 sentinel are exact to float32 rounding (with
-``dpairs_by_subchunk`` the diagonal 16 x 16 blocks' part of dg is summed by the tokens'
-roles instead: :func:`pallas_kernels.kda.pairs._dpairs_split`).
+and the documents' -1e4 sentinel are exact to float32 rounding (the diagonal 16 x 16
+blocks' part of dg is summed by the tokens' roles: :func:`pallas_kernels.kda.pairs.dpairs`).
 """
 from __future__ import annotations
 

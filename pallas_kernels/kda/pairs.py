@@ -1,23 +1,28 @@
-"""Kimi Delta Attention's intra-chunk matrices, whose pairwise decays are per key channel
-(grid ``(B, H, N)``, one chunk per program, looping over K slices of ``kd`` channels):
+"""Kimi Delta Attention's intra-chunk matrices, whose pairwise decays are per key channel:
 
   A[i, j] = beta_i sum_d k[i, d] k[j, d] e^{seg[i, j, d]}   (j < i; the delta rule's reads)
   P[i, j] = sum_d q[i, d] k[j, d] e^{seg[i, j, d]}          (j <= i; the output's scores)
 
 with ``seg[i, j, d] = sum_{j < m <= i} g[m, d]``, and T = (I + A)^{-1}.
 
-* :func:`intra` (``kda_intra``): A and P in 16-token sub-chunks, then T by 16 x 16 blocks
-  (each diagonal block by forward substitution, the blocks below by ``X_IJ = -X_II
-  sum_{J <= M < I} A_IM X_MJ``, float32 at HIGHEST precision:
-  :func:`pallas_kernels._delta.block_inverse`, verified on an H200). Writes T
-  (k's dtype) and P (float32), ``[B, T, H, C]`` each (row i of its chunk's matrix at
-  token i). A itself never leaves the kernel; with ``diag_in_memory`` its diagonal blocks
-  and P's come from :func:`diag` (``kda_diag``, a program per token and head group) and
-  the inverse gathers A's rows from there (``block_inverse(stacked=...)``).
+* :func:`intra` (``kda_intra``): A and P's blocks below the diagonal in 16-token
+  sub-chunks, their diagonal blocks from :func:`diag` (``kda_diag``, a program per token
+  and head group, as FLA's token-parallel kernel), then T by 16 x 16 blocks (the diagonal
+  blocks all at once by forward substitution, stacked ``[C, 16]`` and gathering A's rows
+  from memory; the blocks below by ``X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ``, float32 at
+  HIGHEST precision: :func:`pallas_kernels._delta.block_inverse`, verified on an H200).
+  Writes T (k's dtype) and P (float32), ``[B, T, H, C]`` each (row i of its chunk's
+  matrix at token i). A itself never leaves the kernels.
 * :func:`dpairs` (``kda_dpairs``): the backward through A and P, from their cotangents dA
   (:func:`pallas_kernels.kda.chunk.dwy`) and dP (:func:`pallas_kernels.kda.chunk.dqk`):
-  dq, dk, dg and dbeta's parts. With ``dpairs_by_subchunk`` a program per sub-chunk and K
-  slice instead (:func:`_dpairs_split`).
+  dq, dk, dg and dbeta's parts, a program per chunk, sub-chunk and K slice (FLA's grid
+  for this kernel).
+
+On an H200 (B1 T16384 H16 K=V=128, 2026-12-05, ``benchmarks/results/kda_h200.md``) this
+form of ``kda_intra`` took 0.62 ms against 1.90 for one program per chunk that walked each
+diagonal block's columns in registers, and ``kda_dpairs`` 2.65 ms against 4.76 for one
+program per chunk (4.29 with the diagonal blocks of a chunk walked at once); both
+earlier forms are gone.
 
 How the per-channel decays stay exact (no exponent is a difference of two cumulative sums
 or positive; ``zeco_jax.ops.kda.chunked._pairs`` is the jnp form of the same scheme):
@@ -28,28 +33,25 @@ or positive; ``zeco_jax.ops.kda.chunked._pairs`` is the jnp form of the same sch
   start of I to the row) times columns ``k_J e^{after_J} e^{between(J, I)}`` (after: g
   summed from after the column to the end of J; between: the totals of the whole
   sub-chunks strictly between, a ``[kd]`` row). Each factor is <= 1.
-* A diagonal 16 x 16 block is exact in log space, one column j at a time from the last
-  (``E_j[r] = sum_{j < m <= r} g_m`` on a ``[16, kd]`` tile, carried from column to
-  column as ``E_{j-1} = E_j + g_j``, row j of k and g loaded from memory), as GLA's
-  ``gla_scores_diag``: never a dot through ``e^{-cumsum}``, whatever the decay.
+* A diagonal 16 x 16 block is exact in log space: :func:`diag` walks token i's columns
+  from i down to its sub-chunk's start carrying ``E = sum_{j < m <= i} g_m`` (``E +=
+  g_j``), as GLA's ``gla_scores_diag``: never a dot through ``e^{-cumsum}``, whatever the
+  decay.
 
 The decay gradient sums exactly the terms whose span holds each token. With ``dseg[i, j,
 d]`` the cotangent of the exponent (``(dP[i, j] q_i + beta_i dA[i, j] k_i) k_j e^{seg}``,
 channel d), ``dg[m] = sum_{i >= m > j} dseg[i, j]``, for m in sub-chunk M:
 
-  pairs inside M                       the diagonal loop: column j adds ``sum_{r >= m}
-                                       dseg[r, j]`` to the rows m > j (a 0 / 1 dot)
+  pairs inside M                       by the tokens' roles (below)
   i in M, j in a sub-chunk before M    ``sum_{i >= m}`` of the rows' sums over those j
   i after M, j in M                    ``sum_{j < m}`` of the columns' sums over those i
   i after M, j before M                every token of M: the block pairs' totals
 
 where a row's sum over a block J is ``x_i e^{into_i} * (dX_IJ @ kc)_i`` and a column's
-``kc_j * (dX_IJ^T @ x e^{into})_j``, the very terms of dq and dk. Sub-chunks are taken
-last first, so the pairs spanning M (rows after M) have left their totals, ``[kd]`` rows,
-when M's gradient is formed. The split form (:func:`_dpairs_split`, a program per
-sub-chunk) writes the block pairs' totals for XLA to add, and sums the diagonal blocks'
-terms by the tokens' roles, ``dg[m] = sum_{t >= m} (row_t - col_t)`` over the block; its
-exponents are formed as above.
+``kc_j * (dX_IJ^T @ x e^{into})_j``, the very terms of dq and dk. A program (one
+sub-chunk M) writes the block pairs' totals ``[kd]`` for XLA to add to the sub-chunks
+they span, and sums the diagonal block's terms by the tokens' roles, ``dg[m] = sum_{t >=
+m} (row_t - col_t)`` over the block (:func:`_dpairs_kernel`).
 """
 from __future__ import annotations
 
@@ -59,21 +61,20 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._launch import (F32, block, call, dot, dot01, iota, masked_exp,
-                                     program_barrier, unrolled)
+from pallas_kernels._launch import F32, block, call, dot, iota, masked_exp, unrolled
 from pallas_kernels._delta import block_inverse, stacked_through
 from pallas_kernels.kda.chunk import S, after, after_ieee, before, from_here, inclusive
 
-DIAG_UNROLL = 4              # column steps per fori_loop iteration of the diagonal loops
+DIAG_UNROLL = 4              # steps per fori_loop iteration of kda_dpairs's diagonal loops
 
 
 class SubChunks:
-  """One chunk's K slice as 16-token sub-chunks: per-block loads (a loaded value is never
-  sliced), the sub-chunks' totals and the decay factors built from them."""
+  """One chunk's K slice as 16-token sub-chunks (``kda_intra``): per-block loads (a loaded
+  value is never sliced), the sub-chunks' totals and the decay factors built from them,
+  each formed at its use (as measured: fewer live ``[16, 128]`` tiles)."""
 
-  def __init__(self, g_ref, q_ref, k_ref, b, hd, n, ks, C, *, after=after, keep=True):
+  def __init__(self, g_ref, q_ref, k_ref, b, hd, n, ks, C):
     self.L = C // S
-    self._after_fn, self._keep, self._eafter = after, keep, {}
     self.rows = [pl.ds(n * C + I * S, S) for I in range(self.L)]
     self.refs = dict(g=g_ref, q=q_ref, k=k_ref)
     self.b, self.hd, self.ks = b, hd, ks
@@ -82,29 +83,15 @@ class SubChunks:
   def load(self, name, I):
     return self.refs[name][self.b, self.rows[I], self.hd, self.ks].astype(F32)
 
-  def row(self, name, I, j):
-    """Row j of sub-chunk I, ``[1, kd]``."""
-    start = self.rows[I].start
-    return self.refs[name][self.b, start + j, self.hd, self.ks].astype(F32)[None, :]
-
   def into(self, I):
     """``e^{into}`` ``[16, kd]``: g summed from the start of I to each row."""
     return jnp.exp(inclusive(self.load("g", I)))
 
-  def eafter(self, J):
-    """``e^{after_J}`` ``[16, kd]``: g summed from after each row to the end of J; with
-    ``keep`` formed once per sub-chunk and K slice and held, else at each use."""
-    if J in self._eafter:
-      return self._eafter[J]
-    out = jnp.exp(self._after_fn(self.load("g", J)))
-    if self._keep:
-      self._eafter[J] = out
-    return out
-
   def columns(self, J, I):
     """``k_J e^{after_J + between(J, I)}`` ``[16, kd]``: the column factor of block pair
-    (I, J), J < I (a product of exps of sums of the tokens each spans, each <= 1)."""
-    kc = self.load("k", J) * self.eafter(J)
+    (I, J), J < I (a product of exps of sums of the tokens each spans, each <= 1; after_J
+    as one IEEE float32 dot, :func:`pallas_kernels.kda.chunk.after_ieee`)."""
+    kc = self.load("k", J) * jnp.exp(after_ieee(self.load("g", J)))
     span = self.between(J, I)
     return kc if span is None else kc * span[None, :]
 
@@ -117,25 +104,6 @@ class SubChunks:
 
 
 # --- forward: A, P and T ------------------------------------------------------------------
-
-def _diag_scores(sub, I, A, P):
-  """A and P's diagonal block of sub-chunk I added to ``A``, ``P`` (``[16, 16]``), exact in
-  log space: column j from the last, ``e^{E_j}`` shared by both."""
-  q, k = sub.load("q", I), sub.load("k", I)
-  row, col = iota((S, k.shape[1]), 0), iota((S, S), 1)
-
-  def column(i, carry):
-    A, P, E = carry                # E[r] = sum_{j < m <= r} g_m on rows r >= j
-    j = S - 1 - i
-    ke = sub.row("k", I, j) * masked_exp(row >= j, E)
-    A = A + jnp.where(col == j, jnp.sum(k * ke, axis=1)[:, None], 0.0)
-    P = P + jnp.where(col == j, jnp.sum(q * ke, axis=1)[:, None], 0.0)
-    E = jnp.where(row >= j, E + sub.row("g", I, j), 0.0)
-    return A, P, E
-
-  A, P, _ = unrolled(S, DIAG_UNROLL, column, (A, P, jnp.zeros(k.shape, F32)))
-  return A, P
-
 
 def _diag_kernel(q_ref, k_ref, g_ref, ad_ref, pd_ref, *, BH):
   """Token i's row of its sub-chunk's diagonal blocks, for BH heads at once: column j
@@ -171,20 +139,18 @@ def diag(q, k, g, *, config):
               num_stages=config.diag.stages, name="kda_diag")(q, k, g)
 
 
-def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, C, K, KD, dt, config):
-  if config.diag_in_memory:            # kda_diag's blocks in; the inverse's scratch out
-    ad_ref, pd_ref, t_ref, p_ref, y_ref = refs
-  else:
-    (t_ref, p_ref), ad_ref = refs, None
+def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, ad_ref, pd_ref, t_ref, p_ref, y_ref, *, C,
+                  K, KD, dt, config):
+  """kda_diag's blocks in (``ad_ref``, ``pd_ref``); T and P out, and the inverse's scratch
+  (``y_ref``)."""
   b, hd, n = (pl.program_id(i) for i in range(3))
   L = C // S
   rows = [pl.ds(n * C + I * S, S) for I in range(L)]
-  pairs = [(I, J) for I in range(L) for J in range(I + (ad_ref is None))]
+  pairs = [(I, J) for I in range(L) for J in range(I)]
   betas = [beta_ref[b, rows[I], hd].astype(F32) for I in range(L)]
 
   def k_slice(kk, acc):
-    sub = SubChunks(g_ref, q_ref, k_ref, b, hd, n, pl.ds(kk * KD, KD), C, after=after_ieee,
-                    keep=False)      # as measured: fewer live [16, 128] tiles
+    sub = SubChunks(g_ref, q_ref, k_ref, b, hd, n, pl.ds(kk * KD, KD), C)
     A, P = dict(zip(pairs, acc[0])), dict(zip(pairs, acc[1]))
     for I in range(L):
       into = sub.into(I)
@@ -193,34 +159,26 @@ def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, C, K, KD, dt, config):
         kc = sub.columns(J, I)
         A[I, J] = A[I, J] + dot(ke, kc, dt, tb=True)
         P[I, J] = P[I, J] + dot(qe, kc, dt, tb=True)
-      if ad_ref is None:
-        A[I, I], P[I, I] = _diag_scores(sub, I, A[I, I], P[I, I])
     return tuple(A[p] for p in pairs), tuple(P[p] for p in pairs)
 
   zero = tuple(jnp.zeros((S, S), F32) for _ in pairs)
   accA, accP = jax.lax.fori_loop(0, K // KD, k_slice, (zero, zero))
   A, P = dict(zip(pairs, accA)), dict(zip(pairs, accP))
-  if ad_ref is not None:
-    for I in range(L):
-      A[I, I], P[I, I] = ad_ref[b, rows[I], hd, :], pd_ref[b, rows[I], hd, :]
   r, c = iota((S, S), 0), iota((S, S), 1)
   for I in range(L):
-    for J in range(I + 1):
-      A[I, J] = betas[I][:, None] * (jnp.where(r > c, A[I, J], 0.0) if I == J else A[I, J])
-      P[I, J] = jnp.where(r >= c, P[I, J], 0.0) if I == J else P[I, J]
+    P[I, I] = jnp.where(r >= c, pd_ref[b, rows[I], hd, :], 0.0)
+    for J in range(I):
+      A[I, J] = betas[I][:, None] * A[I, J]
   for I in range(L):
     for J in range(L):
       p_ref[b, rows[I], hd, pl.ds(J * S, S)] = P[I, J] if J <= I else jnp.zeros((S, S), F32)
-  stacked = None
-  if ad_ref is not None:               # A's diagonal blocks by rows, all at once
 
-    def a_rows(i, first):              # row i of each row's block, with its beta
-      tok = n * C + first + i
-      a = beta_ref[b, tok, hd].astype(F32)[:, None] * ad_ref[b, tok, hd, :]
-      return jnp.where(iota(a.shape, 1) < i, a, 0.0)
+  def a_rows(i, first):                # row i of each row's diagonal block, with its beta
+    tok = n * C + first + i
+    a = beta_ref[b, tok, hd].astype(F32)[:, None] * ad_ref[b, tok, hd, :]
+    return jnp.where(iota(a.shape, 1) < i, a, 0.0)
 
-    stacked = stacked_through(y_ref, b, hd, n, C, config, a_rows)
-  X = block_inverse(A, L, stacked)
+  X = block_inverse(A, L, stacked_through(y_ref, b, hd, n, C, config, a_rows))
   for I in range(L):
     for J in range(L):
       blk = X[I, J] if J <= I else jnp.zeros((S, S), F32)
@@ -229,184 +187,31 @@ def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, C, K, KD, dt, config):
 
 def intra(q, k, g, beta, *, chunk_size, config):
   """(T = (I + A)^{-1} in k's dtype, P float32), each ``[B, T, H, C]`` (row i of its
-  chunk's matrix at token i; zero above the diagonal). P is unscaled. With
-  ``config.diag_in_memory`` the diagonal blocks come from :func:`diag` (a program per token),
-  else from each chunk's own column loop."""
+  chunk's matrix at token i; zero above the diagonal). P is unscaled. The diagonal blocks
+  come from :func:`diag` (a program per token and ``config.diag.bh`` heads), the rest from
+  a program per chunk (``config.intra``: its K slice ``kd``)."""
   B, T, H, K = k.shape
   C = chunk_size
-  args = (q, k, g, beta) + (diag(q, k, g, config=config) if config.diag_in_memory else ())
   kern = functools.partial(_intra_kernel, C=C, K=K, KD=block(K, config.intra.kd), dt=k.dtype,
                            config=config)
-  out = (jax.ShapeDtypeStruct((B, T, H, C), k.dtype), jax.ShapeDtypeStruct((B, T, H, C), F32))
-  if config.diag_in_memory:            # + the inverse's scratch, [B, T, H, 16] float32
-    out = out + (jax.ShapeDtypeStruct((B, T, H, S), F32),)
+  out = (jax.ShapeDtypeStruct((B, T, H, C), k.dtype), jax.ShapeDtypeStruct((B, T, H, C), F32),
+         jax.ShapeDtypeStruct((B, T, H, S), F32))        # + the inverse's scratch
   res = call(kern, out, (B, H, T // C), config=config, num_warps=config.intra.warps,
-             num_stages=config.intra.stages, name="kda_intra")(*args)
+             num_stages=config.intra.stages, name="kda_intra")(
+                 q, k, g, beta, *diag(q, k, g, config=config))
   return res[:2]
 
 
 # --- backward: through A and P ------------------------------------------------------------
 
-def _diag_grads(sub, M, beta, dPd, dAd):
-  """The diagonal block's terms of (dq, dk, dg, dbeta) for sub-chunk M, exact in log
-  space: column j from the last, ``e^{E_j}`` shared by every term. ``dPd`` and ``dAd``
-  the block's cotangents of P and A (A's without beta)."""
-  q, k = sub.load("q", M), sub.load("k", M)
-  shape = k.shape
-  row = iota(shape, 0)
-  ri, ci = iota((S, S), 0), iota((S, S), 1)
-  dPd = jnp.where(ri >= ci, dPd, 0.0)
-  dAd = jnp.where(ri > ci, dAd, 0.0)
-  bcol = beta[:, None]
-
-  def column(i, carry):
-    dq, dk, dg, dbeta, E = carry   # E[r] = sum_{j < m <= r} g_m on rows r >= j
-    j = S - 1 - i
-    kj = sub.row("k", M, j)
-    e = masked_exp(row >= j, E)
-    pc = jnp.sum(jnp.where(ci == j, dPd, 0.0), axis=1)[:, None]       # dP[:, j]
-    ac = jnp.sum(jnp.where(ci == j, dAd, 0.0), axis=1)[:, None]       # dA[:, j]
-    ke = kj * e
-    ta = ac * ke
-    dq = dq + pc * ke                                                  # rows: sum_j
-    dbeta = dbeta + jnp.sum(k * ta, axis=1)
-    z = (pc * q + (bcol * ac) * k) * e                                 # column j's terms / k_j
-    dk = dk + bcol * ta + jnp.where(row == j, jnp.sum(z, axis=0)[None, :], 0.0)
-    # dseg[r, j] = k_j z[r] reaches the tokens m with j < m <= r: sum_{r >= m} for m > j.
-    dg = dg + dot01(jnp.where((ci >= ri) & (ri > j), 1.0, 0.0).astype(F32), kj * z)
-    E = jnp.where(row >= j, E + sub.row("g", M, j), 0.0)
-    return dq, dk, dg, dbeta, E
-
-  zero = jnp.zeros(shape, F32)
-  dq, dk, dg, dbeta, _ = unrolled(S, DIAG_UNROLL, column,
-                                  (zero, zero, zero, jnp.zeros((S,), F32), zero))
-  return dq, dk, dg, dbeta
-
-
-def _diag_grads_chunk(refs, b, hd, n, ks, C):
-  """:func:`_diag_grads` for every sub-chunk of the chunk at once (``diag_in_memory``):
-  ``[C, kd]`` tiles whose rows each walk the columns of their own sub-chunk, so a K slice
-  takes 16 column steps instead of 16 per sub-chunk. Column j of each row's sub-chunk (k,
-  g, and the row's entries of dP and dA) is gathered from memory; the suffix sums run over
-  the rows of the same sub-chunk (a block-diagonal 0 / 1 dot). The same sums as
-  :func:`_diag_grads`."""
-  q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref = refs
-  t = pl.ds(n * C, C)
-  q, k = q_ref[b, t, hd, ks].astype(F32), k_ref[b, t, hd, ks].astype(F32)
-  bcol = beta_ref[b, t, hd].astype(F32)[:, None]
-  shape = k.shape
-  pos = iota(shape, 0) % S                       # each row's place in its sub-chunk
-  rv = iota((C,), 0)
-  tok, first = n * C + rv, (rv // S) * S         # each row's token; its sub-chunk's column 0
-  ri, ci = iota((C, C), 0), iota((C, C), 1)
-  same = (ri // S) == (ci // S)
-
-  def column(i, carry):
-    dq, dk, dg, dbeta, E = carry   # E[r] = sum_{j < m <= r} g_m on rows r >= j (own sub-chunk)
-    j = S - 1 - i
-    kj = k_ref[b, n * C + first + j, hd, ks].astype(F32)            # [C, kd], gathered
-    e = masked_exp(pos >= j, E)
-    pc = jnp.where(rv % S >= j, dp_ref[b, tok, hd, first + j], 0.0)[:, None]
-    ac = jnp.where(rv % S > j, da_ref[b, tok, hd, first + j], 0.0)[:, None]
-    ke = kj * e
-    ta = ac * ke
-    dq = dq + pc * ke
-    dbeta = dbeta + jnp.sum(k * ta, axis=1)
-    z = (pc * q + (bcol * ac) * k) * e
-    # below[m] = sum_{r >= m} z[r] over m's sub-chunk, m >= j: on row j the column's sum
-    # (dk_j's term); k_j below[m] for m > j is dg's (the tokens the pairs' spans hold).
-    below = dot01(jnp.where(same & (ci >= ri) & (ri % S >= j), 1.0, 0.0).astype(F32), z)
-    dk = dk + bcol * ta + jnp.where(pos == j, below, 0.0)
-    dg = dg + jnp.where(pos > j, kj * below, 0.0)
-    E = jnp.where(pos >= j, E + g_ref[b, n * C + first + j, hd, ks].astype(F32), 0.0)
-    return dq, dk, dg, dbeta, E
-
-  zero = jnp.zeros(shape, F32)
-  return unrolled(S, DIAG_UNROLL, column,
-                  (zero, zero, zero, jnp.zeros((C,), F32), zero))[:4]
-
-
 def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref, dg_ref,
-                   dbeta_ref, *, C, K, KD, dt, config):
-  in_memory = config.diag_in_memory
-  b, hd, n = (pl.program_id(i) for i in range(3))
-  L = C // S
-  t = pl.ds(n * C, C)
-  rows = [pl.ds(n * C + I * S, S) for I in range(L)]
-  betas = [beta_ref[b, rows[I], hd].astype(F32) for I in range(L)]
-  dP = lambda I, J: dp_ref[b, rows[I], hd, pl.ds(J * S, S)]
-  dA = lambda I, J: da_ref[b, rows[I], hd, pl.ds(J * S, S)]
-
-  def k_slice(kk, carry):
-    ks = pl.ds(kk * KD, KD)
-    sub = SubChunks(g_ref, q_ref, k_ref, b, hd, n, ks, C)
-    dbetas, dbeta_diag = list(carry[0]), carry[1]
-    if in_memory:      # the diagonal blocks first, stored; the rest added to them below
-      dq_d, dk_d, dg_d, dbeta_d = _diag_grads_chunk(
-          (q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref), b, hd, n, ks, C)
-      dq_ref[b, t, hd, ks], dk_ref[b, t, hd, ks], dg_ref[b, t, hd, ks] = dq_d, dk_d, dg_d
-      dbeta_diag = dbeta_diag + dbeta_d
-      program_barrier(config)
-    totals = {}                        # (I, J): sum of dseg over the block pair, [KD]
-    for M in reversed(range(L)):
-      bcol = betas[M][:, None]
-      into = sub.into(M)
-      xq, xk = sub.load("q", M) * into, sub.load("k", M) * into
-      # Rows of M against the columns of earlier sub-chunks J.
-      row_p = row_a = jnp.zeros(xq.shape, F32)
-      for J in range(M):
-        kc = sub.columns(J, M)
-        rp, ra = dot(dP(M, J), kc, dt), dot(dA(M, J), kc, dt)
-        totals[M, J] = jnp.sum(xq * rp + bcol * xk * ra, axis=0)
-        row_p, row_a = row_p + rp, row_a + ra
-      # Columns of M against the rows of later sub-chunks I.
-      col = jnp.zeros(xq.shape, F32)
-      for I in range(M + 1, L):
-        into_i = sub.into(I)
-        ci = (dot(dP(I, M), sub.load("q", I) * into_i, dt, ta=True)
-              + dot(betas[I][:, None] * dA(I, M), sub.load("k", I) * into_i, dt, ta=True))
-        span = sub.between(M, I)
-        col = col + (ci if span is None else span[None, :] * ci)
-      dk_col = sub.eafter(M) * col
-      if in_memory:
-        diag = [ref[b, rows[M], hd, ks] for ref in (dq_ref, dk_ref, dg_ref)] + [0.0]
-      else:
-        diag = _diag_grads(sub, M, betas[M], dP(M, M), dA(M, M))
-      dq_d, dk_d, dg_d, dbeta_d = diag
-      dq_ref[b, rows[M], hd, ks] = into * row_p + dq_d
-      dk_ref[b, rows[M], hd, ks] = bcol * into * row_a + dk_col + dk_d
-      dbetas[M] = dbetas[M] + jnp.sum(xk * row_a, axis=1) + dbeta_d
-      through = None                   # block pairs spanning the whole of M
-      for I in range(M + 1, L):
-        for J in range(M):
-          through = totals[I, J] if through is None else through + totals[I, J]
-      dg = (dg_d + from_here(xq * row_p + bcol * xk * row_a)
-            + before(sub.load("k", M) * dk_col))
-      dg_ref[b, rows[M], hd, ks] = dg if through is None else dg + through[None, :]
-    return tuple(dbetas), dbeta_diag
-
-  dbetas, dbeta_diag = jax.lax.fori_loop(
-      0, K // KD, k_slice,
-      (tuple(jnp.zeros((S,), F32) for _ in range(L)), jnp.zeros((C,), F32)))
-  if in_memory:
-    dbeta_ref[b, t, hd] = dbeta_diag
-    program_barrier(config)
-    for M in range(L):
-      dbeta_ref[b, rows[M], hd] = dbeta_ref[b, rows[M], hd] + dbetas[M]
-  else:
-    for M in range(L):
-      dbeta_ref[b, rows[M], hd] = dbetas[M]
-
-
-def _split_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref, dg_ref,
                   dbeta_ref, tot_ref, *, C, NK, KD, dt):
-  """One sub-chunk M and K slice of one chunk (``dpairs_by_subchunk``): M's rows against
-  the columns before them, M's columns against the rows after them, and M's diagonal
-  block twice, once by its columns (the rows' sums) and once by its rows (the columns'
+  """One sub-chunk M and K slice of one chunk: M's rows against the columns before them,
+  M's columns against the rows after them, and M's diagonal block twice, once by its columns (the rows' sums) and once by its rows (the columns'
   sums), so no loop sums across a tile's rows. Writes dq, dk, dbeta's part from this K
   slice, dg but for the block pairs spanning all of M, and for each earlier sub-chunk J
   the total of dseg over the block pair (M, J) (``tot_ref[b, hd, n, M, J]``), from which
-  :func:`_dpairs_split` adds those."""
+  :func:`dpairs` adds those."""
   b, hd, f = (pl.program_id(i) for i in range(3))
   L = C // S
   n, M, kk = f // (L * NK), (f // NK) % L, f % NK
@@ -492,27 +297,28 @@ def _split_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref,
   dbeta_ref[b, sub(M), hd, kk] = jnp.sum(k * dkr, axis=1)
 
 
-def _dpairs_split(q, k, g, beta, dP, dA, *, chunk_size, config):
-  """:func:`dpairs` with ``config.dpairs_by_subchunk``: a program per chunk, sub-chunk and
-  K slice (:func:`_split_kernel`), then in XLA dbeta's sum over the K slices and, for
-  each sub-chunk M, the totals of the block pairs (I, J) with J < M < I added to dg on
-  its tokens.
+def dpairs(q, k, g, beta, dP, dA, *, chunk_size, config):
+  """(dq, dk, dg float32 [B, T, H, K], dbeta float32 [B, T, H]): the backward through P
+  and A from their cotangents (``dP`` incl. the output's scale, ``dA`` without beta;
+  float32 ``[B, T, H, C]``). A program per chunk, sub-chunk and K slice of
+  ``config.dpairs.kd`` channels (:func:`_dpairs_kernel`), then in XLA dbeta's sum over the
+  K slices and, for each sub-chunk M, the totals of the block pairs (I, J) with J < M < I
+  added to dg on its tokens.
 
   dg's terms of the blocks below the diagonal are summed over exactly the tokens their
-  spans hold, as in the default form. Those of the diagonal blocks are summed by the
-  tokens' roles: for m in the block, ``sum_{t >= m} (row_t - col_t)`` over its tokens
-  (t's pairs with earlier columns, minus with later rows), where the pairs inside the
-  tokens >= m cancel. Every such term is formed in float32 from the same factors both ways
-  and spans at least one token (P's diagonal, whose span is empty, stays out), so the
-  cancelled terms are no larger than the ones that stay: in the Pallas interpreter the
-  whole of dg is within 1e-6 of the default form in float32 and as close to float32's as
-  the default form's in bf16 (``tests/kernels/test_kda_kernels.py``)."""
+  spans hold. Those of the diagonal blocks are summed by the tokens' roles: for m in the
+  block, ``sum_{t >= m} (row_t - col_t)`` over its tokens (t's pairs with earlier
+  columns, minus with later rows), where the pairs inside the tokens >= m cancel. Every
+  such term is formed in float32 from the same factors both ways and spans at least one
+  token (P's diagonal, whose span is empty, stays out), so the cancelled terms are no
+  larger than the ones that stay (``tests/kernels/test_kda_kernels.py`` holds dg to the
+  float32 autodiff of the jnp form, in float32 and in bf16)."""
   B, T, H, K = q.shape
   C = chunk_size
   L, N = C // S, T // C
   KD = block(K, config.dpairs.kd)
   NK = K // KD
-  kern = functools.partial(_split_kernel, C=C, NK=NK, KD=KD, dt=q.dtype)
+  kern = functools.partial(_dpairs_kernel, C=C, NK=NK, KD=KD, dt=q.dtype)
   f32k = jax.ShapeDtypeStruct((B, T, H, K), F32)
   out = (f32k, f32k, f32k, jax.ShapeDtypeStruct((B, T, H, NK), F32),
          jax.ShapeDtypeStruct((B, H, N, L, L, K), F32))
@@ -529,19 +335,3 @@ def _dpairs_split(q, k, g, beta, dP, dA, *, chunk_size, config):
   return dq, dk, dg, jnp.sum(dbeta, axis=-1)
 
 
-def dpairs(q, k, g, beta, dP, dA, *, chunk_size, config):
-  """(dq, dk, dg float32 [B, T, H, K], dbeta float32 [B, T, H]): the backward through P
-  and A from their cotangents (``dP`` incl. the output's scale, ``dA`` without beta;
-  float32 ``[B, T, H, C]``). With ``config.diag_in_memory`` the diagonal blocks' terms
-  come from :func:`_diag_grads_chunk` (every sub-chunk at once), stored first, the rest
-  added to them after a barrier."""
-  if config.dpairs_by_subchunk:
-    return _dpairs_split(q, k, g, beta, dP, dA, chunk_size=chunk_size, config=config)
-  B, T, H, K = q.shape
-  C = chunk_size
-  kern = functools.partial(_dpairs_kernel, C=C, K=K, KD=block(K, config.dpairs.kd), dt=q.dtype,
-                           config=config)
-  f32k = jax.ShapeDtypeStruct((B, T, H, K), F32)
-  out = (f32k, f32k, f32k, jax.ShapeDtypeStruct((B, T, H), F32))
-  return call(kern, out, (B, H, T // C), config=config, num_warps=config.dpairs.warps,
-              num_stages=config.dpairs.stages, name="kda_dpairs")(q, k, g, beta, dP, dA)
