@@ -10,7 +10,9 @@ two configurations are two programs and nothing else is read while tracing.
 (128: 0.62 ms with ``kda_diag`` included, against 0.70 / 0.77 for 64 / 32), ``kda_diag``'s
 heads per program (8: 0.60 ms against 0.62 / 0.66 for 16 / 4), ``kda_dpairs``'s warps (2:
 2.65 ms against 3.33 with 4, 3.38 with 1; K slice 64 with 4 warps 2.80), and ``kda_dqk``'s
-K per program (32: the op's forward + backward 8.11 against 8.64 ms with 128). The other
+K per program (32: the op's forward + backward 8.11 against 8.64 ms with 128), and
+``kda_output``'s V tile (128, as Gated DeltaNet's: the op's forward 2.633 against 2.839 ms
+with 64, forward + backward 12.530 against 12.469, with the kernels of e58f40b). The other
 stages follow Gated DeltaNet's measured defaults (``benchmarks/results/gdn_h200.md``),
 with smaller K slices where a kernel holds several per-channel ``[16, kd]`` decay tiles at
 once; not swept for KDA.
@@ -29,7 +31,7 @@ STAGE_DEFAULTS = {
     "diag": Launch(bh=8, warps=4, stages=2),     # A, P's diagonal blocks per token
     "wu": Launch(bv=64, warps=4, stages=1),      # w, u, kd, e^gamma per chunk (K / V tile)
     "walk": Launch(bv=16, warps=4, stages=2),    # forward walk (h, v_new); tile, warps by shape
-    "out": Launch(bk=64, bv=64, warps=4, stages=2),   # the output per chunk and V tile
+    "out": Launch(bk=64, bv=128, warps=4, stages=2),  # the output per chunk and V tile
     "vnew": Launch(bv=128, warps=4, stages=2),   # backward: v_new and the local dv per V tile
     "dwalk": Launch(bv=16, warps=4, stages=2),   # backward walk; tile, warps by shape
     "dqk": Launch(kd=32, bv=64, warps=4, stages=1),   # backward: state terms of dq, dk,
