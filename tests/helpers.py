@@ -459,6 +459,22 @@ def find_eqns(jaxpr, name):
   return out
 
 
+def assert_fix_up_precision(case):
+  """A sequence-parallel fix-up's three GEMMs (its forward's and its backward's two, read
+  from the jaxpr of ``jax.grad`` over every argument) are at HIGHEST for float32 inputs
+  and at no explicit precision (jax's default) for bf16 ones. ``case(dtype)`` gives the
+  scalar function and its arguments for that input dtype."""
+  def precisions(dtype):
+    f, args = case(dtype)
+    jaxpr = jax.make_jaxpr(jax.grad(f, tuple(range(len(args)))))(*args)
+    return [str(e.params["precision"]) for e in find_eqns(jaxpr, "dot_general")]
+
+  highest = str(jax.lax.Precision.HIGHEST)
+  f32, bf16 = precisions(jnp.float32), precisions(jnp.bfloat16)
+  assert len(f32) == len(bf16) == 3
+  assert all(highest in p for p in f32) and not any(highest in p for p in bf16)
+
+
 def communicates(eqn) -> bool:
   """Whether the equation is, or contains, a collective (e.g. the All-Scan's custom_vjp)."""
   return eqn.primitive.name in COLLECTIVES or any(

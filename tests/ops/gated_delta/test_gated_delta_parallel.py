@@ -15,8 +15,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gdn_comm_worker import grad_bytes
-from helpers import (GDN_SHARD_DOC_IDS, check_gdn_against_float64, check_gdn_documents,
-                     find_eqns, gdn_inputs, local_pass_waits_for_the_state, rel_err, seq_mesh)
+from helpers import (GDN_SHARD_DOC_IDS, assert_fix_up_precision, check_gdn_against_float64,
+                     check_gdn_documents, gdn_inputs, local_pass_waits_for_the_state,
+                     rel_err, seq_mesh)
 from zeco_jax import recurrent_gated_delta_rule
 from zeco_jax.ops.gated_delta.parallel import zeco_gated_delta_rule, zeco_gated_delta_rule_local
 from zeco_jax.sp.scan import SCAN_METHODS
@@ -62,16 +63,8 @@ def test_fix_up_precision_follows_the_input_dtype():
   bf16): read from the jaxpr of its forward and backward."""
   from zeco_jax._chunks import fix_up
   rows, x = jnp.ones((1, 8, 2, 4)), jnp.ones((1, 2, 4, 3))
-
-  def precisions(dtype):
-    f = lambda r, x: jnp.sum(fix_up(r, x, dtype))
-    jaxpr = jax.make_jaxpr(jax.grad(f, (0, 1)))(rows.astype(dtype), x)
-    return [str(e.params["precision"]) for e in find_eqns(jaxpr, "dot_general")]
-
-  highest = str(jax.lax.Precision.HIGHEST)
-  f32, bf16 = precisions(jnp.float32), precisions(jnp.bfloat16)
-  assert len(f32) == len(bf16) == 3
-  assert all(highest in p for p in f32) and not any(highest in p for p in bf16)
+  assert_fix_up_precision(lambda dtype: (lambda r, x: jnp.sum(fix_up(r, x, dtype)),
+                                         (rows.astype(dtype), x)))
 
 
 def test_no_final_state_and_data_axis_kept():

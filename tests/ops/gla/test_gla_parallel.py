@@ -12,9 +12,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from helpers import (check_gla_against_recurrence, collective_operand_shapes, cotangents,
-                     find_eqns, gla_inputs, gla_shapes, local_pass_waits_for_the_state,
-                     loss_and_grads, output_sum_grad, rel_err, seq_mesh, states_sent_per_rank)
+from helpers import (assert_fix_up_precision, check_gla_against_recurrence,
+                     collective_operand_shapes, cotangents, gla_inputs, gla_shapes,
+                     local_pass_waits_for_the_state, loss_and_grads, output_sum_grad,
+                     rel_err, seq_mesh, states_sent_per_rank)
 from zeco_jax import recurrent_gla, transitions, zeco_gla, zeco_gla_local
 from zeco_jax.ops.gla.parallel import segment_transition
 from zeco_jax.sp.scan import SCAN_METHODS
@@ -90,16 +91,8 @@ def test_fix_up_precision_follows_the_input_dtype():
   tests/ops/gated_delta/test_gated_delta_parallel.py)."""
   from zeco_jax.ops.gla.parallel import _fix_up
   q, g, x = jnp.ones((1, 8, 2, 4)), -jnp.ones((1, 8, 2, 4)), jnp.ones((1, 2, 4, 3))
-
-  def precisions(dtype):
-    f = lambda q, x: jnp.sum(_fix_up(q, g, x, 0.5))
-    jaxpr = jax.make_jaxpr(jax.grad(f, (0, 1)))(q.astype(dtype), x)
-    return [str(e.params["precision"]) for e in find_eqns(jaxpr, "dot_general")]
-
-  highest = str(jax.lax.Precision.HIGHEST)
-  f32, bf16 = precisions(jnp.float32), precisions(jnp.bfloat16)
-  assert len(f32) == len(bf16) == 3
-  assert all(highest in p for p in f32) and not any(highest in p for p in bf16)
+  assert_fix_up_precision(lambda dtype: (lambda q, x: jnp.sum(_fix_up(q, g, x, 0.5)),
+                                         (q.astype(dtype), x)))
 
 
 def test_data_axis_shards_batch_and_is_kept():
