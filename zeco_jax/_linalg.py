@@ -1,7 +1,6 @@
 """Small numerical helpers every family shares: the matmul precision (and the fix-ups'),
-einsum, FLA's l2norm
-(the delta-rule families' ``use_qk_l2norm``), and the guard that keeps a possibly constant
-state out of XLA:CPU's YNN fusions.
+einsum, FLA's l2norm (the delta-rule families' ``use_qk_l2norm``), and the guard that
+keeps a possibly constant state out of XLA:CPU's YNN fusions.
 
 What it does not hold: anything family-specific (decays live with the family; the
 delta-rule families' chunk layout and recurrence are ``zeco_jax._chunks``).

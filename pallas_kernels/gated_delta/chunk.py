@@ -355,7 +355,7 @@ def _dqk_kernel(q_ref, k_ref, g_ref, gc_ref, vn_ref, dvn_ref, do_ref, h_ref, dh_
     dto_end = dto_end + jnp.sum(k.astype(F32) * dkd, axis=1)
   db = scale * eb * db
   dto_end = ek * dto_end
-  if NKS == 1:
+  if NKS == 1:                         # the terms in the order of the program measured
     dg_ref[b, t, hd] = (revsum(db, C) + dg_seg + exclsum(dto_end, C)
                         + jnp.exp(jnp.sum(g)) * dgam)
     return

@@ -7,8 +7,8 @@ Same contract as ``zeco_jax.ops.kda.chunked`` (padded, validated inputs; layout
 initial_state float32 ``[B, H, K, V]``; T a multiple of the chunk), plus the launch
 configuration ``config`` (:class:`pallas_kernels.kda.KernelConfig`):
 
-  fwd: A, P and T = (I + A)^{-1} per chunk (kda_diag, kda_intra) -> w, u, kd, e^{gamma} (kda_wu)
-       -> state walk (h, v_new, final) -> output
+  fwd: A, P and T = (I + A)^{-1} per chunk (kda_diag, kda_intra)
+       -> w, u, kd, e^{gamma} (kda_wu) -> state walk (h, v_new, final) -> output
   bwd: T, P, w, u, kd, e^{gamma} (recomputed) and qb = scale e^{b} * q
        -> v_new and its local cotangent (from the kept states) -> state-gradient walk
        (dH, dv_new, dh0) -> dq, dk, dg through the state terms, dw, dP (kda_dqk)

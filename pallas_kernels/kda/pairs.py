@@ -194,7 +194,8 @@ def intra(q, k, g, beta, *, chunk_size, config):
   C = chunk_size
   kern = functools.partial(_intra_kernel, C=C, K=K, KD=block(K, config.intra.kd), dt=k.dtype,
                            config=config)
-  out = (jax.ShapeDtypeStruct((B, T, H, C), k.dtype), jax.ShapeDtypeStruct((B, T, H, C), F32),
+  out = (jax.ShapeDtypeStruct((B, T, H, C), k.dtype),
+         jax.ShapeDtypeStruct((B, T, H, C), F32),
          jax.ShapeDtypeStruct((B, T, H, S), F32))        # + the inverse's scratch
   res = call(kern, out, (B, H, T // C), config=config, num_warps=config.intra.warps,
              num_stages=config.intra.stages, name="kda_intra")(
@@ -207,8 +208,9 @@ def intra(q, k, g, beta, *, chunk_size, config):
 def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref, dg_ref,
                   dbeta_ref, tot_ref, *, C, NK, KD, dt):
   """One sub-chunk M and K slice of one chunk: M's rows against the columns before them,
-  M's columns against the rows after them, and M's diagonal block twice, once by its columns (the rows' sums) and once by its rows (the columns'
-  sums), so no loop sums across a tile's rows. Writes dq, dk, dbeta's part from this K
+  M's columns against the rows after them, and M's diagonal block twice, once by its
+  columns (the rows' sums) and once by its rows (the columns' sums), so no loop sums
+  across a tile's rows. Writes dq, dk, dbeta's part from this K
   slice, dg but for the block pairs spanning all of M, and for each earlier sub-chunk J
   the total of dseg over the block pair (M, J) (``tot_ref[b, hd, n, M, J]``), from which
   :func:`dpairs` adds those."""
