@@ -492,18 +492,30 @@ def local_pass_waits_for_the_state(fn, *args, min_collectives=1) -> bool:
   body that does not itself communicate) takes any input computed from a collective's
   result: False means XLA may run it while the states are in flight. Walks the body in
   program order, tainting every output of a collective and of an equation with a tainted
-  input; asserts the body has at least ``min_collectives`` communicating equations and a
-  local pass."""
+  input, and goes inside a communicating custom_vjp call (a delta-rule rank's whole
+  segment, ``zeco_jax._chunks._segment``) with its inputs' taint; asserts the body has at
+  least ``min_collectives`` communicating equations and a local pass."""
   body = find_eqns(jax.make_jaxpr(fn)(*args), "shard_map")[0].params["jaxpr"]
-  tainted, local_calls, collectives = set(), [], 0
-  for eqn in body.eqns:
-    ins = [x for x in eqn.invars if isinstance(x, jax.extend.core.Var)]
-    moves = communicates(eqn)
-    if eqn.primitive.name.startswith("custom_vjp") and not moves:
-      local_calls.append(any(x in tainted for x in ins))      # the chunked local pass
-    if moves or any(x in tainted for x in ins):
-      collectives += moves
-      tainted.update(eqn.outvars)
+  local_calls, collectives = [], 0
+
+  def walk(jaxpr, tainted):
+    nonlocal collectives
+    for eqn in jaxpr.eqns:
+      ins = [x for x in eqn.invars if isinstance(x, jax.extend.core.Var)]
+      moves = communicates(eqn)
+      inner = list(sub_jaxprs(eqn))
+      if eqn.primitive.name.startswith("custom_vjp") and moves and len(inner) == 1:
+        assert len(inner[0].invars) == len(eqn.invars)
+        walk(inner[0], {i for i, x in zip(inner[0].invars, eqn.invars) if x in tainted})
+        tainted.update(eqn.outvars)
+        continue
+      if eqn.primitive.name.startswith("custom_vjp") and not moves:
+        local_calls.append(any(x in tainted for x in ins))      # the chunked local pass
+      if moves or any(x in tainted for x in ins):
+        collectives += moves
+        tainted.update(eqn.outvars)
+
+  walk(body, set())
   assert collectives >= min_collectives and local_calls, (
       "expected collectives and a chunked local pass", collectives, local_calls)
   return any(local_calls)

@@ -19,6 +19,7 @@ form (diagonal transitions, ``ops/gla/chunked.py``).
 from __future__ import annotations
 
 import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -210,18 +211,56 @@ def _chunk_recurrence_bwd(terms, C, augment, residuals, cotangents):
 chunk_recurrence.defvjp(_chunk_recurrence_fwd, _chunk_recurrence_bwd)
 
 
-def local_pass(q, k, v, g, beta, *, recurrence, chunked_op, axis_name, method, num_blocks,
-               group_size, chunk_size, scale, initial_state, segment_ids, name,
-               overlap_pieces=None):
-  """A delta-rule family's per-shard body (docs/design.md §9): ``(o, state after the
-  segment)`` on this rank's checked, l2-normalised segment.
+class LocalPass(NamedTuple):
+  """A delta-rule backend's local pass, bound to its scale and chunk size
+  (``zeco_jax.ops._delta_kernels.local_pass_ops`` builds one for the jnp path or the
+  kernels).
 
-  1. ``recurrence(q, k, v, g, beta, None, scale, C, True)`` (the family's chunked form,
-     widened by K identity columns) from a zero state: the local outputs, the segment's own
-     state S_p, its transition M_p and the fix-up rows R. Nothing waits for another rank.
+  * ``widened(q, k, v, g, beta)``: ``(out [B, L, H, V + K], final [B, H, K, V + K])`` of
+    the chunked form widened by K identity columns, from a zero state
+    (:func:`chunk_recurrence` with ``augment``); a custom_vjp of its own.
+  * ``widened_res``: the same, ``((out, final), states)`` with the state entering every
+    chunk ``[B, H, N, K, V + K]`` (what the backward below is given).
+  * ``backward(q, k, v, g, beta, h0, states, do, dht)``: ``(dq, dk, dv, dg, dbeta)`` of
+    the plain pass (V columns) entered with ``h0`` ``[B, H, K, V]`` whose chunk states
+    are ``states`` ``[B, H, N, K, V]``, for the cotangents of its outputs and final state.
+  * ``chunked_op``: the family's op (LASP-1's ``"ring"`` runs it from the received state).
+  """
+  widened: Callable
+  widened_res: Callable
+  backward: Callable
+  chunked_op: Callable
+
+
+def jnp_local_pass(terms, C, chunked_op) -> LocalPass:
+  """:class:`LocalPass` on the jnp chunked form; ``terms`` is the family's chunk terms
+  with its scale bound."""
+  def backward(q, k, v, g, beta, h0, states, do, dht):
+    return _chunk_recurrence_bwd(terms, C, False, (q, k, v, g, beta, h0, states),
+                                 (do, dht))[:5]
+
+  return LocalPass(
+      widened=lambda q, k, v, g, beta: chunk_recurrence(terms, q, k, v, g, beta, None, C, True),
+      widened_res=lambda q, k, v, g, beta: _forward(terms, q, k, v, g, beta, None, C, True),
+      backward=backward, chunked_op=chunked_op)
+
+
+def local_pass(q, k, v, g, beta, *, ops, axis_name, method, num_blocks, group_size,
+               chunk_size, scale, initial_state, segment_ids, name, overlap_pieces=None):
+  """A delta-rule family's per-shard body (docs/design.md §9): ``(o, state after the
+  segment)`` on this rank's checked, l2-normalised segment; ``ops`` a :class:`LocalPass`.
+
+  1. ``ops.widened``: the family's chunked form widened by K identity columns, from a zero
+     state: the local outputs, the segment's own state S_p, its transition M_p and the
+     fix-up rows R. Nothing waits for another rank.
   2. The scan of ``(S_p, DenseTransition(M_p))`` over ``axis_name`` -> X_p.
   3. The fix-up ``o += R X_p``, one GEMM. A method without overlap (LASP-1's ``"ring"``)
-     instead runs ``chunked_op`` from the received state.
+     instead runs ``ops.chunked_op`` from the received state.
+
+  The backward (:func:`_segment`) runs the scan's reverse and then the plain pass's
+  backward on V columns, entered with X_p: the gradient of the rank's outputs and of the
+  state it hands on is that of the op started from X_p, so the widened columns are not
+  carried through the backward.
 
   Packed documents: the starts inside the segment go into the local pass; a start on the
   first token (one ppermute of the previous rank's last id) zeroes M_p and R only.
@@ -230,7 +269,8 @@ def local_pass(q, k, v, g, beta, *, recurrence, chunked_op, axis_name, method, n
   more than 1 on TPU only): steps 1 and 2 interleaved by
   head groups (:func:`zeco_jax.sp.scan.all_scan_of_pieces`): the local pass of group j
   gives the chain's block j, so the chain starts after the first group's local pass and
-  the later groups' run while sends are in flight; the fix-up per group.
+  the later groups' run while sends are in flight; the fix-up per group. Its backward is
+  autodiff's, through the widened pass.
   """
   B, L, H, K = q.shape
   V = v.shape[-1]
@@ -243,28 +283,100 @@ def local_pass(q, k, v, g, beta, *, recurrence, chunked_op, axis_name, method, n
                                           platform=platform_of(q), P=lax.axis_size(axis_name),
                                           name=name)
   if overlap_pieces > 1 and lax.axis_size(axis_name) > 1:
-    return _local_pass_in_pieces(q, k, v, g, beta, recurrence=recurrence,
+    return _local_pass_in_pieces(q, k, v, g, beta, recurrence=ops.widened,
                                  axis_name=axis_name, pieces=overlap_pieces,
-                                 chunk_size=chunk_size, scale=scale,
                                  initial_state=initial_state, first_starts=first_starts)
   nb = _scan.resolve_num_blocks(num_blocks, method, lax.axis_size(axis_name),
                                 4 * B * H * K * V, V, name=name, group_size=group_size)
-  out, end = recurrence(q, k, v, g, beta, None, scale, chunk_size, True)
+  scan = functools.partial(_dense_scan, axis_name=axis_name, num_blocks=nb, method=method,
+                           group_size=group_size)
+  if _scan.SCAN_METHODS[method].overlaps_local:
+    return _segment(ops, scan, q, k, v, g, beta, initial_state, first_starts)
+  # LASP-1: compute after receive, the whole chunked pass from the received state.
+  _, (seg_state, seg_matrix, _) = _widened_parts(ops.widened(q, k, v, g, beta), V,
+                                                 first_starts)
+  entering, after = scan(seg_state, seg_matrix, initial_state)
+  if first_starts is not None:
+    g = segments.reset_first_token(g, first_starts)
+  o, _ = ops.chunked_op(q, k, v, g, beta, scale=scale, initial_state=entering,
+                        chunk_size=chunk_size)
+  return o, after
+
+
+def _dense_scan(seg_state, seg_matrix, initial, *, axis_name, num_blocks, method,
+                group_size):
+  """``(X_p, state after the segment)``: the scan of ``(S_p, DenseTransition(M_p))``."""
+  return _scan.all_scan(seg_state, transitions.DenseTransition(seg_matrix), axis_name,
+                        num_blocks=num_blocks, method=method, initial=initial,
+                        group_size=group_size)
+
+
+def _widened_parts(widened, V, first_starts):
+  """``(o_local, (S_p, M_p, R))`` from the widened pass's ``(out, final)``; a start on
+  the segment's first token zeroes M_p and R."""
+  out, end = widened
   o_local, seg_state, seg_matrix, rows = out[..., :V], end[..., :V], end[..., V:], out[..., V:]
   if first_starts is not None:
     seg_matrix = jnp.where(first_starts[:, None, None, None], 0.0, seg_matrix)
     rows = jnp.where(first_starts[:, None, None, None], 0.0, rows)
-  entering, after = _scan.all_scan(seg_state, transitions.DenseTransition(seg_matrix),
-                                   axis_name, num_blocks=nb, method=method,
-                                   initial=initial_state, group_size=group_size)
-  if _scan.SCAN_METHODS[method].overlaps_local:
-    return (o_local + fix_up(rows, entering, v.dtype)).astype(v.dtype), after
-  # LASP-1: compute after receive, the whole chunked pass from the received state.
+  return o_local, (seg_state, seg_matrix, rows)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _segment(ops, scan, q, k, v, g, beta, h0, first_starts):
+  """Steps 1-3 of :func:`local_pass` (a method that overlaps): ``(o, state after the
+  segment)``. A custom_vjp (:func:`_segment_bwd`); without differentiation this is the
+  whole of it."""
+  V = v.shape[-1]
+  o_local, (seg_state, seg_matrix, rows) = _widened_parts(ops.widened(q, k, v, g, beta), V,
+                                                          first_starts)
+  entering, after = scan(seg_state, seg_matrix, h0)
+  return (o_local + fix_up(rows, entering, v.dtype)).astype(v.dtype), after
+
+
+def _segment_fwd(ops, scan, q, k, v, g, beta, h0, first_starts):
+  V = v.shape[-1]
+  widened, states = ops.widened_res(q, k, v, g, beta)
+  o_local, (seg_state, seg_matrix, rows) = _widened_parts(widened, V, first_starts)
+  if h0 is None:
+    (entering, after), scan_vjp = jax.vjp(lambda s, m: scan(s, m, None), seg_state,
+                                          seg_matrix)
+  else:
+    (entering, after), scan_vjp = jax.vjp(scan, seg_state, seg_matrix, h0)
+  o = (o_local + fix_up(rows, entering, v.dtype)).astype(v.dtype)
+  return (o, after), (q, k, v, g, beta, states, rows, entering, first_starts, scan_vjp)
+
+
+def _segment_bwd(ops, scan, residuals, cotangents):
+  """The backward without the widened columns.
+
+  The rank's outputs and the state it hands on are those of the plain pass entered with
+  X_p (``o = o_local + R X_p``, ``S_p + M_p X_p``), and M_p reaches the rest of the
+  sequence only through that state. So: the fix-up's transpose ``R^T dO`` is X_p's local
+  cotangent; the scan's reverse (its vjp kept from the forward: the reverse chain, one
+  state per rank) gives ``dS_p``, the whole cotangent of the state after the segment, and
+  the initial state's; and the plain pass's backward from X_p, with ``dO`` and ``dS_p``,
+  gives the inputs' gradients. Its chunk states are the widened ones applied to X_p:
+  ``S_n + P_n X_p`` (P_n the product of the chunk transitions before chunk n).
+  """
+  q, k, v, g, beta, states, rows, entering, first_starts, scan_vjp = residuals
+  do, d_after = cotangents
+  V = v.shape[-1]
+  _, fix_up_vjp = jax.vjp(lambda x: fix_up(rows, x, v.dtype), entering)
+  d_entering, = fix_up_vjp(do.astype(jnp.float32))
+  d_scan = scan_vjp((d_entering, d_after))
+  d_seg_state, dh0 = d_scan[0], (d_scan[2] if len(d_scan) > 2 else None)
+  x = entering
   if first_starts is not None:
-    g = segments.reset_first_token(g, first_starts)
-  o, _ = chunked_op(q, k, v, g, beta, scale=scale, initial_state=entering,
-                    chunk_size=chunk_size)
-  return o, after
+    x = jnp.where(first_starts[:, None, None, None], 0.0, x)
+  plain = (states[..., :V].astype(jnp.float32)
+           + jnp.einsum("bhnkj,bhjv->bhnkv", states[..., V:].astype(jnp.float32), x,
+                        precision=_HI)).astype(states.dtype)
+  grads = ops.backward(q, k, v, g, beta, x, plain, do, d_seg_state)
+  return (*grads, dh0, None)
+
+
+_segment.defvjp(_segment_fwd, _segment_bwd)
 
 
 def fix_up(rows, entering, dtype):
@@ -308,8 +420,8 @@ def resolve_overlap_pieces(overlap_pieces, method, num_blocks, H, *, platform, P
   return overlap_pieces
 
 
-def _local_pass_in_pieces(q, k, v, g, beta, *, recurrence, axis_name, pieces, chunk_size,
-                          scale, initial_state, first_starts):
+def _local_pass_in_pieces(q, k, v, g, beta, *, recurrence, axis_name, pieces, initial_state,
+                          first_starts):
   """:func:`local_pass` with the All-Scan's blocks the ``pieces`` head groups, each
   produced by its group's widened local pass (:func:`zeco_jax.sp.scan.all_scan_of_pieces`)."""
   H, V = q.shape[2], v.shape[-1]
@@ -317,11 +429,8 @@ def _local_pass_in_pieces(q, k, v, g, beta, *, recurrence, axis_name, pieces, ch
   heads = lambda x, i, axis: lax.slice_in_dim(x, i * hs, (i + 1) * hs, axis=axis)
 
   def piece(q, k, v, g, beta):
-    out, end = recurrence(q, k, v, g, beta, None, scale, chunk_size, True)
-    o_local, seg_state, seg_matrix, rows = out[..., :V], end[..., :V], end[..., V:], out[..., V:]
-    if first_starts is not None:
-      seg_matrix = jnp.where(first_starts[:, None, None, None], 0.0, seg_matrix)
-      rows = jnp.where(first_starts[:, None, None, None], 0.0, rows)
+    o_local, (seg_state, seg_matrix, rows) = _widened_parts(recurrence(q, k, v, g, beta), V,
+                                                            first_starts)
     return seg_state, transitions.DenseTransition(seg_matrix), (o_local, rows)
 
   work = [(piece, tuple(heads(x, i, 2) for x in (q, k, v, g, beta))) for i in range(pieces)]

@@ -1,7 +1,8 @@
 """The delta-rule families' kernel path (Gated DeltaNet, Kimi Delta Attention): which
 backend runs (:func:`kernel_setup`), the kernels behind one custom_vjp
 (:func:`kernel_recurrence`: keeps the inputs and the kernels' chunk states), and the
-widened state of the sequence-parallel local pass on the kernels (:func:`widened`).
+sequence-parallel local pass on the kernels (:func:`local_pass_ops`: the widened state's
+forward, the plain backward).
 
 A family's kernels are ``pallas_kernels.backend(family, platform)`` (``fwd`` / ``fwd_res``
 / ``bwd_res`` on padded inputs, g and beta float32, an initial state always given) with
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from zeco_jax import _checks
+from zeco_jax import _chunks
 from zeco_jax._vma import match_varying
 from zeco_jax.ops import _dispatch
 from zeco_jax.runtime import target
@@ -100,27 +102,61 @@ def kernel_recurrence(q, k, v, g, beta, h0, scale, C, config, *, family):
   B, T, H, K = q.shape
   V = v.shape[-1]
   h0 = jnp.zeros((B, H, K, V), jnp.float32) if h0 is None else h0.astype(jnp.float32)
-  padded = [_checks.pad_time(x, C) for x in (q, k, v, g.astype(jnp.float32),
-                                            beta.astype(jnp.float32))]
-  arrays = [*padded, h0]
+  arrays = [*_padded(C, q, k, v, g, beta), h0]
   arrays = [match_varying(x, *arrays) for x in arrays]
   o, final = _core(*arrays, scale, C, family, config)
   return o[:, :T], final
 
 
-def widened(q, k, v, g, beta, h0, scale, C, augment, *, family, config):
-  """The jnp ``chunk_recurrence`` contract (``zeco_jax._chunks``) on the kernels: with
-  ``augment`` the state is widened by K columns (v gets K zero columns, the initial state
-  the identity there), so the kernels carry the prefix products of the chunk transitions
-  (the segment transition and the fix-up rows of the local pass)."""
-  if augment:
-    B, _, H, K = q.shape
-    V = v.shape[-1]
-    v = jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (K,), v.dtype)], -1)
-    base = jnp.zeros((B, H, K, V), jnp.float32) if h0 is None else h0.astype(jnp.float32)
-    h0 = jnp.concatenate([base, jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, H, K, K))],
-                         -1)
-  return kernel_recurrence(q, k, v, g, beta, h0, scale, C, config, family=family)
+def _padded(C, q, k, v, g, beta, *rest):
+  """The kernels' inputs: T padded to a multiple of C (tokens that change nothing), g and
+  beta float32; ``rest`` (per-token arrays) padded alike."""
+  return [_checks.pad_time(x, C) for x in (q, k, v, g.astype(jnp.float32),
+                                           beta.astype(jnp.float32), *rest)]
+
+
+def _widened_inputs(v, K):
+  """v with K zero columns and the initial state ``[0, I]``: the widened state, which
+  carries the prefix products of the chunk transitions (the segment transition and the
+  fix-up rows of the local pass) in its last K columns."""
+  B, _, H, V = v.shape
+  v = jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (K,), v.dtype)], -1)
+  h0 = jnp.concatenate([jnp.zeros((B, H, K, V), jnp.float32),
+                        jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, H, K, K))], -1)
+  return v, h0
+
+
+def _kernel_local_pass(family, wide, plain, scale, C, chunked_op):
+  """:class:`zeco_jax._chunks.LocalPass` on the family's kernels: the widened pass with the
+  launch configuration ``wide`` (V + K columns), the plain backward with ``plain``."""
+  def widened(q, k, v, g, beta):
+    v, h0 = _widened_inputs(v, q.shape[-1])
+    return kernel_recurrence(q, k, v, g, beta, h0, scale, C, wide, family=family)
+
+  def widened_res(q, k, v, g, beta):
+    T = q.shape[1]
+    v, h0 = _widened_inputs(v, q.shape[-1])
+    arrays = [*_padded(C, q, k, v, g, beta), h0]
+    arrays = [match_varying(x, *arrays) for x in arrays]
+    (o, final), res = _kernels(family, wide).fwd_res(*arrays[:5], scale=scale,
+                                                     initial_state=arrays[5], chunk_size=C,
+                                                     config=wide)
+    return (o[:, :T], final), res.h
+
+  def backward(q, k, v, g, beta, h0, states, do, dht):
+    T = q.shape[1]
+    arrays = [*_padded(C, q, k, v, g, beta, do.astype(v.dtype)), h0,
+              dht.astype(jnp.float32)]
+    arrays = [match_varying(x, *arrays) for x in arrays]
+    pq, pk, pv, pg, pbeta, pdo, h0, dht = arrays
+    impl = _kernels(family, plain)
+    res = impl.Residual(match_varying(states, *arrays))         # the chunk states h
+    grads = impl.bwd_res(res, pq, pk, pv, pg, pbeta, pdo, dht, scale=scale, initial_state=h0,
+                         chunk_size=C, config=plain)[:5]
+    return tuple(d[:, :T].astype(x.dtype) for d, x in zip(grads, (q, k, v, g, beta)))
+
+  return _chunks.LocalPass(widened=widened, widened_res=widened_res, backward=backward,
+                           chunked_op=chunked_op)
 
 
 def sharded_backend(backend, kernel_config, q, mesh, args, chunk_size, *, family, name):
@@ -134,16 +170,21 @@ def sharded_backend(backend, kernel_config, q, mesh, args, chunk_size, *, family
   return backend
 
 
-def local_pass_ops(backend, kernel_config, q, args, chunk_size, *, family, name, recurrence,
+def local_pass_ops(backend, kernel_config, q, args, chunk_size, *, family, name, terms,
                    chunked_op):
-  """``(recurrence, chunked_op)`` of a delta-rule family's local pass
-  (:func:`zeco_jax._chunks.local_pass`): the jnp ones given, or on the kernels the widened
-  state (:func:`widened`, a configuration for V + K columns) and the op with
-  ``backend="pallas"``."""
-  backend, config = kernel_setup(backend, kernel_config, (q,), args.B, args.T, args.H, args.K,
-                                 args.V + args.K, q.dtype, family=family, name=name)
+  """A delta-rule family's local pass (:class:`zeco_jax._chunks.LocalPass`) on the jnp
+  chunked form (``terms``, the family's chunk terms taking ``scale=``) or on its kernels:
+  the widened pass with a configuration for V + K columns (``kernel_config`` is for that
+  width), the backward with the default for V columns; the op with ``backend="pallas"``
+  for LASP-1's ring."""
+  backend, wide = kernel_setup(backend, kernel_config, (q,), args.B, args.T, args.H, args.K,
+                               args.V + args.K, q.dtype, family=family, name=name)
   if backend == "jax":
-    return recurrence, chunked_op
+    return _chunks.jnp_local_pass(functools.partial(terms, scale=args.scale), chunk_size,
+                                  chunked_op)
   check_kernel_dims(args.K, args.V, chunk_size, name=name)
-  return (functools.partial(widened, family=family, config=config),
-          functools.partial(chunked_op, backend="pallas", kernel_config=kernel_config))
+  _, plain = kernel_setup(backend, None, (q,), args.B, args.T, args.H, args.K, args.V, q.dtype,
+                          family=family, name=name)
+  return _kernel_local_pass(family, wide, plain, args.scale, chunk_size,
+                            functools.partial(chunked_op, backend="pallas",
+                                              kernel_config=kernel_config))

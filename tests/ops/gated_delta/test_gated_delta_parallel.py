@@ -104,15 +104,17 @@ def test_local_inside_user_shard_map():
 
 def test_all_scan_sends_two_states_per_rank_whatever_P():
   # jit(grad) compiled: the All-Scan sends one K x V state forward and one back per rank,
-  # and the K x K transition never travels; all_gather sends every (S_p, M_p) both ways;
-  # the tree sends a pair in each of its ceil(log2 P) rounds (plus the shift) both ways.
+  # and the K x K transition never travels; all_gather gathers every (S_p, M_p) forward and
+  # every state's cotangent back (the backward runs the plain pass from X_p, so no
+  # cotangent of M_p travels: _chunks._segment_bwd); the tree sends a pair in each of its
+  # ceil(log2 P) rounds (plus the shift) forward and less back.
   # In units of one state M = B H K V 4 bytes (gdn_comm_worker.py: B = 1); a K x K
   # transition is K / V = 0.5 of it.
   pair = 1 + K / V
   for n in (4, 8):
     assert grad_bytes("all_scan", n) == 2.0, n
     gathered = grad_bytes("all_gather", n)
-    assert gathered >= 2 * (n - 1) * pair, (n, gathered)
+    assert gathered == (n - 1) * (pair + 1), (n, gathered)
     rounds = int(np.ceil(np.log2(n)))
     tree = grad_bytes("tree", n)
     assert 2 * rounds * pair - 1 <= tree <= 2 * (rounds * pair + 1), (n, tree)

@@ -5,10 +5,10 @@ Same mesh contract as :func:`zeco_jax.zeco_gla` (global arrays whose T axis is s
 segment of the sequence (docs/design.md §9):
 
 1. the local pass from a zero state, widened by K columns that start as the identity
-   (:func:`zeco_jax.ops.gated_delta.chunked.chunk_recurrence` with ``augment=True``). It gives the
-   local outputs, the segment's own state ``S_p`` and, from the identity columns, the
-   segment transition ``M_p`` (the product of its chunk transitions, ``K x K``) and one
-   fix-up row per token, ``R_t = Qeff_n (M_{n-1} ... M_0)``: how token t's output depends
+   (:func:`zeco_jax.ops.gated_delta.chunked.chunk_recurrence` with ``augment=True``, or the
+   kernels on V + K value columns). It gives the local outputs, the segment's own state
+   ``S_p`` and, from the identity columns, the segment transition ``M_p`` (the product of
+   its chunk transitions, ``K x K``) and one fix-up row per token, ``R_t = Qeff_n (M_{n-1} ... M_0)``: how token t's output depends
    on the state entering the segment. None of it waits for another rank;
 2. the scan of ``(S_p, DenseTransition(M_p))`` over ``seq_axis`` (any method of
    :data:`zeco_jax.SCAN_METHODS`; the All-Scan sends one K x V state per rank and
@@ -20,21 +20,21 @@ into the local pass as GLA's sentinel log-decay, which zeroes the widened state'
 columns from the start on (so ``M_p = 0`` and the rows after it are 0); a start on the
 segment's first token (known from the previous rank's last id) zeroes ``M_p`` and ``R``.
 
-The backward composes the parts' own backwards: the fix-up's transpose (``dX = R^T dO``,
-``dR = dO X^T``), the scan's reverse (under ``M_p^T``), and the local pass's reverse
-recurrence over chunks on the widened state. ``"ring"`` (LASP-1) has no overlap: it runs
-the chunked op from the received state after the scan.
-
-Backends: the local pass runs the jnp chunked form or the family's Pallas kernels
-(``backend=``, as :func:`zeco_jax.chunk_gated_delta_rule`). The kernels take the widened
-state as V + K value columns: v padded with K zero columns, the initial state ``[0, I]``.
+The backward (``zeco_jax._chunks.local_pass``) does not carry the widened columns: the
+rank's outputs and the state it hands on are those of the plain pass entered with X_p, so
+after the fix-up's transpose (``dX = R^T dO``) and the scan's reverse (one state per rank
+back with the All-Scan; it gives ``dS_p``, the cotangent of the state after the segment),
+the plain pass's backward on V columns from X_p gives the inputs' gradients, its chunk
+states ``S_n + P_n X_p`` from the widened forward's. With head groups
+(``overlap_pieces``) the backward is autodiff's, through the widened pass. ``"ring"``
+(LASP-1) has no overlap: it runs the chunked op from the received state after the scan.
 """
 from __future__ import annotations
 
 from zeco_jax import _chunks
 from zeco_jax import segments
 from zeco_jax.ops._delta_kernels import local_pass_ops, sharded_backend
-from zeco_jax.ops.gated_delta.chunked import chunk_recurrence
+from zeco_jax.ops.gated_delta.chunked import chunk_terms
 from zeco_jax.ops.gated_delta.op import FAMILY, check_inputs, chunk_gated_delta_rule, l2norm
 from zeco_jax.sp import scan as _scan
 from zeco_jax.sp import shard
@@ -63,19 +63,20 @@ def zeco_gated_delta_rule_local(q, k, v, g, beta, *, axis_name, method="all_scan
   last rank that state is the final state of the sequence. ``segment_ids`` ``[B, L]`` is
   this rank's slice of the packed rows' document ids (docs/design.md §9, §10).
   ``backend``, ``kernel_config``: as in :func:`zeco_jax.chunk_gated_delta_rule`; the
-  kernels run on V + K value columns (the widened state), so a ``kernel_config`` is for
-  that width. ``overlap_pieces``: as in :func:`zeco_gated_delta_rule`.
+  kernels run on V + K value columns (the widened state) in the forward, so a
+  ``kernel_config`` is for that width; the backward runs them on V columns with the
+  default configuration. ``overlap_pieces``: as in :func:`zeco_gated_delta_rule`.
   """
   name = "zeco_gated_delta_rule_local"
   args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, group_size,
                      name=name)
-  recurrence, chunked_op = local_pass_ops(
+  ops = local_pass_ops(
       backend, kernel_config, q, args, chunk_size, family=FAMILY, name=name,
-      recurrence=chunk_recurrence, chunked_op=chunk_gated_delta_rule)
+      terms=chunk_terms, chunked_op=chunk_gated_delta_rule)
   if use_qk_l2norm:
     q, k = l2norm(q), l2norm(k)
   o, after = _chunks.local_pass(
-      q, k, v, g, beta, recurrence=recurrence, chunked_op=chunked_op,
+      q, k, v, g, beta, ops=ops,
       axis_name=axis_name, method=method, num_blocks=num_blocks, group_size=group_size,
       chunk_size=chunk_size, scale=args.scale, initial_state=initial_state,
       segment_ids=segment_ids, name=name,

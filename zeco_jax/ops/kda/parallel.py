@@ -5,10 +5,11 @@ Same mesh contract as :func:`zeco_jax.zeco_gla` (global arrays whose T axis is s
 Gated DeltaNet's (docs/design.md §9, §13). On the rank holding a contiguous segment:
 
 1. the local pass from a zero state, widened by K columns that start as the identity
-   (:func:`zeco_jax.ops.kda.chunked.chunk_recurrence` with ``augment=True``). It gives the
-   local outputs, the segment's own state ``S_p`` and, from the identity columns, the
-   segment transition ``M_p`` (the product of its chunk transitions
-   ``Diag(e^{b_C}) - K_end^T W``, a dense ``K x K``) and one fix-up row per token,
+   (:func:`zeco_jax.ops.kda.chunked.chunk_recurrence` with ``augment=True``, or the kernels
+   on V + K value columns). It gives the local outputs, the segment's own state ``S_p``
+   and, from the identity columns, the segment transition ``M_p`` (the product of its
+   chunk transitions ``Diag(e^{b_C}) - K_end^T W``, a dense ``K x K``) and one fix-up row
+   per token,
    ``R_t = Qeff_n (M_{n-1} ... M_0)``. None of it waits for another rank;
 2. the scan of ``(S_p, DenseTransition(M_p))`` over ``seq_axis`` (any method of
    :data:`zeco_jax.SCAN_METHODS`; the All-Scan sends one K x V state per rank and
@@ -21,10 +22,14 @@ state's identity columns from the start on (so ``M_p = 0`` and the rows after it
 start on the segment's first token (known from the previous rank's last id) zeroes
 ``M_p`` and ``R``.
 
-The backward composes the parts' own backwards: the fix-up's transpose, the scan's
-reverse (under ``M_p^T``), and the local pass's reverse recurrence over chunks on the
-widened state. ``"ring"`` (LASP-1) has no overlap: it runs the chunked op from the
-received state after the scan.
+The backward (``zeco_jax._chunks.local_pass``) does not carry the widened columns: the
+rank's outputs and the state it hands on are those of the plain pass entered with X_p, so
+after the fix-up's transpose (``dX = R^T dO``) and the scan's reverse (one state per rank
+back with the All-Scan; it gives ``dS_p``, the cotangent of the state after the segment),
+the plain pass's backward on V columns from X_p gives the inputs' gradients, its chunk
+states ``S_n + P_n X_p`` from the widened forward's. With head groups
+(``overlap_pieces``) the backward is autodiff's, through the widened pass. ``"ring"``
+(LASP-1) has no overlap: it runs the chunked op from the received state after the scan.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ from zeco_jax import _chunks
 from zeco_jax import segments
 from zeco_jax._linalg import l2norm
 from zeco_jax.ops._delta_kernels import local_pass_ops, sharded_backend
-from zeco_jax.ops.kda.chunked import chunk_recurrence
+from zeco_jax.ops.kda.chunked import chunk_terms_bounded
 from zeco_jax.ops.kda.op import FAMILY, check_inputs, chunk_kda
 from zeco_jax.sp import scan as _scan
 from zeco_jax.sp import shard
@@ -60,19 +65,20 @@ def zeco_kda_local(q, k, v, g, beta, *, axis_name, method="all_scan", num_blocks
   last rank that state is the final state of the sequence. ``segment_ids`` ``[B, L]`` is
   this rank's slice of the packed rows' document ids (docs/design.md §10).
   ``backend``, ``kernel_config``: as in :func:`zeco_jax.chunk_kda`; the kernels run on
-  V + K value columns (the widened state), so a ``kernel_config`` is for that width.
+  V + K value columns (the widened state) in the forward, so a ``kernel_config`` is for that
+  width; the backward runs them on V columns with the default configuration.
   ``overlap_pieces``: as in :func:`zeco_kda`.
   """
   name = "zeco_kda_local"
   args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, group_size,
                      name=name)
-  recurrence, chunked_op = local_pass_ops(
+  ops = local_pass_ops(
       backend, kernel_config, q, args, chunk_size, family=FAMILY, name=name,
-      recurrence=chunk_recurrence, chunked_op=chunk_kda)
+      terms=chunk_terms_bounded, chunked_op=chunk_kda)
   if use_qk_l2norm:
     q, k = l2norm(q), l2norm(k)
   o, after = _chunks.local_pass(
-      q, k, v, g, beta, recurrence=recurrence, chunked_op=chunked_op, axis_name=axis_name,
+      q, k, v, g, beta, ops=ops, axis_name=axis_name,
       method=method, num_blocks=num_blocks, group_size=group_size, chunk_size=chunk_size,
       scale=args.scale, initial_state=initial_state, segment_ids=segment_ids, name=name,
       overlap_pieces=overlap_pieces)
