@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from gdn_comm_worker import grad_bytes
 from helpers import (GDN_SHARD_DOC_IDS, assert_fix_up_precision, check_gdn_against_float64,
-                     check_gdn_documents, gdn_inputs, local_pass_waits_for_the_state,
-                     rel_err, seq_mesh)
+                     check_gdn_documents, find_eqns, gdn_inputs,
+                     local_pass_waits_for_the_state, rel_err, seq_mesh)
 from zeco_jax import recurrent_gated_delta_rule
 from zeco_jax.ops.gated_delta.parallel import zeco_gated_delta_rule, zeco_gated_delta_rule_local
 from zeco_jax.sp.scan import SCAN_METHODS
@@ -176,6 +176,33 @@ def test_local_pass_does_not_wait_for_the_state():
   # With documents too: the previous rank's last id (a ppermute) reaches only M_p and R.
   assert not _local_pass_waits("all_scan", jnp.asarray(GDN_SHARD_DOC_IDS))
   assert _local_pass_waits("ring")     # LASP-1: compute after receive
+
+
+def test_backward_runs_the_plain_pass_not_the_widened_one():
+  """The forward carries the widened state (V + K columns) through its chunk scan; the
+  backward's reverse scan over chunks carries V columns only: it is the plain pass's
+  backward from the received state (docs/design.md §9), not autodiff's through the
+  widened columns. Read from the jaxpr of grad over every input, at all_scan and
+  all_gather (K = 8, V = 16: widened 24)."""
+  (q, k, v, g, beta, h0), _ = gdn_inputs(25, B, 64, H, K, V, initial=True)
+
+  def widths(method, pieces=None):
+    op = functools.partial(zeco_gated_delta_rule, mesh=seq_mesh(4), method=method,
+                           chunk_size=16, initial_state=h0, overlap_pieces=pieces)
+    f = jax.grad(lambda *a: jnp.sum(op(*a)[0] ** 2), argnums=(0, 1, 2, 3, 4))
+    scans = find_eqns(jax.make_jaxpr(f)(q, k, v, g, beta), "scan")
+    by_direction = {True: set(), False: set()}
+    for eqn in scans:      # the state walks' carries: [B, H, K, width], width > K
+      by_direction[eqn.params["reverse"]].update(
+          x.aval.shape[-1] for x in eqn.outvars
+          if x.aval.ndim == 4 and x.aval.shape[-2] == K and x.aval.shape[-1] > K)
+    return by_direction
+
+  for method in ("all_scan", "all_gather"):
+    w = widths(method)
+    assert V + K in w[False] and w[True] == {V}, (method, w)
+  # Head groups keep autodiff's backward, through the widened columns.
+  assert V + K in widths("all_scan", pieces=2)[True]
 
 
 def test_argument_errors():
