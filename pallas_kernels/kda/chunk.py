@@ -232,10 +232,11 @@ def dqk(q, k, g, vn, dvn, do, h, dh, *, scale, chunk_size, config):
               name="kda_dqk")(q, k, g, vn, dvn, do, h, dh)
 
 
-def _dwy_kernel(t_ref, k_ref, v_ref, g_ref, beta_ref, dw_ref, du_ref, dk_ref, dv_ref,
-                dbeta_ref, dg_ref, da_ref, *, C, K, V, BD, dt):
+def _dwy_kernel(t_ref, k_ref, v_ref, g_ref, beta_ref, dw_ref, du_ref, dk_in_ref, dg_in_ref,
+                dk_ref, dv_ref, dbeta_ref, dg_ref, da_ref, *, C, K, V, BD, dt):
   """w = T rw, u = T ru (rw = beta e^{b} * k, ru = beta v), T = (I + A)^{-1}: drw = T^T dw,
-  dru = T^T du, dT = dw rw^T + du ru^T, dA = strict_lower(-T^T dT T^T)."""
+  dru = T^T du, dT = dw rw^T + du ru^T, dA = strict_lower(-T^T dT T^T). dk and dg are
+  written with ``dk_in`` and ``dg_in`` (the parts :func:`dqk` formed) added."""
   b, hd, n = (pl.program_id(i) for i in range(3))
   t = pl.ds(n * C, C)
   Tm = t_ref[b, t, hd, :]
@@ -258,26 +259,30 @@ def _dwy_kernel(t_ref, k_ref, v_ref, g_ref, beta_ref, dw_ref, du_ref, dk_ref, dv
     eb = jnp.exp(inclusive(g_ref[b, t, hd, ks].astype(F32)))
     k = k_ref[b, t, hd, ks].astype(F32)
     drw = dot(Tm, dw_ref[b, t, hd, ks], dt, ta=True)
-    dk_ref[b, t, hd, ks] = (beta[:, None] * eb) * drw
+    dk_ref[b, t, hd, ks] = dk_in_ref[b, t, hd, ks] + (beta[:, None] * eb) * drw
     ekd = eb * k * drw                        # the cotangent of beta e^{b} * k, times k
     dbeta = dbeta + jnp.sum(ekd, axis=1)
-    dg_ref[b, t, hd, ks] = from_here(beta[:, None] * ekd)   # b_i's: the tokens m <= i
+    # b_i's: the tokens m <= i
+    dg_ref[b, t, hd, ks] = dg_in_ref[b, t, hd, ks] + from_here(beta[:, None] * ekd)
   for vs in vtiles:
     dru = dot(Tm, du_ref[b, t, hd, vs], dt, ta=True)
-    dv_ref[b, t, hd, vs] = beta[:, None] * dru
+    dv_ref[b, t, hd, vs] = (beta[:, None] * dru).astype(dv_ref.dtype)
     dbeta = dbeta + jnp.sum(v_ref[b, t, hd, vs].astype(F32) * dru, axis=1)
   dbeta_ref[b, t, hd] = dbeta
 
 
-def dwy(Tinv, k, v, g, beta, dw, du, *, chunk_size, config):
-  """(dk's part through w, dv, dbeta's part, dg's part, all float32; dA float32 [B, T, H,
-  C], the cotangent of A, strictly lower per chunk): the backward of the WY factors from
-  the cotangents of w and u (v_new's)."""
+def dwy(Tinv, k, v, g, beta, dw, du, dk_in, dg_in, *, chunk_size, config):
+  """(dk float32: ``dk_in`` plus the part through w; dv in v's dtype; dbeta's part; dg
+  float32: ``dg_in`` plus the part through w; dA float32 [B, T, H, C], the cotangent of A,
+  strictly lower per chunk): the backward of the WY factors from the cotangents of w and u
+  (v_new's), adding the parts of dk and dg formed before (:func:`dqk`'s) in the kernel
+  instead of in an XLA pass."""
   B, T, H, K = k.shape
   V = v.shape[-1]
   kern = functools.partial(_dwy_kernel, C=chunk_size, K=K, V=V, BD=config.dwy.bv, dt=k.dtype)
-  out = (jax.ShapeDtypeStruct((B, T, H, K), F32), jax.ShapeDtypeStruct((B, T, H, V), F32),
+  out = (jax.ShapeDtypeStruct((B, T, H, K), F32), jax.ShapeDtypeStruct((B, T, H, V), v.dtype),
          jax.ShapeDtypeStruct((B, T, H), F32), jax.ShapeDtypeStruct((B, T, H, K), F32),
          jax.ShapeDtypeStruct((B, T, H, chunk_size), F32))
   return call(kern, out, (B, H, T // chunk_size), config=config, num_warps=config.dwy.warps,
-              num_stages=config.dwy.stages, name="kda_dwy")(Tinv, k, v, g, beta, dw, du)
+              num_stages=config.dwy.stages, name="kda_dwy", aliases={7: 0, 8: 3})(
+                  Tinv, k, v, g, beta, dw, du, dk_in, dg_in)

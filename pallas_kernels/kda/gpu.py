@@ -12,8 +12,9 @@ configuration ``config`` (:class:`pallas_kernels.kda.KernelConfig`):
   bwd: T, P, w, u, kd, e^{gamma} (recomputed) and qb = scale e^{b} * q
        -> v_new and its local cotangent (from the kept states) -> state-gradient walk
        (dH, dv_new, dh0) -> dq, dk, dg through the state terms, dw, dP (kda_dqk)
-       -> through w, u and T: dk, dv, dbeta, dg, dA (kda_dwy)
-       -> through A and P: dq, dk, dg, dbeta (kda_dpairs)
+       -> through w, u and T: dk, dv, dbeta, dg, dA (kda_dwy; adds kda_dqk's dk, dg)
+       -> through A and P: dq, dk, dg, dbeta (kda_dpairs; adds the parts before and
+          writes the op's dq, dk in their dtype)
 
 The forward keeps the chunk states h ``[B, H, N, K, V]`` (one state per chunk, nothing
 per token) as its :class:`Residual`; the backward recomputes everything per token.
@@ -74,9 +75,9 @@ def bwd_res(res, q, k, v, g, beta, do, dht, *, scale, initial_state, chunk_size,
   dH, dvn, dh0 = walk.grad_walk(qb, eg, w, kd, do, dvl, dht.astype(F32), store_dtype=store,
                                 **kw)
   dq1, dk1, dw, dg1, dP = chunk.dqk(q, k, g, vn, dvn, do, h, dH, scale=scale, **kw)
-  dk2, dv, dbeta2, dg2, dA = chunk.dwy(Tinv, k, v, g, beta, dw, dvn, **kw)
-  dq3, dk3, dg3, dbeta3 = pairs.dpairs(q, k, g, beta, dP, dA, **kw)
-  return dq1 + dq3, dk1 + dk2 + dk3, dv, dg1 + dg2 + dg3, dbeta2 + dbeta3, dh0
+  dk12, dv, dbeta2, dg12, dA = chunk.dwy(Tinv, k, v, g, beta, dw, dvn, dk1, dg1, **kw)
+  dq, dk, dg, dbeta = pairs.dpairs(q, k, g, beta, dP, dA, dq1, dk12, dg12, dbeta2, **kw)
+  return dq, dk, dv, dg, dbeta, dh0
 
 
 def bwd(q, k, v, g, beta, do, dht, *, scale, initial_state, chunk_size, config):

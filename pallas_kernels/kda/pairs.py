@@ -205,15 +205,16 @@ def intra(q, k, g, beta, *, chunk_size, config):
 
 # --- backward: through A and P ------------------------------------------------------------
 
-def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref, dg_ref,
-                  dbeta_ref, tot_ref, *, C, NK, KD, dt):
+def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_in_ref, dk_in_ref,
+                   dg_in_ref, dq_ref, dk_ref, dg_ref, dbeta_ref, tot_ref, *, C, NK, KD, dt):
   """One sub-chunk M and K slice of one chunk: M's rows against the columns before them,
   M's columns against the rows after them, and M's diagonal block twice, once by its
   columns (the rows' sums) and once by its rows (the columns' sums), so no loop sums
   across a tile's rows. Writes dq, dk, dbeta's part from this K
-  slice, dg but for the block pairs spanning all of M, and for each earlier sub-chunk J
-  the total of dseg over the block pair (M, J) (``tot_ref[b, hd, n, M, J]``), from which
-  :func:`dpairs` adds those."""
+  slice, dg but for the block pairs spanning all of M (dq, dk, dg with the parts formed
+  before, ``d*_in``, added; dq and dk in their output dtype), and for each earlier
+  sub-chunk J the total of dseg over the block pair (M, J) (``tot_ref[b, hd, n, M, J]``),
+  from which :func:`dpairs` adds those."""
   b, hd, f = (pl.program_id(i) for i in range(3))
   L = C // S
   n, M, kk = f // (L * NK), (f // NK) % L, f % NK
@@ -289,23 +290,27 @@ def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_ref, dk_ref
   # float32); the rows' pairs with earlier sub-chunks over the tokens from the row back
   # to M's start (into), the columns' with later ones over those after the column (after).
   ecol = jnp.exp(after(g)) * col
-  dg_ref[b, sub(M), hd, ks] = (
+  dg_ref[b, sub(M), hd, ks] = dg_in_ref[b, sub(M), hd, ks] + (
       from_here(q * dq + k * (beta * dkr - dkc) + xq * rp + xk * ra) + before(k * ecol))
   rv = iota((S,), 0)
   pd = dp_ref[b, first + rv, hd, M * S + rv][:, None]      # P's diagonal: an empty span
   dkr = dkr + into * ra
-  dq_ref[b, sub(M), hd, ks] = dq + into * rp + pd * k
-  dk_ref[b, sub(M), hd, ks] = beta * dkr + dkc + ecol + pd * q
+  dq_ref[b, sub(M), hd, ks] = (dq_in_ref[b, sub(M), hd, ks] + dq + into * rp
+                               + pd * k).astype(dq_ref.dtype)
+  dk_ref[b, sub(M), hd, ks] = (dk_in_ref[b, sub(M), hd, ks] + beta * dkr + dkc + ecol
+                               + pd * q).astype(dk_ref.dtype)
   dbeta_ref[b, sub(M), hd, kk] = jnp.sum(k * dkr, axis=1)
 
 
-def dpairs(q, k, g, beta, dP, dA, *, chunk_size, config):
-  """(dq, dk, dg float32 [B, T, H, K], dbeta float32 [B, T, H]): the backward through P
-  and A from their cotangents (``dP`` incl. the output's scale, ``dA`` without beta;
-  float32 ``[B, T, H, C]``). A program per chunk, sub-chunk and K slice of
-  ``config.dpairs.kd`` channels (:func:`_dpairs_kernel`), then in XLA dbeta's sum over the
-  K slices and, for each sub-chunk M, the totals of the block pairs (I, J) with J < M < I
-  added to dg on its tokens.
+def dpairs(q, k, g, beta, dP, dA, dq_in, dk_in, dg_in, dbeta_in, *, chunk_size, config):
+  """(dq in q's dtype, dk in k's dtype, dg float32 [B, T, H, K], dbeta float32 [B, T, H]):
+  the backward through P and A from their cotangents (``dP`` incl. the output's scale,
+  ``dA`` without beta; float32 ``[B, T, H, C]``), with the gradients' other parts
+  (``d*_in``, float32) added: dq, dk and dg in the kernel, which writes the op's dq and
+  dk. A program per chunk, sub-chunk and K slice of ``config.dpairs.kd`` channels
+  (:func:`_dpairs_kernel`), then in XLA dbeta's sum over the K slices and, for each
+  sub-chunk M, the totals of the block pairs (I, J) with J < M < I added to dg on its
+  tokens.
 
   dg's terms of the blocks below the diagonal are summed over exactly the tokens their
   spans hold. Those of the diagonal blocks are summed by the tokens' roles: for m in the
@@ -321,19 +326,19 @@ def dpairs(q, k, g, beta, dP, dA, *, chunk_size, config):
   KD = block(K, config.dpairs.kd)
   NK = K // KD
   kern = functools.partial(_dpairs_kernel, C=C, NK=NK, KD=KD, dt=q.dtype)
-  f32k = jax.ShapeDtypeStruct((B, T, H, K), F32)
-  out = (f32k, f32k, f32k, jax.ShapeDtypeStruct((B, T, H, NK), F32),
+  out = (jax.ShapeDtypeStruct((B, T, H, K), q.dtype), jax.ShapeDtypeStruct((B, T, H, K), k.dtype),
+         jax.ShapeDtypeStruct((B, T, H, K), F32), jax.ShapeDtypeStruct((B, T, H, NK), F32),
          jax.ShapeDtypeStruct((B, H, N, L, L, K), F32))
   dq, dk, dg, dbeta, tot = call(kern, out, (B, H, N * L * NK), config=config,
                                 num_warps=config.dpairs.warps,
-                                num_stages=config.dpairs.stages,
-                                name="kda_dpairs")(q, k, g, beta, dP, dA)
+                                num_stages=config.dpairs.stages, name="kda_dpairs",
+                                aliases={8: 2})(q, k, g, beta, dP, dA, dq_in, dk_in, dg_in)
   # through[M] = sum of tot[I, J] over I > M > J (only entries J < I are written).
   through = [sum((tot[:, :, :, I, J] for I in range(M + 1, L) for J in range(M)),
                  jnp.zeros((B, H, N, K), F32)) for M in range(L)]
   through = jnp.stack(through, axis=3)                      # [B, H, N, L, K]
   through = jnp.repeat(through.transpose(0, 2, 3, 1, 4), S, axis=2)   # [B, N, C, H, K]
   dg = dg + through.reshape(B, T, H, K)
-  return dq, dk, dg, jnp.sum(dbeta, axis=-1)
+  return dq, dk, dg, dbeta_in + jnp.sum(dbeta, axis=-1)
 
 

@@ -102,7 +102,9 @@ def test_dpairs_against_autodiff_of_the_pairs():
   float32 at HIGHEST precision) on the same bf16-rounded q and k: the float32 kernel
   within 1e-5 (dg's diagonal blocks summed by the tokens' roles, its blocks below the
   diagonal over the tokens they span), and with bf16 inputs (its dots in bf16) within 1e-2,
-  dg included. Weak decays, so that the block pairs spanning a whole sub-chunk count."""
+  dg included. Weak decays, so that the block pairs spanning a whole sub-chunk count. The
+  gradients' other parts (random here) come in and are added: the kernel writes the op's
+  dq and dk (in the inputs' dtype) and dg."""
   from pallas_kernels.kda import pairs
   B, T, H, K, C = 1, 128, 1, 64, 64
   N = T // C
@@ -123,11 +125,14 @@ def test_dpairs_against_autodiff_of_the_pairs():
   with jax.default_matmul_precision("highest"):
     want = jax.grad(loss, argnums=(0, 1, 2, 3))(bq.astype(jnp.float32),
                                                 bk.astype(jnp.float32), g, beta)
+  parts = [jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in want]
+  want = [w + d for w, d in zip(want, parts)]
   config = kda.default_config("cpu", B, T, H, K, K, jnp.float32)
-  run = jax.jit(lambda q, k: pairs.dpairs(q, k, g, beta, dP, dA, chunk_size=C,
+  run = jax.jit(lambda q, k: pairs.dpairs(q, k, g, beta, dP, dA, *parts, chunk_size=C,
                                           config=config))
   got32 = run(bq.astype(jnp.float32), bk.astype(jnp.float32))
   got16 = run(bq, bk)
+  assert got16[0].dtype == got16[1].dtype == jnp.bfloat16 and got16[2].dtype == jnp.float32
   for name, a, c, w in zip(("dq", "dk", "dg", "dbeta"), got32, got16, want):
     assert rel_err(a, w) <= 1e-5, (name, rel_err(a, w))
     assert rel_err(c, w) <= 1e-2, (name, rel_err(c, w))
