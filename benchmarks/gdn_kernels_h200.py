@@ -91,7 +91,8 @@ def sweep(shape, stages, log):
   vn2, dvl = jax.jit(lambda: chunk.vnew(q, k, g, w, u, h, do, scale=sc, **kw))()
   dH, dvn, _ = jax.jit(lambda: walk.grad_walk(qb, gc, w, kd, do, dvl, dht,
                                               store_dtype=q.dtype, **kw))()
-  _, _, dw, _ = jax.jit(lambda: chunk.dqk(q, k, g, gc, vn2, dvn, do, h, dH, scale=sc, **kw))()
+  _, dk1, dw, _ = jax.jit(lambda: chunk.dqk(q, k, g, gc, vn2, dvn, do, h, dH, scale=sc,
+                                            **kw))()
   fns = {
       "inv": lambda c: chunk.inverse(k, g, bf, chunk_size=C, config=c),
       "wu": lambda c: chunk.wu(Tv, k, v, g, bf, chunk_size=C, config=c),
@@ -103,7 +104,7 @@ def sweep(shape, stages, log):
                                         chunk_size=C, config=c),
       "dqk": lambda c: chunk.dqk(q, k, g, gc, vn2, dvn, do, h, dH, scale=sc, chunk_size=C,
                                  config=c),
-      "dwy": lambda c: chunk.dwy(Tv, k, v, g, bf, dw, dvn, chunk_size=C, config=c),
+      "dwy": lambda c: chunk.dwy(Tv, k, v, g, bf, dw, dvn, dk1, chunk_size=C, config=c),
   }
   rows = []
   for stage, options in _options().items():

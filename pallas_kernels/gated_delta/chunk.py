@@ -388,10 +388,11 @@ def dqk(q, k, g, gc, vn, dvn, do, h, dh, *, scale, chunk_size, config):
   return dq, dk, dw, (jnp.sum(dg, axis=-1) if NKS > 1 else dg)
 
 
-def _dwy_kernel(t_ref, k_ref, v_ref, g_ref, beta_ref, dw_ref, du_ref, dk_ref, dv_ref,
+def _dwy_kernel(t_ref, k_ref, v_ref, g_ref, beta_ref, dw_ref, du_ref, dk_in_ref, dk_ref, dv_ref,
                 dbeta_ref, dg_ref, *, C, K, V, BD, dt):
   """w = T rw, u = T ru (rw = beta e^b k, ru = beta v), T = (I + A)^{-1}: drw = T^T dw,
-  dru = T^T du, dT = dw rw^T + du ru^T, dA = strict_lower(-T^T dT T^T)."""
+  dru = T^T du, dT = dw rw^T + du ru^T, dA = strict_lower(-T^T dT T^T). dk is written
+  with ``dk_in`` (:func:`dqk`'s part) added, in its output dtype."""
   b, hd, n = (pl.program_id(i) for i in range(3))
   t = pl.ds(n * C, C)
   Tm = t_ref[b, t, hd, :]
@@ -420,26 +421,29 @@ def _dwy_kernel(t_ref, k_ref, v_ref, g_ref, beta_ref, dw_ref, du_ref, dk_ref, dv
   for ks in ktiles:
     k = k_ref[b, t, hd, ks]
     drw = dot(Tm, dw_ref[b, t, hd, ks], dt, ta=True)
-    dk_ref[b, t, hd, ks] = ((beta * eb)[:, None] * drw + dot(dkk, k, dt)
-                            + dot(dkk, k, dt, ta=True))
+    dk_ref[b, t, hd, ks] = (dk_in_ref[b, t, hd, ks] + (beta * eb)[:, None] * drw
+                            + dot(dkk, k, dt) + dot(dkk, k, dt, ta=True)).astype(dk_ref.dtype)
     t_k = t_k + jnp.sum(k.astype(F32) * drw, axis=1)
   for vs in vtiles:
     v = v_ref[b, t, hd, vs]
     dru = dot(Tm, du_ref[b, t, hd, vs], dt, ta=True)
-    dv_ref[b, t, hd, vs] = beta[:, None] * dru
+    dv_ref[b, t, hd, vs] = (beta[:, None] * dru).astype(dv_ref.dtype)
     dbeta = dbeta + jnp.sum(v.astype(F32) * dru, axis=1)
   dbeta_ref[b, t, hd] = dbeta + eb * t_k
   db = beta * eb * t_k
   dg_ref[b, t, hd] = revsum(db, C) + seg_grad(dA * beta[:, None] * E * kk, C)
 
 
-def dwy(Tinv, k, v, g, beta, dw, du, *, chunk_size, config):
-  """(dk's part through A and w, dv, dbeta, dg's part) per chunk, float32: the backward of
-  :func:`wy` from the cotangents of w and u (v_new's)."""
+def dwy(Tinv, k, v, g, beta, dw, du, dk_in, *, chunk_size, config):
+  """(dk in k's dtype: ``dk_in`` plus the part through A and w; dv in v's dtype; dbeta and
+  dg's part, float32) per chunk: the backward of :func:`wy` from the cotangents of w and u
+  (v_new's), adding dk's part formed before (:func:`dqk`'s) in the kernel instead of in an
+  XLA pass."""
   B, T, H, K = k.shape
   V = v.shape[-1]
   kern = functools.partial(_dwy_kernel, C=chunk_size, K=K, V=V, BD=config.dwy.bv, dt=k.dtype)
-  out = (jax.ShapeDtypeStruct((B, T, H, K), F32), jax.ShapeDtypeStruct((B, T, H, V), F32),
+  out = (jax.ShapeDtypeStruct((B, T, H, K), k.dtype),
+         jax.ShapeDtypeStruct((B, T, H, V), v.dtype),
          jax.ShapeDtypeStruct((B, T, H), F32), jax.ShapeDtypeStruct((B, T, H), F32))
   return call(kern, out, (B, H, T // chunk_size), config=config, num_warps=config.dwy.warps,
-              num_stages=config.dwy.stages, name="gdn_dwy")(Tinv, k, v, g, beta, dw, du)
+              num_stages=config.dwy.stages, name="gdn_dwy")(Tinv, k, v, g, beta, dw, du, dk_in)

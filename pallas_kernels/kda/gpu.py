@@ -59,8 +59,9 @@ def fwd(q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
 
 
 def bwd_res(res, q, k, v, g, beta, do, dht, *, scale, initial_state, chunk_size, config):
-  """(dq, dk, dv, dg float32 [B, T, H, D], dbeta float32 [B, T, H], dh0): the backward;
-  ``res`` is ``fwd_res``'s :class:`Residual`, or None (the states are recomputed)."""
+  """(dq, dk, dv [B, T, H, D] in the inputs' dtypes, dg float32 [B, T, H, K], dbeta float32
+  [B, T, H], dh0): the backward; ``res`` is ``fwd_res``'s :class:`Residual`, or None
+  (the states are recomputed)."""
   check_dims(q.shape[-1], v.shape[-1], chunk_size)
   kw = dict(chunk_size=chunk_size, config=config)
   store = state_store_dtype(config, k.dtype)
