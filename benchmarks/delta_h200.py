@@ -19,7 +19,8 @@ agreement). Median over ``reps`` of the mean of ``iters`` calls after one warm-u
 (``benchmarks._harness.time_loop``). With ``--profile``, our forward and forward + backward
 are traced (3 calls each, ``jax.profiler``) after their timing, and the GPU time per
 kernel is printed and kept in the JSON (``benchmarks.profile_step.summarize``): every
-kernel's share from the one compilation the timing needed. JAX and torch share the GPU in
+kernel's share from the one compilation the timing needed; FLA's forward and forward +
+backward likewise (``torch.profiler``, CUDA activity, :func:`torch_kernel_profile`). JAX and torch share the GPU in
 one process: XLA_PYTHON_CLIENT_PREALLOCATE=false is set before jax starts.
 """
 from __future__ import annotations
@@ -128,6 +129,8 @@ def main():
       tsync = harness.torch_sync
       with torch.no_grad():
         row["fla fwd ms"] = time_loop(ffwd, tsync, args.iters, args.reps)
+        if args.profile:
+          row["fla fwd kernels"] = torch_kernel_profile(torch, ffwd, log)
       to_np = lambda x: x.detach().float().cpu().numpy()
       row["rel o (ours vs fla)"] = rel(o_j.astype(jnp.float32), to_np(o_f))
       row[f"{tag} / fla fwd"] = row[f"{tag} fwd ms"] / row["fla fwd ms"]
@@ -140,6 +143,8 @@ def main():
         log(f"{name} fla backward: {row['fla fwd+bwd']}")
       else:
         row["fla fwd+bwd ms"] = time_loop(ffb, tsync, args.iters, args.reps)
+        if args.profile:
+          row["fla fwd+bwd kernels"] = torch_kernel_profile(torch, ffb, log)
         for nm, a, b in zip("q k v g beta".split(), grads_j, grads_f):
           row[f"rel d{nm}"] = rel(a.astype(jnp.float32), to_np(b))
         row[f"{tag} / fla fwd+bwd"] = row[f"{tag} fwd+bwd ms"] / row["fla fwd+bwd ms"]
@@ -163,6 +168,34 @@ def kernel_profile(fn, args, trace_dir, log, calls=3):
   return {"kernel ms": summary["kernel_ms_per_step"],
           "by kernel": [{"name": r["name"], "ms": r["ms_per_step"], "calls": r["calls_per_step"]}
                         for r in summary["top"]]}
+
+
+def torch_kernel_profile(torch, fn, log, calls=3):
+  """GPU time per kernel of ``calls`` calls of ``fn()`` (warmed up), ms per call, largest
+  first: ``{"kernel ms": total, "by kernel": [{"name", "ms", "calls"}]}`` as
+  :func:`kernel_profile`. A failure is logged and returned, not raised (the timings above
+  are kept)."""
+  try:
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+      for _ in range(calls):
+        fn()
+      torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+      us = getattr(e, "self_device_time_total", None)
+      us = getattr(e, "self_cuda_time_total", 0) if us is None else us
+      if us > 0:
+        rows.append({"name": e.key, "ms": us / 1e3 / calls, "calls": e.count / calls})
+    rows.sort(key=lambda r: -r["ms"])
+    out = {"kernel ms": sum(r["ms"] for r in rows), "by kernel": rows[:30]}
+    log(json.dumps(out, indent=1))
+    return out
+  except Exception as e:  # noqa: BLE001 -- a profile is optional; keep the run's timings
+    log(f"torch profile failed: {e!r}")
+    return {"error": repr(e)}
 
 
 if __name__ == "__main__":
