@@ -265,12 +265,12 @@ def local_pass(q, k, v, g, beta, *, ops, axis_name, method, num_blocks, group_si
   Packed documents: the starts inside the segment go into the local pass; a start on the
   first token (one ppermute of the previous rank's last id) zeroes M_p and R only.
 
-  ``overlap_pieces`` > 1 (``"all_scan"`` over P >= 2 ranks; None: :func:`default_overlap_pieces`,
-  more than 1 on TPU only): steps 1 and 2 interleaved by
+  ``overlap_pieces`` > 1 (``"all_scan"`` over P >= 2 ranks; None:
+  :func:`default_overlap_pieces`, more than 1 on TPU only): steps 1 and 2 interleaved by
   head groups (:func:`zeco_jax.sp.scan.all_scan_of_pieces`): the local pass of group j
   gives the chain's block j, so the chain starts after the first group's local pass and
-  the later groups' run while sends are in flight; the fix-up per group. Its backward is
-  autodiff's, through the widened pass.
+  the later groups' run while sends are in flight; the fix-up per group. Its backward
+  (:func:`_segment_in_pieces`) is the one above per group.
   """
   B, L, H, K = q.shape
   V = v.shape[-1]
@@ -283,9 +283,8 @@ def local_pass(q, k, v, g, beta, *, ops, axis_name, method, num_blocks, group_si
                                           platform=platform_of(q), P=lax.axis_size(axis_name),
                                           name=name)
   if overlap_pieces > 1 and lax.axis_size(axis_name) > 1:
-    return _local_pass_in_pieces(q, k, v, g, beta, recurrence=ops.widened,
-                                 axis_name=axis_name, pieces=overlap_pieces,
-                                 initial_state=initial_state, first_starts=first_starts)
+    return _segment_in_pieces(ops, axis_name, overlap_pieces, q, k, v, g, beta, initial_state,
+                              first_starts)
   nb = _scan.resolve_num_blocks(num_blocks, method, lax.axis_size(axis_name),
                                 4 * B * H * K * V, V, name=name, group_size=group_size)
   scan = functools.partial(_dense_scan, axis_name=axis_name, num_blocks=nb, method=method,
@@ -354,26 +353,52 @@ def _segment_bwd(ops, scan, residuals, cotangents):
   X_p (``o = o_local + R X_p``, ``S_p + M_p X_p``), and M_p reaches the rest of the
   sequence only through that state. So: the fix-up's transpose ``R^T dO`` is X_p's local
   cotangent; the scan's reverse (its vjp kept from the forward: the reverse chain, one
-  state per rank) gives ``dS_p``, the whole cotangent of the state after the segment, and
-  the initial state's; and the plain pass's backward from X_p, with ``dO`` and ``dS_p``,
-  gives the inputs' gradients. Its chunk states are the widened ones applied to X_p:
-  ``S_n + P_n X_p`` (P_n the product of the chunk transitions before chunk n).
+  state per rank; the scan methods hold custom_vjps, so no linear transpose) gives
+  ``dS_p``, the whole cotangent of the state after the segment, and the initial state's;
+  and the plain pass's backward from X_p, with ``dO`` and ``dS_p``, gives the inputs'
+  gradients (:func:`_plain_grads`).
   """
   q, k, v, g, beta, states, rows, entering, first_starts, scan_vjp = residuals
   do, d_after = cotangents
-  V = v.shape[-1]
-  _, fix_up_vjp = jax.vjp(lambda x: fix_up(rows, x, v.dtype), entering)
-  d_entering, = fix_up_vjp(do.astype(jnp.float32))
-  d_scan = scan_vjp((d_entering, d_after))
-  d_seg_state, dh0 = d_scan[0], (d_scan[2] if len(d_scan) > 2 else None)
+  d_scan = scan_vjp((_fix_up_transpose(rows, entering, do, v.dtype), d_after))
+  dh0 = d_scan[2] if len(d_scan) > 2 else None
+  grads = _plain_grads(ops, (q, k, v, g, beta), states, entering, first_starts, do, d_scan[0])
+  return (*grads, dh0, None)
+
+
+def _scan_transpose(scan, state_like, h0, cotangents):
+  """``(d_states, d_initial)``: the transpose of ``scan(states, initial) -> (entering,
+  after)``, linear in both for fixed transitions and plain JAX, applied to their
+  cotangents: the scan's reverse (the reverse chain) without running the scan again, and
+  traced in the backward only, so the forward's own scan keeps its optimization barriers.
+  ``state_like``: arrays of the states' shapes and types; ``h0``: the initial state or
+  None."""
+  if h0 is None:
+    d_states, = jax.linear_transpose(lambda s: scan(s, None), state_like)(cotangents)
+    return d_states, None
+  return jax.linear_transpose(scan, state_like, h0)(cotangents)
+
+
+def _fix_up_transpose(rows, entering, do, dtype):
+  """``R^T dO``: the cotangent of the received state through the fix-up."""
+  _, fix_up_vjp = jax.vjp(lambda x: fix_up(rows, x, dtype), entering)
+  return fix_up_vjp(do.astype(jnp.float32))[0]
+
+
+def _plain_grads(ops, inputs, states, entering, first_starts, do, d_state):
+  """``(dq, dk, dv, dg, dbeta)`` of the plain pass entered with the received state (zero
+  where the segment's first token starts a document), for the cotangents of its outputs
+  and of the state after it. Its chunk states are the widened forward's applied to that
+  state: ``S_n + P_n X_p``, P_n (their last K columns) the product of the chunk
+  transitions before chunk n."""
+  V = inputs[2].shape[-1]
   x = entering
   if first_starts is not None:
     x = jnp.where(first_starts[:, None, None, None], 0.0, x)
   plain = (states[..., :V].astype(jnp.float32)
            + jnp.einsum("bhnkj,bhjv->bhnkv", states[..., V:].astype(jnp.float32), x,
                         precision=_HI)).astype(states.dtype)
-  grads = ops.backward(q, k, v, g, beta, x, plain, do, d_seg_state)
-  return (*grads, dh0, None)
+  return ops.backward(*inputs, x, plain, do, d_state)
 
 
 _segment.defvjp(_segment_fwd, _segment_bwd)
@@ -440,3 +465,62 @@ def _local_pass_in_pieces(q, k, v, g, beta, *, recurrence, axis_name, pieces, in
   o = jnp.concatenate([o_local + fix_up(rows, x, v.dtype)
                        for (o_local, rows), x in zip(extras, entering)], axis=2)
   return o.astype(v.dtype), jnp.concatenate(after, axis=1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _segment_in_pieces(ops, axis_name, pieces, q, k, v, g, beta, h0, first_starts):
+  """:func:`_local_pass_in_pieces` on ``ops.widened``, with the backward of
+  :func:`_segment_bwd` per head group (:func:`_segment_in_pieces_bwd`)."""
+  return _local_pass_in_pieces(q, k, v, g, beta, recurrence=ops.widened, axis_name=axis_name,
+                               pieces=pieces, initial_state=h0, first_starts=first_starts)
+
+
+def _segment_in_pieces_fwd(ops, axis_name, pieces, q, k, v, g, beta, h0, first_starts):
+  H, V = q.shape[2], v.shape[-1]
+  hs = H // pieces
+  heads = lambda x, i, axis: lax.slice_in_dim(x, i * hs, (i + 1) * hs, axis=axis)
+  inputs = [tuple(heads(x, i, 2) for x in (q, k, v, g, beta)) for i in range(pieces)]
+
+  def piece(*x):
+    widened, states = ops.widened_res(*x)
+    o_local, (seg_state, seg_matrix, rows) = _widened_parts(widened, V, first_starts)
+    return (seg_state, transitions.DenseTransition(seg_matrix),
+            (o_local, rows, states, seg_matrix))
+
+  initial = None if h0 is None else [heads(h0, i, 1) for i in range(pieces)]
+  entering, after, extras = _scan.all_scan_of_pieces(
+      [(piece, x) for x in inputs], axis_name, initial=initial)
+  o = jnp.concatenate([o_local + fix_up(rows, x, v.dtype)
+                       for (o_local, rows, _, _), x in zip(extras, entering)], axis=2)
+  kept = [(rows, states, matrix) for _, rows, states, matrix in extras]
+  return ((o.astype(v.dtype), jnp.concatenate(after, axis=1)),
+          (inputs, kept, entering, initial, first_starts))
+
+
+def _segment_in_pieces_bwd(ops, axis_name, pieces, residuals, cotangents):
+  """:func:`_segment_bwd` per head group: the chain's transpose (for the groups' fixed
+  transitions) gives each group's ``dS_j``, then the group's plain backward."""
+  inputs, kept, entering, initial, first_starts = residuals
+  do, d_after = cotangents
+  hs = d_after.shape[1] // pieces
+  dtype = inputs[0][2].dtype
+  dos = [lax.slice_in_dim(do, i * hs, (i + 1) * hs, axis=2) for i in range(pieces)]
+  d_entering = [_fix_up_transpose(rows, x, d, dtype)
+                for (rows, _, _), x, d in zip(kept, entering, dos)]
+  d_afters = [lax.slice_in_dim(d_after, i * hs, (i + 1) * hs, axis=1) for i in range(pieces)]
+
+  def chain(seg_states, initial):
+    work = [(lambda s, m=m: (s, transitions.DenseTransition(m), None), (x,))
+            for (_, _, m), x in zip(kept, seg_states)]
+    ent, aft, _ = _scan.all_scan_of_pieces(work, axis_name, initial=initial)
+    return ent, aft
+
+  d_states, d_initial = _scan_transpose(chain, entering, initial, (d_entering, d_afters))
+  grads = [_plain_grads(ops, inputs[i], kept[i][1], entering[i], first_starts, dos[i],
+                        d_states[i]) for i in range(pieces)]
+  grads = [jnp.concatenate(parts, axis=2) for parts in zip(*grads)]
+  dh0 = None if d_initial is None else jnp.concatenate(d_initial, axis=1)
+  return (*grads, dh0, None)
+
+
+_segment_in_pieces.defvjp(_segment_in_pieces_fwd, _segment_in_pieces_bwd)

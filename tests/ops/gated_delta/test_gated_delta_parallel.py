@@ -182,8 +182,8 @@ def test_backward_runs_the_plain_pass_not_the_widened_one():
   """The forward carries the widened state (V + K columns) through its chunk scan; the
   backward's reverse scan over chunks carries V columns only: it is the plain pass's
   backward from the received state (docs/design.md §9), not autodiff's through the
-  widened columns. Read from the jaxpr of grad over every input, at all_scan and
-  all_gather (K = 8, V = 16: widened 24)."""
+  widened columns. Read from the jaxpr of grad over every input, at all_scan, all_gather
+  and all_scan in head groups (K = 8, V = 16: widened 24)."""
   (q, k, v, g, beta, h0), _ = gdn_inputs(25, B, 64, H, K, V, initial=True)
 
   def widths(method, pieces=None):
@@ -198,11 +198,9 @@ def test_backward_runs_the_plain_pass_not_the_widened_one():
           if x.aval.ndim == 4 and x.aval.shape[-2] == K and x.aval.shape[-1] > K)
     return by_direction
 
-  for method in ("all_scan", "all_gather"):
-    w = widths(method)
-    assert V + K in w[False] and w[True] == {V}, (method, w)
-  # Head groups keep autodiff's backward, through the widened columns.
-  assert V + K in widths("all_scan", pieces=2)[True]
+  for method, pieces in (("all_scan", None), ("all_gather", None), ("all_scan", 2)):
+    w = widths(method, pieces)
+    assert V + K in w[False] and w[True] == {V}, (method, pieces, w)
 
 
 def test_argument_errors():

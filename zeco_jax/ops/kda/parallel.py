@@ -27,9 +27,9 @@ rank's outputs and the state it hands on are those of the plain pass entered wit
 after the fix-up's transpose (``dX = R^T dO``) and the scan's reverse (one state per rank
 back with the All-Scan; it gives ``dS_p``, the cotangent of the state after the segment),
 the plain pass's backward on V columns from X_p gives the inputs' gradients, its chunk
-states ``S_n + P_n X_p`` from the widened forward's. With head groups
-(``overlap_pieces``) the backward is autodiff's, through the widened pass. ``"ring"``
-(LASP-1) has no overlap: it runs the chunked op from the received state after the scan.
+states ``S_n + P_n X_p`` from the widened forward's; with head groups
+(``overlap_pieces``) the same per group. ``"ring"`` (LASP-1) has no overlap: it runs the
+chunked op from the received state after the scan.
 """
 from __future__ import annotations
 
