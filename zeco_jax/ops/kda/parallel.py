@@ -22,14 +22,9 @@ state's identity columns from the start on (so ``M_p = 0`` and the rows after it
 start on the segment's first token (known from the previous rank's last id) zeroes
 ``M_p`` and ``R``.
 
-The backward (``zeco_jax._chunks.local_pass``) does not carry the widened columns: the
-rank's outputs and the state it hands on are those of the plain pass entered with X_p, so
-after the fix-up's transpose (``dX = R^T dO``) and the scan's reverse (one state per rank
-back with the All-Scan; it gives ``dS_p``, the cotangent of the state after the segment),
-the plain pass's backward on V columns from X_p gives the inputs' gradients, its chunk
-states ``S_n + P_n X_p`` from the widened forward's; with head groups
-(``overlap_pieces``) the same per group. ``"ring"`` (LASP-1) has no overlap: it runs the
-chunked op from the received state after the scan.
+The backward runs the plain pass (V columns) from the received state, as Gated DeltaNet's
+(:mod:`zeco_jax.ops.gated_delta.parallel`, ``zeco_jax._chunks.local_pass``). ``"ring"``
+(LASP-1) has no overlap: it runs the chunked op from the received state after the scan.
 """
 from __future__ import annotations
 
