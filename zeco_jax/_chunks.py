@@ -11,7 +11,8 @@ sequential part, that recurrence over chunks, and its backward; what the chunk t
 (per-head or per-channel decay, which gates) is the family's.
 
 :func:`local_pass` is a delta-rule family's per-shard body over the sequence mesh (the
-local pass widened by K identity columns, the scan of its dense transition, the fix-up).
+local pass widened by K identity columns, the scan of its dense transition, the fix-up;
+its backward the plain pass's from the received state).
 
 What it does not hold: a family's maths (``ops/<family>/chunked.py``), or GLA's chunked
 form (diagonal transitions, ``ops/gla/chunked.py``).
