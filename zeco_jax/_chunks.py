@@ -367,19 +367,6 @@ def _segment_bwd(ops, scan, residuals, cotangents):
   return (*grads, dh0, None)
 
 
-def _scan_transpose(scan, state_like, h0, cotangents):
-  """``(d_states, d_initial)``: the transpose of ``scan(states, initial) -> (entering,
-  after)``, linear in both for fixed transitions and plain JAX, applied to their
-  cotangents: the scan's reverse (the reverse chain) without running the scan again, and
-  traced in the backward only, so the forward's own scan keeps its optimization barriers.
-  ``state_like``: arrays of the states' shapes and types; ``h0``: the initial state or
-  None."""
-  if h0 is None:
-    d_states, = jax.linear_transpose(lambda s: scan(s, None), state_like)(cotangents)
-    return d_states, None
-  return jax.linear_transpose(scan, state_like, h0)(cotangents)
-
-
 def _fix_up_transpose(rows, entering, do, dtype):
   """``R^T dO``: the cotangent of the received state through the fix-up."""
   _, fix_up_vjp = jax.vjp(lambda x: fix_up(rows, x, dtype), entering)
@@ -499,8 +486,10 @@ def _segment_in_pieces_fwd(ops, axis_name, pieces, q, k, v, g, beta, h0, first_s
 
 
 def _segment_in_pieces_bwd(ops, axis_name, pieces, residuals, cotangents):
-  """:func:`_segment_bwd` per head group: the chain's transpose (for the groups' fixed
-  transitions) gives each group's ``dS_j``, then the group's plain backward."""
+  """:func:`_segment_bwd` per head group: the chain's transpose for the groups' fixed
+  transitions (:func:`zeco_jax.sp.scan.all_scan_of_pieces_transpose`: one block per rank
+  and send back) gives each group's ``dS_j``, and group j's plain backward runs beside a
+  send of it as soon as ``dS_j`` is whole, as the forward's groups do."""
   inputs, kept, entering, initial, first_starts = residuals
   do, d_after = cotangents
   hs = d_after.shape[1] // pieces
@@ -510,15 +499,13 @@ def _segment_in_pieces_bwd(ops, axis_name, pieces, residuals, cotangents):
                 for (rows, _, _), x, d in zip(kept, entering, dos)]
   d_afters = [lax.slice_in_dim(d_after, i * hs, (i + 1) * hs, axis=1) for i in range(pieces)]
 
-  def chain(seg_states, initial):
-    work = [(lambda s, m=m: (s, transitions.DenseTransition(m), None), (x,))
-            for (_, _, m), x in zip(kept, seg_states)]
-    ent, aft, _ = _scan.all_scan_of_pieces(work, axis_name, initial=initial)
-    return ent, aft
+  def group(d_state, inputs, states, entering, do):
+    return _plain_grads(ops, inputs, states, entering, first_starts, do, d_state)
 
-  d_states, d_initial = _scan_transpose(chain, entering, initial, (d_entering, d_afters))
-  grads = [_plain_grads(ops, inputs[i], kept[i][1], entering[i], first_starts, dos[i],
-                        d_states[i]) for i in range(pieces)]
+  work = [(group, (inputs[i], kept[i][1], entering[i], dos[i])) for i in range(pieces)]
+  _, d_initial, grads = _scan.all_scan_of_pieces_transpose(
+      [transitions.DenseTransition(m) for _, _, m in kept], d_entering, d_afters, axis_name,
+      initial_like=initial, pieces=work)
   grads = [jnp.concatenate(parts, axis=2) for parts in zip(*grads)]
   dh0 = None if d_initial is None else jnp.concatenate(d_initial, axis=1)
   return (*grads, dh0, None)

@@ -317,3 +317,47 @@ def test_two_level_model_at_scale():
   all_scan_time = scan_lib.predicted_time(
       2048, scan_lib.default_num_blocks(2048, M, V, alpha, beta), M, alpha, beta)
   assert cost.time <= all_scan_time / 4
+
+
+@pytest.mark.parametrize("n,G,initial", [(4, 3, True), (2, 4, False)])
+def test_pieces_transpose_is_the_chains_vjp(n, G, initial):
+  """all_scan_of_pieces_transpose (the reverse chain for fixed transitions, with work
+  beside its sends) equals jax's vjp of all_scan_of_pieces with respect to the blocks'
+  states and the initial blocks, on random states, transitions and cotangents; each
+  block's work gets that block's whole state cotangent."""
+  rng = np.random.default_rng(n + G)
+  rand = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  S, M = rand(n, G, B, H, K, V), 0.5 * rand(n, G, B, H, K, K)
+  d_ent, d_aft, h0 = rand(n, G, B, H, K, V), rand(n, G, B, H, K, V), rand(G, B, H, K, V)
+
+  def body(S, M, d_ent, d_aft, h0):
+    S, M, d_ent, d_aft = S[0], M[0], d_ent[0], d_aft[0]
+    init = [h0[j] for j in range(G)] if initial else None
+
+    def chain(states, init):
+      pieces = [(lambda s, m=M[j]: (s, DenseTransition(m), None), (states[j],))
+                for j in range(G)]
+      return scan_lib.all_scan_of_pieces(pieces, "seq", initial=init)[:2]
+
+    blocks = [S[j] for j in range(G)]
+    cts = ([d_ent[j] for j in range(G)], [d_aft[j] for j in range(G)])
+    if initial:
+      want_S, want_init = jax.vjp(chain, blocks, init)[1](cts)
+    else:
+      want_S, = jax.vjp(lambda b: chain(b, None), blocks)[1](cts)
+      want_init = [jnp.zeros_like(h0[0])] * G
+    got_S, got_init, results = scan_lib.all_scan_of_pieces_transpose(
+        [DenseTransition(M[j]) for j in range(G)], *cts, "seq", initial_like=init,
+        pieces=[(lambda d, c: c * d, (float(j + 1),)) for j in range(G)])
+    got_init = got_init if initial else [jnp.zeros_like(h0[0])] * G
+    return (jnp.stack(want_S)[None], jnp.stack(got_S)[None], jnp.stack(results)[None],
+            jnp.stack(want_init), jnp.stack(got_init))
+
+  f = jax.jit(jax.shard_map(body, mesh=seq_mesh(n), in_specs=(P("seq"),) * 4 + (P(),),
+                            out_specs=(P("seq"),) * 3 + (P(),) * 2))
+  want_S, got_S, results, want_init, got_init = f(S, M, d_ent, d_aft, h0)
+  assert rel_err(got_S, want_S) <= 1e-6
+  assert rel_err(results, got_S * jnp.arange(1, G + 1.0)[:, None, None, None, None]) <= 1e-6
+  if initial:
+    assert rel_err(got_init, want_init) <= 1e-6
+  assert float(jnp.abs(want_S).max()) > 0.1         # a nontrivial case

@@ -472,6 +472,80 @@ def all_scan_of_pieces(pieces, axis_name, *, initial=None):
   return X, [a.apply(x) + st for a, x, st in zip(A, X, S)], extras
 
 
+def all_scan_of_pieces_transpose(transitions_, d_exclusive, d_inclusive, axis_name, *,
+                                 initial_like=None, pieces=None):
+  """The transpose of :func:`all_scan_of_pieces` for fixed transitions (the reverse chain),
+  with local work beside its sends.
+
+  Args:
+    transitions_: the G blocks' transitions on this rank (the forward's ``A_j``).
+    d_exclusive, d_inclusive: per block the cotangents of the state entering this rank and
+      of the state after it (float32 ``[..., K, V]``).
+    axis_name: the forward chain's mesh axis.
+    initial_like: None, or the forward's initial blocks (their cotangents are returned).
+    pieces: None, or G ``(fn, args)``: ``fn(d_state_j, *args)`` is block j's work given
+      the whole cotangent of its state ``S_j`` (the delta rule: head group j's backward).
+
+  Returns:
+    ``(d_states, d_initial, results)``: per block the cotangent of ``S_j``, of the initial
+    block (None without ``initial_like``) and ``fn``'s result (None without ``pieces``).
+
+  The chain runs the forward's steps backwards: at step s the rank at position c takes
+  block s - c, whose state cotangent is what position c + 1 sent at step s + 1 plus the
+  block's ``d_inclusive``, and sends ``A^T`` of it plus ``d_exclusive`` to position c - 1:
+  one block per rank and step, one state per rank in all, as forward. Block s's cotangent
+  is whole on every rank once step s has run (position 0 takes it last), so block s's
+  work starts behind an optimization barrier once step s's send has its data, and step s
+  - 1's send waits for its result: G - 1 of the G + P - 2 sends have a piece beside them,
+  the forward's pipeline mirrored.
+  """
+  G = len(transitions_)
+  P = lax.axis_size(axis_name)
+  pos = lax.axis_index(axis_name)
+  backward = [a.transpose() for a in transitions_]
+  zero = lambda: jnp.zeros_like(d_exclusive[0])
+
+  def pick(blocks, jc):
+    out = blocks[0]
+    for j in range(1, len(blocks)):
+      out = jax.tree.map(lambda a, b, j=j: jnp.where(jc == j, a, b), blocks[j], out)
+    return out
+
+  d_states = [zero() for _ in range(G)]
+  first = [zero() for _ in range(G)]            # position 0's outgoing: the initial's share
+  results = [None] * G
+  recv, pending = zero(), None
+  for s in reversed(range(G + P - 1)):
+    j = s - pos
+    active = (j >= 0) & (j < G)
+    jc = jnp.clip(j, 0, G - 1)
+    d_state = recv + pick(d_inclusive, jc)
+    out = pick(backward, jc).apply(d_state) + pick(d_exclusive, jc)
+    for jj in range(G):
+      mine = active & (j == jj)
+      d_states[jj] = jnp.where(mine, d_state, d_states[jj])
+      first[jj] = jnp.where(mine & (pos == 0), out, first[jj])
+    if pending is not None:
+      out, _ = lax.optimization_barrier((out, pending))
+    work = pieces is not None and s < G
+    if work:
+      out, args = lax.optimization_barrier((out, (d_states[s], pieces[s][1])))
+    perm = [(c, c - 1) for c in range(1, P) if 0 <= s - c < G]
+    if perm:
+      recv = lax.ppermute(out, axis_name, perm)
+    if work:
+      results[s] = pieces[s][0](args[0], *args[1])
+      pending = results[s]
+  d_initial = None
+  if initial_like is not None:
+    # The forward cast each initial block to vary like the states (match_varying); its
+    # transpose takes the cotangent back to the initial's own type.
+    d_initial = [jax.linear_transpose(
+        lambda h, like=like: match_varying(h.astype(jnp.float32), d_exclusive[0]), like)(f)[0]
+        for like, f in zip(initial_like, first)]
+  return d_states, d_initial, results
+
+
 def _chain(axis_name, reverse):
   """(P, this rank's position along the chain, position -> device index)."""
   P = lax.axis_size(axis_name)
