@@ -424,7 +424,9 @@ def all_scan_of_pieces(pieces, axis_name, *, initial=None):
   behind an optimization barrier, once step j's send has its data, so it runs while that
   send is in flight; step j + 1 needs its result. Steps: G + P - 2 sends, one block per
   rank each (one state per rank in all). Plain JAX: autodiff gives the backward (the
-  reverse chain, each step's received block kept: about two states per rank).
+  reverse chain, each step's received block kept: about two states per rank);
+  :func:`all_scan_of_pieces_transpose` is that reverse chain for fixed transitions, with
+  work of its own beside the sends.
   """
   pieces = list(pieces)
   G = len(pieces)
