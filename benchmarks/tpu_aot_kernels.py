@@ -229,9 +229,7 @@ def compile_sp(family, chips, shape=SP_SHAPE, dtype=jnp.bfloat16, *, backend="pa
   return compiled, time.perf_counter() - t0, mesh
 
 
-# The name may be wrapped as jvp(name): a kernel traced inside jax.vjp's forward (the
-# delta-rule local pass in head groups, zeco_jax._chunks._segment_in_pieces).
-_KERNEL_NAME = re.compile(r'op_name="(?:[^"]*/)?(?:jvp\()?(\w+)\)?/pallas_call"')
+_KERNEL_NAME = re.compile(r'op_name="(?:[^"]*/)?(\w+)/pallas_call"')
 
 
 def kernel_names(text):
