@@ -433,56 +433,48 @@ def resolve_overlap_pieces(overlap_pieces, method, num_blocks, H, *, platform, P
   return overlap_pieces
 
 
-def _local_pass_in_pieces(q, k, v, g, beta, *, recurrence, axis_name, pieces, initial_state,
-                          first_starts):
+def _local_pass_in_pieces(ops, axis_name, pieces, q, k, v, g, beta, initial_state,
+                          first_starts, keep):
   """:func:`local_pass` with the All-Scan's blocks the ``pieces`` head groups, each
-  produced by its group's widened local pass (:func:`zeco_jax.sp.scan.all_scan_of_pieces`)."""
-  H, V = q.shape[2], v.shape[-1]
-  hs = H // pieces
-  heads = lambda x, i, axis: lax.slice_in_dim(x, i * hs, (i + 1) * hs, axis=axis)
-
-  def piece(q, k, v, g, beta):
-    o_local, (seg_state, seg_matrix, rows) = _widened_parts(recurrence(q, k, v, g, beta), V,
-                                                            first_starts)
-    return seg_state, transitions.DenseTransition(seg_matrix), (o_local, rows)
-
-  work = [(piece, tuple(heads(x, i, 2) for x in (q, k, v, g, beta))) for i in range(pieces)]
-  initial = None if initial_state is None else [heads(initial_state, i, 1)
-                                                for i in range(pieces)]
-  entering, after, extras = _scan.all_scan_of_pieces(work, axis_name, initial=initial)
-  o = jnp.concatenate([o_local + fix_up(rows, x, v.dtype)
-                       for (o_local, rows), x in zip(extras, entering)], axis=2)
-  return o.astype(v.dtype), jnp.concatenate(after, axis=1)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _segment_in_pieces(ops, axis_name, pieces, q, k, v, g, beta, h0, first_starts):
-  """:func:`_local_pass_in_pieces` on ``ops.widened``, with the backward of
-  :func:`_segment_bwd` per head group (:func:`_segment_in_pieces_bwd`)."""
-  return _local_pass_in_pieces(q, k, v, g, beta, recurrence=ops.widened, axis_name=axis_name,
-                               pieces=pieces, initial_state=h0, first_starts=first_starts)
-
-
-def _segment_in_pieces_fwd(ops, axis_name, pieces, q, k, v, g, beta, h0, first_starts):
+  produced by its group's widened local pass (:func:`zeco_jax.sp.scan.all_scan_of_pieces`):
+  ``((o, state after the segment), residuals)``; with ``keep`` the groups' passes keep
+  their chunk states and ``residuals`` is what :func:`_segment_in_pieces_bwd` takes, else
+  None."""
   H, V = q.shape[2], v.shape[-1]
   hs = H // pieces
   heads = lambda x, i, axis: lax.slice_in_dim(x, i * hs, (i + 1) * hs, axis=axis)
   inputs = [tuple(heads(x, i, 2) for x in (q, k, v, g, beta)) for i in range(pieces)]
 
   def piece(*x):
-    widened, states = ops.widened_res(*x)
+    widened, states = ops.widened_res(*x) if keep else (ops.widened(*x), None)
     o_local, (seg_state, seg_matrix, rows) = _widened_parts(widened, V, first_starts)
     return (seg_state, transitions.DenseTransition(seg_matrix),
             (o_local, rows, states, seg_matrix))
 
-  initial = None if h0 is None else [heads(h0, i, 1) for i in range(pieces)]
+  initial = None if initial_state is None else [heads(initial_state, i, 1)
+                                                for i in range(pieces)]
   entering, after, extras = _scan.all_scan_of_pieces(
       [(piece, x) for x in inputs], axis_name, initial=initial)
   o = jnp.concatenate([o_local + fix_up(rows, x, v.dtype)
                        for (o_local, rows, _, _), x in zip(extras, entering)], axis=2)
+  outputs = (o.astype(v.dtype), jnp.concatenate(after, axis=1))
+  if not keep:
+    return outputs, None
   kept = [(rows, states, matrix) for _, rows, states, matrix in extras]
-  return ((o.astype(v.dtype), jnp.concatenate(after, axis=1)),
-          (inputs, kept, entering, initial, first_starts))
+  return outputs, (inputs, kept, entering, initial, first_starts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _segment_in_pieces(ops, axis_name, pieces, q, k, v, g, beta, h0, first_starts):
+  """:func:`_local_pass_in_pieces`, with the backward of :func:`_segment_bwd` per head
+  group (:func:`_segment_in_pieces_bwd`)."""
+  return _local_pass_in_pieces(ops, axis_name, pieces, q, k, v, g, beta, h0, first_starts,
+                               keep=False)[0]
+
+
+def _segment_in_pieces_fwd(ops, axis_name, pieces, q, k, v, g, beta, h0, first_starts):
+  return _local_pass_in_pieces(ops, axis_name, pieces, q, k, v, g, beta, h0, first_starts,
+                               keep=True)
 
 
 def _segment_in_pieces_bwd(ops, axis_name, pieces, residuals, cotangents):

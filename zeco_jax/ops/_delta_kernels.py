@@ -102,17 +102,19 @@ def kernel_recurrence(q, k, v, g, beta, h0, scale, C, config, *, family):
   B, T, H, K = q.shape
   V = v.shape[-1]
   h0 = jnp.zeros((B, H, K, V), jnp.float32) if h0 is None else h0.astype(jnp.float32)
-  arrays = [*_padded(C, q, k, v, g, beta), h0]
-  arrays = [match_varying(x, *arrays) for x in arrays]
-  o, final = _core(*arrays, scale, C, family, config)
+  o, final = _core(*_kernel_inputs(C, (q, k, v, g, beta), h0), scale, C, family, config)
   return o[:, :T], final
 
 
-def _padded(C, q, k, v, g, beta, *rest):
-  """The kernels' inputs: T padded to a multiple of C (tokens that change nothing), g and
-  beta float32; ``rest`` (per-token arrays) padded alike."""
-  return [_checks.pad_time(x, C) for x in (q, k, v, g.astype(jnp.float32),
-                                           beta.astype(jnp.float32), *rest)]
+def _kernel_inputs(C, tokens, *others):
+  """The kernels' inputs: the per-token arrays ``tokens`` (q, k, v, g, beta, then any
+  more) with T padded to a multiple of C (tokens that change nothing), g and beta float32,
+  then ``others`` as they are; all varying over the same manual axes."""
+  q, k, v, g, beta, *more = tokens
+  arrays = [_checks.pad_time(x, C) for x in (q, k, v, g.astype(jnp.float32),
+                                             beta.astype(jnp.float32), *more)]
+  arrays += others
+  return [match_varying(x, *arrays) for x in arrays]
 
 
 def _widened_inputs(v, K):
@@ -136,21 +138,18 @@ def _kernel_local_pass(family, wide, plain, scale, C, chunked_op):
   def widened_res(q, k, v, g, beta):
     T = q.shape[1]
     v, h0 = _widened_inputs(v, q.shape[-1])
-    arrays = [*_padded(C, q, k, v, g, beta), h0]
-    arrays = [match_varying(x, *arrays) for x in arrays]
-    (o, final), res = _kernels(family, wide).fwd_res(*arrays[:5], scale=scale,
-                                                     initial_state=arrays[5], chunk_size=C,
-                                                     config=wide)
+    *arrays, h0 = _kernel_inputs(C, (q, k, v, g, beta), h0)
+    (o, final), res = _kernels(family, wide).fwd_res(*arrays, scale=scale, initial_state=h0,
+                                                     chunk_size=C, config=wide)
     return (o[:, :T], final), res.h
 
   def backward(q, k, v, g, beta, h0, states, do, dht):
     T = q.shape[1]
-    arrays = [*_padded(C, q, k, v, g, beta, do.astype(v.dtype)), h0,
-              dht.astype(jnp.float32)]
-    arrays = [match_varying(x, *arrays) for x in arrays]
-    pq, pk, pv, pg, pbeta, pdo, h0, dht = arrays
+    *arrays, h0, dht, states = _kernel_inputs(C, (q, k, v, g, beta, do.astype(v.dtype)), h0,
+                                              dht.astype(jnp.float32), states)
+    pq, pk, pv, pg, pbeta, pdo = arrays
     impl = _kernels(family, plain)
-    res = impl.Residual(match_varying(states, *arrays))         # the chunk states h
+    res = impl.Residual(states)                                 # the chunk states h
     grads = impl.bwd_res(res, pq, pk, pv, pg, pbeta, pdo, dht, scale=scale, initial_state=h0,
                          chunk_size=C, config=plain)[:5]
     return tuple(d[:, :T].astype(x.dtype) for d, x in zip(grads, (q, k, v, g, beta)))
