@@ -20,8 +20,9 @@ agreement). Median over ``reps`` of the mean of ``iters`` calls after one warm-u
 are traced (3 calls each, ``jax.profiler``) after their timing, and the GPU time per
 kernel is printed and kept in the JSON (``benchmarks.profile_step.summarize``): every
 kernel's share from the one compilation the timing needed; FLA's forward and forward +
-backward likewise (``torch.profiler``, CUDA activity, :func:`torch_kernel_profile`). JAX and torch share the GPU in
-one process: XLA_PYTHON_CLIENT_PREALLOCATE=false is set before jax starts.
+backward likewise (``torch.profiler``, CUDA activity, :func:`torch_kernel_profile`). JAX
+and torch share the GPU in one process: XLA_PYTHON_CLIENT_PREALLOCATE=false is set before
+jax starts.
 """
 from __future__ import annotations
 

@@ -210,11 +210,11 @@ def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_in_ref, dk_
   """One sub-chunk M and K slice of one chunk: M's rows against the columns before them,
   M's columns against the rows after them, and M's diagonal block twice, once by its
   columns (the rows' sums) and once by its rows (the columns' sums), so no loop sums
-  across a tile's rows. Writes dq, dk, dbeta's part from this K
-  slice, dg but for the block pairs spanning all of M (dq, dk, dg with the parts formed
-  before, ``d*_in``, added; dq and dk in their output dtype), and for each earlier
-  sub-chunk J the total of dseg over the block pair (M, J) (``tot_ref[b, hd, n, M, J]``),
-  from which :func:`dpairs` adds those."""
+  across a tile's rows. Writes dq, dk, dbeta's part from this K slice, dg but for the
+  block pairs spanning all of M (dq, dk, dg with the parts formed before, ``d*_in``,
+  added; dq and dk in their output dtype), and for each earlier sub-chunk J the total of
+  dseg over the block pair (M, J) (``tot_ref[b, hd, n, M, J]``), from which
+  :func:`dpairs` adds those."""
   b, hd, f = (pl.program_id(i) for i in range(3))
   L = C // S
   n, M, kk = f // (L * NK), (f // NK) % L, f % NK

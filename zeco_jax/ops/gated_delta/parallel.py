@@ -8,7 +8,8 @@ segment of the sequence (docs/design.md §9):
    (:func:`zeco_jax.ops.gated_delta.chunked.chunk_recurrence` with ``augment=True``, or the
    kernels on V + K value columns). It gives the local outputs, the segment's own state
    ``S_p`` and, from the identity columns, the segment transition ``M_p`` (the product of
-   its chunk transitions, ``K x K``) and one fix-up row per token, ``R_t = Qeff_n (M_{n-1} ... M_0)``: how token t's output depends
+   its chunk transitions, ``K x K``) and one fix-up row per token,
+   ``R_t = Qeff_n (M_{n-1} ... M_0)``: how token t's output depends
    on the state entering the segment. None of it waits for another rank;
 2. the scan of ``(S_p, DenseTransition(M_p))`` over ``seq_axis`` (any method of
    :data:`zeco_jax.SCAN_METHODS`; the All-Scan sends one K x V state per rank and
