@@ -139,7 +139,7 @@ def _out_kernel(q_ref, g_ref, p_ref, vn_ref, h_ref, o_ref, *, C, K, BK, BV, dt, 
 
 def output(q, g, P, vn, h, *, scale, chunk_size, config):
   """o [B, T, H, V] in v_new's dtype, from the states entering each chunk and the
-  intra-chunk scores P (float32 ``[B, T, H, C]``)."""
+  intra-chunk scores P (``[B, T, H, C]``, :func:`pallas_kernels.kda.pairs.intra`)."""
   B, T, H, K = q.shape
   V = vn.shape[-1]
   BV = block(V, config.out.bv)

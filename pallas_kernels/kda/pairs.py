@@ -11,8 +11,8 @@ with ``seg[i, j, d] = sum_{j < m <= i} g[m, d]``, and T = (I + A)^{-1}.
   blocks all at once by forward substitution, stacked ``[C, 16]`` and gathering A's rows
   from memory; the blocks below by ``X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ``, float32 at
   HIGHEST precision: :func:`pallas_kernels._delta.block_inverse`, verified on an H200).
-  Writes T (k's dtype) and P (float32), ``[B, T, H, C]`` each (row i of its chunk's
-  matrix at token i). A itself never leaves the kernels.
+  Writes T and P in k's dtype, ``[B, T, H, C]`` each (row i of its chunk's matrix at
+  token i). A itself never leaves the kernels.
 * :func:`dpairs` (``kda_dpairs``): the backward through A and P, from their cotangents dA
   (:func:`pallas_kernels.kda.chunk.dwy`) and dP (:func:`pallas_kernels.kda.chunk.dqk`):
   dq, dk, dg and dbeta's parts, a program per chunk, sub-chunk and K slice (FLA's grid
@@ -171,7 +171,8 @@ def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, ad_ref, pd_ref, t_ref, p_ref, y
       A[I, J] = betas[I][:, None] * A[I, J]
   for I in range(L):
     for J in range(L):
-      p_ref[b, rows[I], hd, pl.ds(J * S, S)] = P[I, J] if J <= I else jnp.zeros((S, S), F32)
+      blk = P[I, J] if J <= I else jnp.zeros((S, S), F32)
+      p_ref[b, rows[I], hd, pl.ds(J * S, S)] = blk.astype(p_ref.dtype)
 
   def a_rows(i, first):                # row i of each row's diagonal block, with its beta
     tok = n * C + first + i
@@ -186,8 +187,9 @@ def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, ad_ref, pd_ref, t_ref, p_ref, y
 
 
 def intra(q, k, g, beta, *, chunk_size, config):
-  """(T = (I + A)^{-1} in k's dtype, P float32), each ``[B, T, H, C]`` (row i of its
-  chunk's matrix at token i; zero above the diagonal). P is unscaled. The diagonal blocks
+  """(T = (I + A)^{-1}, P), each ``[B, T, H, C]`` in k's dtype (row i of its chunk's
+  matrix at token i; zero above the diagonal; P's two readers, the output and v_new's
+  cotangent, take it as a dot operand of that dtype). P is unscaled. The diagonal blocks
   come from :func:`diag` (a program per token and ``config.diag.bh`` heads), the rest from
   a program per chunk (``config.intra``: its K slice ``kd``)."""
   B, T, H, K = k.shape
@@ -195,7 +197,7 @@ def intra(q, k, g, beta, *, chunk_size, config):
   kern = functools.partial(_intra_kernel, C=C, K=K, KD=block(K, config.intra.kd), dt=k.dtype,
                            config=config)
   out = (jax.ShapeDtypeStruct((B, T, H, C), k.dtype),
-         jax.ShapeDtypeStruct((B, T, H, C), F32),
+         jax.ShapeDtypeStruct((B, T, H, C), k.dtype),
          jax.ShapeDtypeStruct((B, T, H, S), F32))        # + the inverse's scratch
   res = call(kern, out, (B, H, T // C), config=config, num_warps=config.intra.warps,
              num_stages=config.intra.stages, name="kda_intra")(
