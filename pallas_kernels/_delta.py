@@ -183,7 +183,7 @@ def _dwalk_kernel(qb_ref, d_ref, w_ref, kd_ref, do_ref, dvl_ref, dht_ref, dh_ref
     ahead = load(jnp.maximum(n - 1, 0))            # issued before this chunk's chain
     dh_ref[b, hd, n, :, vs] = dh.astype(dh_ref.dtype)
     dvn = dvl + dot(kd, dh, dt)
-    dvn_ref[b, pl.ds(n * C, C), hd, vs] = dvn
+    dvn_ref[b, pl.ds(n * C, C), hd, vs] = dvn.astype(dvn_ref.dtype)
     return (_apply_decay(d, dh, C, rows) + dot(qb, do, dt, ta=True)
             - dot(w, dvn, dt, ta=True)), ahead
 
@@ -192,8 +192,10 @@ def _dwalk_kernel(qb_ref, d_ref, w_ref, kd_ref, do_ref, dvl_ref, dht_ref, dh_ref
 
 
 def grad_walk(qb, decay, w, kd, do, dvl, dht, *, chunk_size, config, store_dtype, prefix):
-  """(dH [B, H, N, K, V] in ``store_dtype``, dv_new [B, T, H, V] float32, dh0 float32);
-  the kernel is named ``<prefix>_grad_walk``."""
+  """(dH [B, H, N, K, V] in ``store_dtype``, dv_new [B, T, H, V] in qb's dtype, dh0
+  float32); the kernel is named ``<prefix>_grad_walk``. dv_new's readers (the families'
+  ``dqk`` and ``dwy``) take it only as a dot operand of that dtype, so storing it so
+  rounds nothing they would not."""
   B, T, H, K = qb.shape
   V = do.shape[-1]
   N = T // chunk_size
@@ -201,7 +203,7 @@ def grad_walk(qb, decay, w, kd, do, dvl, dht, *, chunk_size, config, store_dtype
   kern = functools.partial(_dwalk_kernel, C=chunk_size, N=N, BV=BV, dt=qb.dtype,
                            rows=decay.ndim == 4)
   out = (jax.ShapeDtypeStruct((B, H, N, K, V), store_dtype),
-         jax.ShapeDtypeStruct(dvl.shape, F32), jax.ShapeDtypeStruct((B, H, K, V), F32))
+         jax.ShapeDtypeStruct(dvl.shape, qb.dtype), jax.ShapeDtypeStruct((B, H, K, V), F32))
   return call(kern, out, (B, H, V // BV), config=config, num_warps=config.dwalk.warps,
               num_stages=config.dwalk.stages, name=f"{prefix}_grad_walk")(
                   qb, decay, w, kd, do, dvl, dht)

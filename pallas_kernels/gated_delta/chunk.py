@@ -350,7 +350,7 @@ def _dqk_kernel(q_ref, k_ref, g_ref, gc_ref, vn_ref, dvn_ref, do_ref, h_ref, dh_
     q, k = q_ref[b, t, hd, ks], k_ref[b, t, hd, ks]
     dq_ref[b, t, hd, ks] = scale * eb[:, None] * dqb + dot(dS, k, dt)
     dk_ref[b, t, hd, ks] = dot(dS, q, dt, ta=True) + ek[:, None] * dkd
-    dw_ref[b, t, hd, ks] = -dwa
+    dw_ref[b, t, hd, ks] = (-dwa).astype(dw_ref.dtype)
     db = db + jnp.sum(q.astype(F32) * dqb, axis=1)
     dto_end = dto_end + jnp.sum(k.astype(F32) * dkd, axis=1)
   db = scale * eb * db
@@ -370,7 +370,8 @@ def _dqk_kernel(q_ref, k_ref, g_ref, gc_ref, vn_ref, dvn_ref, do_ref, h_ref, dh_
     dg_ref[b, t, hd, kk] = dg
 
 def dqk(q, k, g, gc, vn, dvn, do, h, dh, *, scale, chunk_size, config):
-  """(dq, dk's output and state part, dw, dg's part) per chunk, float32. A program per
+  """(dq, dk's output and state part, dw, dg's part) per chunk, float32 but dw (q's
+  dtype: :func:`dwy` reads it only as a dot operand of that dtype). A program per
   chunk and K slice of ``config.dqk.kd`` channels, each forming the cotangent of q k^T
   (over V) and its slice's part of dg (summed over the slices here); the first slice's
   also forms q k^T (over K) for dg's part through its decays."""
@@ -381,7 +382,8 @@ def dqk(q, k, g, gc, vn, dvn, do, h, dh, *, scale, chunk_size, config):
                            BV=config.dqk.bv, dt=q.dtype, scale=scale)
   f32k = jax.ShapeDtypeStruct((B, T, H, K), F32)
   NKS = K // KS
-  out = (f32k, f32k, f32k, jax.ShapeDtypeStruct((B, T, H) + ((NKS,) if NKS > 1 else ()), F32))
+  out = (f32k, f32k, jax.ShapeDtypeStruct((B, T, H, K), q.dtype),
+         jax.ShapeDtypeStruct((B, T, H) + ((NKS,) if NKS > 1 else ()), F32))
   dq, dk, dw, dg = call(kern, out, (B, H, (T // chunk_size) * NKS), config=config,
                         num_warps=config.dqk.warps, num_stages=config.dqk.stages,
                         name="gdn_dqk")(q, k, g, gc, vn, dvn, do, h, dh)

@@ -207,7 +207,7 @@ def _dqk_kernel(q_ref, k_ref, g_ref, vn_ref, dvn_ref, do_ref, h_ref, dh_ref, dq_
     dk = jnp.exp(after(g)) * dkd
     dq_ref[b, t, hd, ks] = dq
     dk_ref[b, t, hd, ks] = dk
-    dw_ref[b, t, hd, ks] = -dwa
+    dw_ref[b, t, hd, ks] = (-dwa).astype(dw_ref.dtype)
     # b_i's cotangent q_i dq_i reaches the tokens m <= i; to_end_j's the tokens m > j;
     # gamma's (e^{gamma} sum_v h dh') every token of the chunk.
     dg_ref[b, t, hd, ks] = (from_here(q_ref[b, t, hd, ks].astype(F32) * dq)
@@ -216,17 +216,19 @@ def _dqk_kernel(q_ref, k_ref, g_ref, vn_ref, dvn_ref, do_ref, h_ref, dh_ref, dq_
 
 
 def dqk(q, k, g, vn, dvn, do, h, dh, *, scale, chunk_size, config):
-  """(dq, dk through the output's state term and kd, dw, dg's part, all float32 [B, T, H,
-  K]; dP = incl_lower(scale do v_new^T), the cotangent of P, float32 [B, T, H, C]). A
-  program per chunk and K slice of ``config.dqk.kd`` channels (the first also forms
-  dP), in K and V tiles of ``config.dqk.bv``."""
+  """(dq, dk through the output's state term and kd, float32 [B, T, H, K]; dw [B, T, H, K]
+  in q's dtype, :func:`dwy`'s dot operand; dg's part float32 [B, T, H, K]; dP =
+  incl_lower(scale do v_new^T), the cotangent of P, float32 [B, T, H, C]). A program per
+  chunk and K slice of ``config.dqk.kd`` channels (the first also forms dP), in K and V
+  tiles of ``config.dqk.bv``."""
   B, T, H, K = q.shape
   V = vn.shape[-1]
   KS = block(K, config.dqk.kd)
   kern = functools.partial(_dqk_kernel, C=chunk_size, K=K, V=V, KS=KS, BK=config.dqk.bv,
                            BV=config.dqk.bv, dt=q.dtype, scale=scale)
   f32k = jax.ShapeDtypeStruct((B, T, H, K), F32)
-  out = (f32k, f32k, f32k, f32k, jax.ShapeDtypeStruct((B, T, H, chunk_size), F32))
+  out = (f32k, f32k, jax.ShapeDtypeStruct((B, T, H, K), q.dtype), f32k,
+         jax.ShapeDtypeStruct((B, T, H, chunk_size), F32))
   return call(kern, out, (B, H, (T // chunk_size) * (K // KS)), config=config,
               num_warps=config.dqk.warps, num_stages=config.dqk.stages,
               name="kda_dqk")(q, k, g, vn, dvn, do, h, dh)
