@@ -44,29 +44,16 @@ def check_dims(K: int, V: int, C: int, *, family: str) -> None:
                      f"kernels, got {V}; use backend='jax' for other sizes.")
 
 
-def _tile():
-  return iota((S, S), 0), iota((S, S), 1)
-
-
-def _substitute(a):
-  """``(I + a)^{-1}`` of one strictly lower ``[S, S]`` block, row by row."""
-  r, _ = _tile()
-  x = jnp.zeros((S, S), F32)
-  for i in range(S):
-    a_i = jnp.sum(jnp.where(r == i, a, 0.0), axis=0)           # a[i, :] by column
-    new = jnp.where(iota((S,), 0) == i, 1.0, 0.0) - jnp.sum(a_i[:, None] * x, axis=0)
-    x = jnp.where(r == i, new[None, :], x)
-  return x
-
-
 def _substitute_stacked(L, gather, roundtrip):
-  """:func:`_substitute` of all L diagonal blocks at once, through memory: the blocks'
-  inverses formed transposed and stacked, ``y [L * S, S]`` (block I's rows at I * S),
-  column by column: ``y[:, i] = e_i - y a_i^T``, ``gather(i)`` giving ``[L * S, S]``, on
-  each row row i of that row's own block (strictly lower, from memory). 16 steps for the
-  chunk instead of 16 per block, every step's sum along a tile row (inside one warp in
-  Triton's layout, where the row-by-row form sums down the columns, across the warps).
-  ``roundtrip(y)`` stores y, and after a barrier returns the blocks ``y_I^T``."""
+  """``(I + a)^{-1}`` of all L strictly lower diagonal ``[S, S]`` blocks at once, through
+  memory: the blocks' inverses formed transposed and stacked, ``y [L * S, S]`` (block
+  I's rows at I * S), column by column: ``y[:, i] = e_i - y a_i^T``, ``gather(i)`` giving
+  ``[L * S, S]``, on each row row i of that row's own block (strictly lower, from
+  memory). 16 steps for the chunk instead of 16 per block, every step's sum along a tile
+  row (inside one warp in Triton's layout; the row-by-row form, one block at a time from
+  register tiles, summed down the columns, across the warps, and measured slower:
+  ``benchmarks/results/gdn_h200.md``). ``roundtrip(y)`` stores y, and after a barrier
+  returns the blocks ``y_I^T``."""
   C = L * S
   pos, c = iota((C,), 0) % S, iota((C, S), 1)
   y = jnp.zeros((C, S), F32)
@@ -76,14 +63,12 @@ def _substitute_stacked(L, gather, roundtrip):
   return roundtrip(y)
 
 
-def block_inverse(A, L, stacked=None):
-  """The blocks ``X[I, J]`` (J <= I) of ``(I + A)^{-1}``, float32. ``stacked``: None (the
-  diagonal blocks from the tiles ``A[I, I]``, one by one) or ``(gather, roundtrip)``, the
-  diagonal blocks all at once through memory (:func:`_substitute_stacked`)."""
-  if stacked is None:
-    X = {(I, I): _substitute(A[I, I]) for I in range(L)}
-  else:
-    X = {(I, I): x for I, x in enumerate(_substitute_stacked(L, *stacked))}
+def block_inverse(A, L, stacked):
+  """The blocks ``X[I, J]`` (J <= I) of ``(I + A)^{-1}``, float32, from A's blocks below
+  the diagonal (``A[I, J]``, J < I) and ``stacked = (gather, roundtrip)``
+  (:func:`stacked_through`): the diagonal blocks all at once through memory
+  (:func:`_substitute_stacked`)."""
+  X = {(I, I): x for I, x in enumerate(_substitute_stacked(L, *stacked))}
   for d in range(1, L):
     for I in range(d, L):
       J = I - d

@@ -156,19 +156,15 @@ def _load_chunk(refs, b, hd, n, C):
 
 # --- forward ------------------------------------------------------------------------------
 
-def _inverse_kernel(k_ref, g_ref, beta_ref, t_ref, *scratch, C, K, KD, dt, config):
+def _inverse_kernel(k_ref, g_ref, beta_ref, t_ref, ad_ref, *, C, K, KD, dt, config):
   b, hd, n = (pl.program_id(i) for i in range(3))
   rows, _, betas, dec = _load_chunk((g_ref, beta_ref), b, hd, n, C)
   A, _, _ = block_kkt(lambda I, ks: k_ref[b, rows[I], hd, ks], tiles(K, KD), betas, dec, dt)
-  stacked = None
-  if scratch:                          # the diagonal blocks through memory, all at once
-    (ad_ref,) = scratch
-    for I in range(dec.L):
-      ad_ref[b, rows[I], hd, :] = A[I, I]
-    program_barrier(config)
-    stacked = stacked_through(ad_ref, b, hd, n, C, config,
-                              lambda i, first: ad_ref[b, n * C + first + i, hd, :])
-
+  for I in range(dec.L):               # the diagonal blocks through memory, all at once
+    ad_ref[b, rows[I], hd, :] = A[I, I]
+  program_barrier(config)
+  stacked = stacked_through(ad_ref, b, hd, n, C, config,
+                            lambda i, first: ad_ref[b, n * C + first + i, hd, :])
   X = block_inverse(A, dec.L, stacked)
   for I in range(dec.L):
     for J in range(dec.L):
@@ -178,19 +174,17 @@ def _inverse_kernel(k_ref, g_ref, beta_ref, t_ref, *scratch, C, K, KD, dt, confi
 
 def inverse(k, g, beta, *, chunk_size, config):
   """T = (I + A)^{-1} per chunk, ``[B, T, H, C]`` (row i of its chunk's inverse at token i)
-  in k's dtype (every dot reads it so). With ``config.diag_in_memory`` A's diagonal
-  blocks go through a float32 scratch output ``[B, T, H, 16]``, from which the
-  substitution gathers their rows, all four blocks at once
-  (:func:`pallas_kernels._delta.block_inverse`)."""
+  in k's dtype (every dot reads it so). A's diagonal blocks go through a float32 scratch
+  output ``[B, T, H, 16]``, from which the substitution gathers their rows, all four
+  blocks at once (:func:`pallas_kernels._delta.block_inverse`; one block at a time from
+  register tiles measured slower: ``benchmarks/results/gdn_h200.md``)."""
   B, T, H, K = k.shape
   kern = functools.partial(_inverse_kernel, C=chunk_size, K=K, KD=config.inv.kd, dt=k.dtype,
                            config=config)
-  out = jax.ShapeDtypeStruct((B, T, H, chunk_size), k.dtype)
-  if config.diag_in_memory:
-    out = (out, jax.ShapeDtypeStruct((B, T, H, S), F32))
-  res = call(kern, out, (B, H, T // chunk_size), config=config, num_warps=config.inv.warps,
-             num_stages=config.inv.stages, name="gdn_ut_inverse")(k, g, beta)
-  return res[0] if config.diag_in_memory else res
+  out = (jax.ShapeDtypeStruct((B, T, H, chunk_size), k.dtype),
+         jax.ShapeDtypeStruct((B, T, H, S), F32))          # + the diagonal blocks' scratch
+  return call(kern, out, (B, H, T // chunk_size), config=config, num_warps=config.inv.warps,
+              num_stages=config.inv.stages, name="gdn_ut_inverse")(k, g, beta)[0]
 
 
 def _chunk_decays(g, C):

@@ -24,11 +24,11 @@ STAGE_DEFAULTS = {
     "out": Launch(bv=128, warps=4, stages=2),   # the output per chunk and V tile
     "vnew": Launch(bv=128, warps=4, stages=2),  # backward: v_new and the local dv per V tile
     "dwalk": Launch(bv=16, warps=4, stages=2),  # backward walk; tile, warps by shape
-    "dqk": Launch(kd=128, bv=64, warps=4, stages=1),  # backward: dq, dk, dw, dg per chunk
-                                                # (kd: K per program)
+    "dqk": Launch(kd=32, bv=64, warps=4, stages=1),   # backward: dq, dk, dw, dg per chunk
+                                                # (kd: K per program; 128 with K > 128)
     "dwy": Launch(bv=64, warps=4, stages=1),    # backward: through w, u and A per chunk
 }
-FLAGS = ("interpret", "states_in_input_dtype", "diag_in_memory")
+FLAGS = ("interpret", "states_in_input_dtype")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,10 +40,7 @@ class KernelConfig:
   ``"cpu"``). One :class:`~pallas_kernels.Launch` per GPU stage (:data:`STAGE_DEFAULTS`);
   ``bv`` is a cap on the V tile. ``states_in_input_dtype``: the chunk states kept for the
   backward and their cotangents are stored in the input dtype (the dots read them so),
-  else float32. ``diag_in_memory``: the UT inverse stores A's diagonal blocks to a
-  scratch output and inverts all four at once, each row gathering its block's rows from
-  there, instead of one by one from register tiles (the same sums; not yet timed against
-  the default; PTX for sm_90 in ``benchmarks/results/ptx_sm90.md``).
+  else float32.
 
   Change one with :meth:`replace` (``cfg.replace(walk_bv=32, dqk_warps=4)``).
   """
@@ -58,7 +55,6 @@ class KernelConfig:
   dqk: Launch = STAGE_DEFAULTS["dqk"]
   dwy: Launch = STAGE_DEFAULTS["dwy"]
   states_in_input_dtype: bool = True
-  diag_in_memory: bool = False
 
   def __post_init__(self):
     check_config(self, stage_defaults=STAGE_DEFAULTS, flags=FLAGS,
@@ -77,11 +73,18 @@ def default_config(platform: str, B: int, T: int, H: int, K: int, V: int, dtype,
   (:data:`STAGE_DEFAULTS`, chosen at B1 T16384 H16 K=V=128 bf16 on an H200), and the
   walks' V tile and warps by the number of walk programs
   (:func:`pallas_kernels._config.delta_walk_launch`: 16 at B1 H16, 64 with 8 warps at B8
-  H16, as measured; 8 warps with K >= 256; ``sm_count`` None: 132). T and dtype change
-  no default yet."""
+  H16, as measured; 8 warps with K >= 256; ``sm_count`` None: 132). ``gdn_dqk`` takes K
+  slices of 32 up to K = 128 (measured at K = V = 128: forward + backward 3.26 -> 3.15 ms
+  at B1 T16384 H16, 5.54 -> 5.19 at B8 T4096; no register spills for sm_90, where the
+  whole K spilled 1164 bytes) and of 128 above (Gated DeltaNet-340M's K = 256, V = 512
+  was measured so; slices of 32 there, eight programs a chunk each forming do v_new^T
+  over V, are not). T
+  and dtype change no default yet."""
   del T, dtype
   if platform not in PLATFORMS:
     raise ValueError(f"gated_delta default_config: unknown `platform` {platform!r}; choose "
                      f"one of {', '.join(map(repr, PLATFORMS))}.")
-  return with_delta_walks(KernelConfig(platform=platform, interpret=platform == "cpu"),
-                          B, H, K, V, sm_count=sm_count)
+  config = KernelConfig(platform=platform, interpret=platform == "cpu")
+  if K > 128:
+    config = config.replace(dqk_kd=128)
+  return with_delta_walks(config, B, H, K, V, sm_count=sm_count)

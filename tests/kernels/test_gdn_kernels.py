@@ -39,12 +39,11 @@ def test_kernels_match_float64(shape):
   B, T, H, K, V, C = shape
   inputs, weights = gdn_inputs(0, B, T, H, K, V, g_low=-5.0, beta_high=0.9999)
   # V = 32 walks in one V tile of 32 (the walks' default at large B * H takes 32 or 64);
-  # every other test walks in tiles of 16. V = 16 takes the UT inverse's diagonal blocks
-  # through memory (``diag_in_memory``), k k^T in two K slices and gdn_dqk in two programs
-  # per chunk (K slices).
+  # every other test walks in tiles of 16. V = 16 takes k k^T in two K slices and gdn_dqk
+  # in two programs per chunk (K slices); K = 16 gdn_dqk's whole K in one.
   cfg = gated_delta.default_config("cpu", B, T, H, K, V, jnp.float32)
   cfg = (cfg.replace(walk_bv=32, dwalk_bv=32) if V == 32
-         else cfg.replace(diag_in_memory=True, dqk_kd=16, inv_kd=16))
+         else cfg.replace(dqk_kd=16, inv_kd=16))
   check_gdn_against_float64(_kernel_op(C, kernel_config=cfg), inputs, weights)
 
 
@@ -166,18 +165,20 @@ def test_default_config_and_errors():
   assert np.array_equal(np.asarray(o_auto), np.asarray(o_jax))
 
 
-@pytest.mark.parametrize("diag_in_memory,K,V", [(False, 128, 128), (True, 128, 128),
-                                                (False, 256, 512)],
-                         ids=["K128", "K128-diag-in-memory", "K256-V512"])
-def test_kernels_lower_to_triton_for_a_gpu_target(diag_in_memory, K, V):
+@pytest.mark.parametrize("K,V,dqk_kd", [(128, 128, None), (128, 128, 128), (256, 512, None)],
+                         ids=["K128", "K128-dqk-whole-K", "K256-V512"])
+def test_kernels_lower_to_triton_for_a_gpu_target(K, V, dqk_kd):
   """Every GPU kernel of the forward and backward lowers through Pallas's Triton lowering
   for an H200 on this CPU host (an abstract device): what the interpreter does not check.
-  K = 256, V = 512 is Gated DeltaNet-340M's head (the walks with 8 warps, k k^T and dqk in
+  The defaults (gdn_dqk in K slices of 32 at K = 128), gdn_dqk over the whole K, and
+  K = 256, V = 512, Gated DeltaNet-340M's head (the walks with 8 warps, k k^T and dqk in
   two K slices)."""
   mesh = abstract_mesh("gpu", "NVIDIA H200", 132)
   B, T, H = 1, 256, 2
-  config = gated_delta.default_config("gpu", B, T, H, K, V, jnp.bfloat16).replace(
-      diag_in_memory=diag_in_memory, dqk_kd=64 if diag_in_memory else 128)
+  config = gated_delta.default_config("gpu", B, T, H, K, V, jnp.bfloat16)
+  assert config.dqk.kd == (32 if K <= 128 else 128)
+  if dqk_kd is not None:
+    config = config.replace(dqk_kd=dqk_kd)
   kw = dict(scale=K ** -0.5, initial_state=jnp.zeros((B, H, K, V)), chunk_size=64,
             config=config)
 
