@@ -12,8 +12,10 @@ Size:  479.5M parameters here (counted with nnx.eval_shape). FLA names this shap
        head is tied to the embedding, as in this repository's GLA model.
 Op:    the Gated DeltaNet Pallas kernels on GPU and TPU (``model.backend="auto"``), at
        this shape's K = 256, V = 512 per head; the jnp chunked path on CPU.
-Time / reach: the step on the kernels is not measured yet (the jnp path's: 22,416
-       tokens/s on an H200, benchmarks/results/kda_h200.md).
+Time:  one H200 trains 1 x 16384 tokens at 57,823 tokens/s in 41.2 GiB on the kernels
+       (GLA-340M: 163,046 in 22.2 GiB; the jnp path: 22,416 in 95.0 GiB); the K = 256,
+       V = 512 walks take most of the step (benchmarks/results/gdn_h200.md).
+Reach: not measured (no corpus or long GPU run here).
 """
 import configs
 

@@ -8,9 +8,10 @@ Run:   python train.py --config configs/kda_340m.py --config.data.path=/path/to/
 On:    GPUs/TPUs; sequence length 16384 split over ``seq`` (zeco_kda's All-Scan), global
        batch 8 over ``data``; bf16 compute, float32 params.
 Size:  354.2M parameters (the benchmark's count; FLA would add an untied 32.8M head).
-Op:    the jnp chunked path (no Pallas kernels for KDA yet): one H200 trains 1 x 16384
-       tokens at 15,188 tokens/s in 40.8 GiB, against GLA-340M's 163,139
-       (benchmarks/results/kda_h200.md).
+Op:    the KDA Pallas kernels on GPU and TPU (``model.backend="auto"``), the jnp chunked
+       path on CPU: one H200 trains 1 x 16384 tokens at 84,083 tokens/s in 28.8 GiB,
+       against GLA-340M's 163,046 in 22.2 GiB (the jnp path: 15,188;
+       benchmarks/results/kda_h200.md).
 Reach: not measured (no corpus or long GPU run here).
 """
 import configs

@@ -132,9 +132,10 @@ def delta_walk_launch(B: int, H: int, K: int, V: int, *, sm_count: Optional[int]
   H16 K=V=128 (128 programs at tile 16) the forward walk took 0.44 / 0.50 / 0.72 ms at tile
   16 / 32 / 64; at B8 T4096 H16 tile 64 with 8 warps made the op 1.265 / 5.660 ms forward /
   forward + backward against 1.808 / 6.815 at tile 16 (the backward walk at 32 with 4
-  warps: 5.830). K >= 256 (Gated DeltaNet-340M's K = 256, V = 512): not timed; for sm_90
-  the walks at tile 16 with 4 warps spill 328 and 1912 bytes in their chunk loops, with 8
-  warps nothing (``benchmarks/results/ptx_sm90.md``)."""
+  warps: 5.830). K >= 256 (Gated DeltaNet-340M's K = 256, V = 512): for sm_90 the walks
+  at tile 16 with 4 warps spill 328 and 1912 bytes in their chunk loops, with 8 warps
+  nothing (``benchmarks/results/ptx_sm90.md``); in the 340M step (tile 16, 8 warps) they
+  take 1.62 and 2.39 ms a layer, no other launch timed there."""
   programs = sm_count or DEFAULT_SM_COUNT
   bv = next((t for t in (64, 32) if V % t == 0 and B * H * (V // t) >= programs), 16)
   return Launch(bv=bv, warps=8 if bv == 64 or K >= 256 else 4, stages=stages)
