@@ -98,7 +98,8 @@ def stacked_through(scratch_ref, b, hd, n, C, config, row_of):
 
 
 class Residual(NamedTuple):
-  """What a family's ``fwd_res`` keeps for ``bwd_res``: the state entering each chunk."""
+  """What a family's ``fwd_res`` keeps for ``bwd_res``: the state entering each chunk, or
+  None (``config.save_states`` off: ``bwd_res`` walks them again)."""
   h: jax.Array
 
 

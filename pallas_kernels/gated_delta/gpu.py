@@ -12,7 +12,8 @@ launch configuration ``config`` (:class:`pallas_kernels.gated_delta.KernelConfig
        -> the WY backward (dk, dv, dbeta, dg through w, u and A)
 
 The forward keeps the chunk states h ``[B, H, N, K, V]`` (one state per chunk, nothing
-per token) as its :class:`Residual`; the backward recomputes everything per token.
+per token) as its :class:`Residual` (with ``config.save_states`` off, nothing: the
+backward walks them again); the backward recomputes everything per token.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def fwd_res(q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
   h, vn, final = walk.state_walk(w, u, kd, gc, initial_state, store_dtype=state_store_dtype(config, k.dtype),
                                  **kw)
   o = chunk.output(q, k, g, gc, vn, h, scale=scale, **kw)
-  return (o, final), Residual(h)
+  return (o, final), Residual(h if config.save_states else None)
 
 
 def fwd(q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
@@ -49,16 +50,16 @@ def fwd(q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
 def bwd_res(res, q, k, v, g, beta, do, dht, *, scale, initial_state, chunk_size, config):
   """(dq float32, dk and dv in the inputs' dtypes [B, T, H, D]; dg, dbeta float32 [B, T,
   H]; dh0): the backward (the op casts dq: in ``gdn_dqk`` the cast spilled 132 more bytes
-  on sm_90); ``res`` is ``fwd_res``'s :class:`Residual`, or None (the states are recomputed)."""
+  on sm_90); ``res`` is ``fwd_res``'s :class:`Residual`, or None, or one holding None
+  (the states are recomputed)."""
   check_dims(q.shape[-1], v.shape[-1], chunk_size)
   kw = dict(chunk_size=chunk_size, config=config)
   store = state_store_dtype(config, k.dtype)
   do = do.astype(v.dtype)
   Tinv, w, u, kd, gc, qb = chunk.wy(k, v, g, beta, q=q, scale=scale, **kw)
-  if res is None:
+  h = None if res is None else res.h
+  if h is None:
     h, _, _ = walk.state_walk(w, u, kd, gc, initial_state, store_dtype=store, **kw)
-  else:
-    h = res.h
   vn, dvl = chunk.vnew(q, k, g, w, u, h, do, scale=scale, **kw)
   dH, dvn, dh0 = walk.grad_walk(qb, gc, w, kd, do, dvl, dht.astype(F32), store_dtype=store,
                                 **kw)

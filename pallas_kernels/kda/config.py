@@ -40,7 +40,7 @@ STAGE_DEFAULTS = {
     "dpairs": Launch(kd=32, warps=2, stages=1),  # backward: through A and P, per sub-chunk
                                                  # and K slice (kd)
 }
-FLAGS = ("interpret", "states_in_input_dtype")
+FLAGS = ("interpret", "states_in_input_dtype", "save_states")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +55,9 @@ class KernelConfig:
   K / V tile, ``kd`` the K slice of the kernels that form per-channel pairwise decays.
   ``states_in_input_dtype``: the chunk states kept for the backward and their cotangents
   are stored in the input dtype (the dots read them so), else float32.
+  ``save_states``: the forward keeps the chunk states h ``[B, H, T / C, K, V]`` for the
+  backward (K / C times v's size); else the backward recomputes them with a second
+  forward walk (GPU). On by default; off trades a walk for that memory (not timed).
   Change one with :meth:`replace` (``cfg.replace(walk_bv=32, dpairs_kd=64)``).
   """
   platform: str = "gpu"
@@ -70,6 +73,7 @@ class KernelConfig:
   dwy: Launch = STAGE_DEFAULTS["dwy"]
   dpairs: Launch = STAGE_DEFAULTS["dpairs"]
   states_in_input_dtype: bool = True
+  save_states: bool = True
 
   def __post_init__(self):
     check_config(self, stage_defaults=STAGE_DEFAULTS, flags=FLAGS, label="kda KernelConfig")

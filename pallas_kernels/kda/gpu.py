@@ -17,7 +17,8 @@ configuration ``config`` (:class:`pallas_kernels.kda.KernelConfig`):
           writes the op's dq, dk in their dtype)
 
 The forward keeps the chunk states h ``[B, H, N, K, V]`` (one state per chunk, nothing
-per token) as its :class:`Residual`; the backward recomputes everything per token.
+per token) as its :class:`Residual` (with ``config.save_states`` off, nothing: the
+backward walks them again); the backward recomputes everything per token.
 Exactness (:mod:`pallas_kernels.kda.chunk`, :mod:`pallas_kernels.kda.pairs`): every
 exponent is a sum of g over exactly the tokens it spans, and the decay gradient sums
 exactly the terms whose span holds each token, so g down to -5 per token and channel
@@ -50,7 +51,7 @@ def fwd_res(q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
   h, vn, final = walk.state_walk(w, u, kd, eg, initial_state,
                                  store_dtype=state_store_dtype(config, k.dtype), **kw)
   o = chunk.output(q, g, P, vn, h, scale=scale, **kw)
-  return (o, final), Residual(h)
+  return (o, final), Residual(h if config.save_states else None)
 
 
 def fwd(q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
@@ -60,18 +61,17 @@ def fwd(q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
 
 def bwd_res(res, q, k, v, g, beta, do, dht, *, scale, initial_state, chunk_size, config):
   """(dq, dk, dv [B, T, H, D] in the inputs' dtypes, dg float32 [B, T, H, K], dbeta float32
-  [B, T, H], dh0): the backward; ``res`` is ``fwd_res``'s :class:`Residual`, or None
-  (the states are recomputed)."""
+  [B, T, H], dh0): the backward; ``res`` is ``fwd_res``'s :class:`Residual`, or None,
+  or one holding None (the states are recomputed)."""
   check_dims(q.shape[-1], v.shape[-1], chunk_size)
   kw = dict(chunk_size=chunk_size, config=config)
   store = state_store_dtype(config, k.dtype)
   do = do.astype(v.dtype)
   Tinv, P = pairs.intra(q, k, g, beta, **kw)
   w, u, kd, eg, qb = chunk.wu(Tinv, k, v, g, beta, q=q, scale=scale, **kw)
-  if res is None:
+  h = None if res is None else res.h
+  if h is None:
     h, _, _ = walk.state_walk(w, u, kd, eg, initial_state, store_dtype=store, **kw)
-  else:
-    h = res.h
   vn, dvl = chunk.vnew(P, w, u, h, do, scale=scale, **kw)
   dH, dvn, dh0 = walk.grad_walk(qb, eg, w, kd, do, dvl, dht.astype(F32), store_dtype=store,
                                 **kw)

@@ -93,6 +93,20 @@ def test_backward_keeps_inputs_and_one_state_per_chunk():
   assert not any(x.size >= T * H * K * V for x in leaves)
 
 
+def test_save_states_off_keeps_only_the_inputs_and_walks_again():
+  """``save_states=False``: the residual is the inputs alone, and the backward, walking
+  the states again, meets the float64 bars."""
+  T, C, H, K, V = 48, 16, 2, 16, 16
+  inputs, weights = gdn_inputs(6, 1, T, H, K, V, g_low=-5.0)
+  cfg = gated_delta.default_config("cpu", 1, T, H, K, V, jnp.float32).replace(
+      save_states=False)
+  op = _kernel_op(C, kernel_config=cfg)
+  q, k, v, g, beta, h0 = inputs
+  _, vjp_fn = jax.vjp(lambda *a: op(*a[:5], initial_state=a[5])[0], *inputs)
+  assert sum(x.size for x in jax.tree.leaves(vjp_fn)) == sum(x.size for x in inputs)
+  check_gdn_against_float64(op, inputs, weights)
+
+
 def test_stages_match_the_jnp_chunk_terms():
   """The UT inverse kernel against ``unit_lower_inverse`` of the jnp path's A."""
   from zeco_jax._chunks import masked_exp, segment_sums, to_chunks, unit_lower_inverse

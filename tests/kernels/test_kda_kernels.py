@@ -163,6 +163,17 @@ def test_forward_keeps_one_state_per_chunk():
                                             config=config), q, k, v, g, beta,
                           initial_state=h0)
   assert [x.shape for x in jax.tree.leaves(res)] == [(1, 2, 4, 32, 16)]
+  _, res = jax.eval_shape(functools.partial(gpu.fwd_res, scale=1.0, chunk_size=16,
+                                            config=config.replace(save_states=False)),
+                          q, k, v, g, beta, initial_state=h0)
+  assert jax.tree.leaves(res) == []
+
+
+def test_save_states_off_walks_the_states_again():
+  inputs, cot = _inputs(4, 1, 48, 2, 16, 16)
+  config = kda.default_config("cpu", 1, 48, 2, 16, 16, jnp.float32).replace(
+      save_states=False)
+  _check(inputs, cot, 16, 1e-5, 1e-4, config=config)
 
 
 def test_default_config_and_errors():

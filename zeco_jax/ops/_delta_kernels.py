@@ -130,7 +130,9 @@ def _widened_inputs(v, K):
 
 def _kernel_local_pass(family, wide, plain, scale, C, chunked_op):
   """:class:`zeco_jax._chunks.LocalPass` on the family's kernels: the widened pass with the
-  launch configuration ``wide`` (V + K columns), the plain backward with ``plain``."""
+  launch configuration ``wide`` (V + K columns; its chunk states always kept, the plain
+  backward's states being formed from them), the plain backward with ``plain``."""
+  wide = wide.replace(save_states=True)
   def widened(q, k, v, g, beta):
     v, h0 = _widened_inputs(v, q.shape[-1])
     return kernel_recurrence(q, k, v, g, beta, h0, scale, C, wide, family=family)
