@@ -1,13 +1,18 @@
 """Gated DeltaNet's Pallas kernels on one GPU: each stage's launch options, the op, our GLA
 beside it, and the sequence-parallel local pass.
 
-    python -m benchmarks.gdn_kernels_h200 [--sweep] [--json out.json] [--profile TRACE_DIR]
+    python -m benchmarks.gdn_kernels_h200 [--sweep] [--heads-340m] [--json out.json]
+        [--profile TRACE_DIR]
 
 Results: benchmarks/results/gdn_h200.md (FLA beside the op: ``benchmarks.delta_h200``).
 
 * ``--sweep``: at B1 T16384 H16 K=V=128 bf16, every kernel of
   :mod:`pallas_kernels.gated_delta` timed alone under each launch in :data:`OPTIONS`
   (the other stages at their defaults), then the walks' options at B8 T4096 H16.
+* ``--heads-340m``: at Gated DeltaNet-340M's heads (B1 T16384 H6 K=256 V=512 bf16, where
+  the walks and ``gdn_dqk`` take most of that model's step) the walks' and ``gdn_dqk``'s
+  options of :func:`_options_340m` alone, then the op's forward + backward with the
+  chunk states kept (the default) and walked again (``save_states=False``).
 * always: ``chunk_gated_delta_rule`` (the default kernel configuration) forward and
   forward + backward (grad of sum(o * do) for q, k, v, g, beta) at B1 T16384 and B8 T4096
   (H16, K=V=128, bf16), our ``chunk_gla`` forward + backward on the same tokens (g
@@ -32,6 +37,7 @@ import time
 from benchmarks import _harness as harness
 
 SHAPES = ((1, 16384, 16, 128, 128), (8, 4096, 16, 128, 128))
+SHAPE_340M = (1, 16384, 6, 256, 512)
 
 
 def _options():
@@ -58,6 +64,37 @@ def _options():
   }
 
 
+def _options_340m():
+  """The launches tried at K = 256, V = 512 (the defaults there: walks V tile 16 with 8
+  warps, ``gdn_dqk`` in K slices of 128)."""
+  from pallas_kernels import Launch as L
+  walk = [L(bv=16, warps=8, stages=2), L(bv=16, warps=4, stages=2),
+          L(bv=32, warps=8, stages=2), L(bv=32, warps=4, stages=3)]
+  return {"walk": walk, "dwalk": walk,
+          "dqk": [L(kd=128, bv=64, warps=4, stages=1), L(kd=64, bv=64, warps=4, stages=1),
+                  L(kd=32, bv=64, warps=4, stages=1), L(kd=128, bv=64, warps=8, stages=1)]}
+
+
+def save_states_times(shape, log):
+  """The op's forward + backward with the chunk states kept and walked again."""
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels.gated_delta import default_config
+  from zeco_jax import chunk_gated_delta_rule
+  B, T, H, K, V = shape
+  q, k, v, g, beta, do = inputs(B, T, H, K, V, jnp.bfloat16)
+  weight = lambda o: jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+  row = {"shape": f"B{B} T{T} H{H} K{K} V{V}"}
+  for keep in (True, False):
+    cfg = default_config("gpu", B, T, H, K, V, q.dtype).replace(save_states=keep)
+    fb = jax.jit(jax.grad(lambda *a, cfg=cfg: weight(chunk_gated_delta_rule(
+        *a, kernel_config=cfg)[0]), (0, 1, 2, 3, 4)))
+    row[f"fwd+bwd ms, save_states={keep}"] = harness.time_loop(
+        lambda: fb(q, k, v, g, beta), jax.block_until_ready, 10, 3, warmup=1)
+  log(row)
+  return row
+
+
 def inputs(B, T, H, K, V, dtype, seed=0):
   import jax
   import jax.numpy as jnp
@@ -73,8 +110,9 @@ def inputs(B, T, H, K, V, dtype, seed=0):
   return c(q), c(k), c(v), g, c(beta), c(do)
 
 
-def sweep(shape, stages, log):
-  """Each stage's kernel alone under each launch option; the fastest per stage."""
+def sweep(shape, stages, log, options=None):
+  """Each stage's kernel alone under each launch option (``options``, default
+  :func:`_options`); the fastest per stage."""
   import jax
   import jax.numpy as jnp
   from pallas_kernels.gated_delta import chunk, default_config, walk
@@ -107,10 +145,10 @@ def sweep(shape, stages, log):
       "dwy": lambda c: chunk.dwy(Tv, k, v, g, bf, dw, dvn, dk1, chunk_size=C, config=c),
   }
   rows = []
-  for stage, options in _options().items():
+  for stage, launches in (options or _options()).items():
     if stage not in stages:
       continue
-    for launch in options:
+    for launch in launches:
       cfg = base.replace(**{stage: launch})
       f = jax.jit(lambda cfg=cfg, stage=stage: fns[stage](cfg))
       ms = harness.time_loop(f, jax.block_until_ready, 10, 3, warmup=1)
@@ -170,6 +208,7 @@ def local_pass_times(log, T=2048, profile=None):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--sweep", action="store_true")
+  ap.add_argument("--heads-340m", action="store_true")
   ap.add_argument("--json", default=None)
   ap.add_argument("--profile", default=None, metavar="TRACE_DIR")
   args = ap.parse_args()
@@ -180,6 +219,9 @@ def main():
   if args.sweep:
     rows += sweep(SHAPES[0], tuple(_options()), log)
     rows += sweep(SHAPES[1], ("walk", "dwalk"), log)
+  if args.heads_340m:
+    rows += sweep(SHAPE_340M, ("walk", "dwalk", "dqk"), log, _options_340m())
+    rows.append(save_states_times(SHAPE_340M, log))
   rows.append(op_times(SHAPES[0], log))
   rows.append(local_pass_times(log, profile=args.profile))
   rows.append(op_times(SHAPES[1], log))
