@@ -82,8 +82,7 @@ def default_config(platform: str, B: int, T: int, H: int, K: int, V: int, dtype,
   at B1 T16384 H16, 5.54 -> 5.19 at B8 T4096; no register spills for sm_90, where the
   whole K spilled 1164 bytes) and of 128 above (Gated DeltaNet-340M's K = 256, V = 512
   was measured so; slices of 32 there, eight programs a chunk each forming do v_new^T
-  over V, are not). T
-  and dtype change no default yet."""
+  over V, are not). T and dtype change no default yet."""
   del T, dtype
   if platform not in PLATFORMS:
     raise ValueError(f"gated_delta default_config: unknown `platform` {platform!r}; choose "
