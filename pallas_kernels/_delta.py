@@ -116,8 +116,27 @@ def _apply_decay(d, x, C, rows):
   return jnp.exp(jnp.sum(jnp.where(iota((C,), 0) == C - 1, d, 0.0))) * x
 
 
+def _chunk_loop(N, step, load, init, *, prefetch, reverse=False):
+  """The walks' loop over the N chunks (last to first with ``reverse``): ``step(n, carry,
+  operands)`` with ``load(n)``'s operands. ``prefetch``: the next chunk's operands are
+  loaded before this chunk's chain and ride in the loop carry (registers); else each
+  step loads its own, which leaves Triton's software pipeliner free to stage them through
+  shared memory (``num_stages``; for sm_90 the grad walk at tile 16: 134 registers and
+  112 KB of shared memory, against 241 and 24 KB: ``benchmarks/results/ptx_sm90.md``)."""
+  at = (lambda i: N - 1 - i) if reverse else (lambda i: i)
+  if not prefetch:
+    return jax.lax.fori_loop(0, N, lambda i, c: step(at(i), c, load(at(i))), init)
+
+  def body(i, carry):
+    c, operands = carry
+    ahead = load(jnp.clip(at(i + 1), 0, N - 1))   # issued before this chunk's chain
+    return step(at(i), c, operands), ahead
+
+  return jax.lax.fori_loop(0, N, body, (init, load(at(0))))[0]
+
+
 def _walk_kernel(w_ref, u_ref, kd_ref, d_ref, h0_ref, h_ref, vn_ref, ht_ref, *, C, N, BV, dt,
-                 rows):
+                 rows, prefetch):
   b, hd, iv = (pl.program_id(i) for i in range(3))
   vs = pl.ds(iv * BV, BV)
 
@@ -126,15 +145,14 @@ def _walk_kernel(w_ref, u_ref, kd_ref, d_ref, h0_ref, h_ref, vn_ref, ht_ref, *, 
     return (w_ref[b, t, hd, :], u_ref[b, t, hd, vs], kd_ref[b, t, hd, :],
             _load_decay(d_ref, b, hd, n, t, rows))
 
-  def body(n, carry):
-    h, (w, u, kd, d) = carry
-    ahead = load(jnp.minimum(n + 1, N - 1))       # issued before this chunk's chain
+  def step(n, h, operands):
+    w, u, kd, d = operands
     h_ref[b, hd, n, :, vs] = h.astype(h_ref.dtype)
     vn = u.astype(F32) - dot(w, h, dt)
     vn_ref[b, pl.ds(n * C, C), hd, vs] = vn.astype(vn_ref.dtype)
-    return _apply_decay(d, h, C, rows) + dot(kd, vn, dt, ta=True), ahead
+    return _apply_decay(d, h, C, rows) + dot(kd, vn, dt, ta=True)
 
-  h, _ = jax.lax.fori_loop(0, N, body, (h0_ref[b, hd, :, vs].astype(F32), load(0)))
+  h = _chunk_loop(N, step, load, h0_ref[b, hd, :, vs].astype(F32), prefetch=prefetch)
   ht_ref[b, hd, :, vs] = h
 
 
@@ -146,7 +164,7 @@ def state_walk(w, u, kd, decay, h0, *, chunk_size, config, store_dtype, prefix):
   N = T // chunk_size
   BV = block(V, config.walk.bv)
   kern = functools.partial(_walk_kernel, C=chunk_size, N=N, BV=BV, dt=w.dtype,
-                           rows=decay.ndim == 4)
+                           rows=decay.ndim == 4, prefetch=config.walks_prefetch)
   out = (jax.ShapeDtypeStruct((B, H, N, K, V), store_dtype),
          jax.ShapeDtypeStruct(u.shape, u.dtype), jax.ShapeDtypeStruct((B, H, K, V), F32))
   return call(kern, out, (B, H, V // BV), config=config, num_warps=config.walk.warps,
@@ -154,7 +172,7 @@ def state_walk(w, u, kd, decay, h0, *, chunk_size, config, store_dtype, prefix):
 
 
 def _dwalk_kernel(qb_ref, d_ref, w_ref, kd_ref, do_ref, dvl_ref, dht_ref, dh_ref, dvn_ref,
-                  dh0_ref, *, C, N, BV, dt, rows):
+                  dh0_ref, *, C, N, BV, dt, rows, prefetch):
   b, hd, iv = (pl.program_id(i) for i in range(3))
   vs = pl.ds(iv * BV, BV)
 
@@ -163,17 +181,16 @@ def _dwalk_kernel(qb_ref, d_ref, w_ref, kd_ref, do_ref, dvl_ref, dht_ref, dh_ref
     return (qb_ref[b, t, hd, :], _load_decay(d_ref, b, hd, n, t, rows), w_ref[b, t, hd, :],
             kd_ref[b, t, hd, :], do_ref[b, t, hd, vs], dvl_ref[b, t, hd, vs])
 
-  def body(i, carry):
-    dh, (qb, d, w, kd, do, dvl) = carry
-    n = N - 1 - i
-    ahead = load(jnp.maximum(n - 1, 0))            # issued before this chunk's chain
+  def step(n, dh, operands):
+    qb, d, w, kd, do, dvl = operands
     dh_ref[b, hd, n, :, vs] = dh.astype(dh_ref.dtype)
     dvn = dvl + dot(kd, dh, dt)
     dvn_ref[b, pl.ds(n * C, C), hd, vs] = dvn.astype(dvn_ref.dtype)
     return (_apply_decay(d, dh, C, rows) + dot(qb, do, dt, ta=True)
-            - dot(w, dvn, dt, ta=True)), ahead
+            - dot(w, dvn, dt, ta=True))
 
-  dh, _ = jax.lax.fori_loop(0, N, body, (dht_ref[b, hd, :, vs].astype(F32), load(N - 1)))
+  dh = _chunk_loop(N, step, load, dht_ref[b, hd, :, vs].astype(F32), prefetch=prefetch,
+                   reverse=True)
   dh0_ref[b, hd, :, vs] = dh
 
 
@@ -187,7 +204,7 @@ def grad_walk(qb, decay, w, kd, do, dvl, dht, *, chunk_size, config, store_dtype
   N = T // chunk_size
   BV = block(V, config.dwalk.bv)
   kern = functools.partial(_dwalk_kernel, C=chunk_size, N=N, BV=BV, dt=qb.dtype,
-                           rows=decay.ndim == 4)
+                           rows=decay.ndim == 4, prefetch=config.walks_prefetch)
   out = (jax.ShapeDtypeStruct((B, H, N, K, V), store_dtype),
          jax.ShapeDtypeStruct(dvl.shape, qb.dtype), jax.ShapeDtypeStruct((B, H, K, V), F32))
   return call(kern, out, (B, H, V // BV), config=config, num_warps=config.dwalk.warps,

@@ -28,7 +28,8 @@ STAGE_DEFAULTS = {
                                                 # (kd: K per program; 128 with K > 128)
     "dwy": Launch(bv=64, warps=4, stages=1),    # backward: through w, u and A per chunk
 }
-FLAGS = ("interpret", "states_in_input_dtype", "save_states")
+FLAGS = ("interpret", "states_in_input_dtype", "save_states",
+         "walks_prefetch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,10 @@ class KernelConfig:
   V]`` for the backward (K / C times v's size); else the backward recomputes them with a
   second forward walk (GPU; FLA's ops recompute them). On by default; off trades a walk
   for that memory (Gated DeltaNet-340M keeps 21 x 403 MB at 16384 tokens; not timed).
+  ``walks_prefetch``: the walks load the next chunk's operands into registers ahead of
+  this chunk's chain (the measured default); off, each chunk loads its own and Triton's
+  pipeliner stages them through shared memory by ``num_stages`` (FLA's walks; for sm_90
+  the grad walk then holds 134 registers, not 241; not yet timed).
 
   Change one with :meth:`replace` (``cfg.replace(walk_bv=32, dqk_warps=4)``).
   """
@@ -59,6 +64,7 @@ class KernelConfig:
   dwy: Launch = STAGE_DEFAULTS["dwy"]
   states_in_input_dtype: bool = True
   save_states: bool = True
+  walks_prefetch: bool = True
 
   def __post_init__(self):
     check_config(self, stage_defaults=STAGE_DEFAULTS, flags=FLAGS,

@@ -40,7 +40,8 @@ STAGE_DEFAULTS = {
     "dpairs": Launch(kd=32, warps=2, stages=1),  # backward: through A and P, per sub-chunk
                                                  # and K slice (kd)
 }
-FLAGS = ("interpret", "states_in_input_dtype", "save_states")
+FLAGS = ("interpret", "states_in_input_dtype", "save_states",
+         "walks_prefetch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,7 @@ class KernelConfig:
   ``save_states``: the forward keeps the chunk states h ``[B, H, T / C, K, V]`` for the
   backward (K / C times v's size); else the backward recomputes them with a second
   forward walk (GPU). On by default; off trades a walk for that memory (not timed).
+  ``walks_prefetch``: Gated DeltaNet's (the walks are the same kernels).
   Change one with :meth:`replace` (``cfg.replace(walk_bv=32, dpairs_kd=64)``).
   """
   platform: str = "gpu"
@@ -74,6 +76,7 @@ class KernelConfig:
   dpairs: Launch = STAGE_DEFAULTS["dpairs"]
   states_in_input_dtype: bool = True
   save_states: bool = True
+  walks_prefetch: bool = True
 
   def __post_init__(self):
     check_config(self, stage_defaults=STAGE_DEFAULTS, flags=FLAGS, label="kda KernelConfig")

@@ -93,6 +93,17 @@ def test_backward_keeps_inputs_and_one_state_per_chunk():
   assert not any(x.size >= T * H * K * V for x in leaves)
 
 
+def test_walks_without_prefetch():
+  """``walks_prefetch=False`` (each chunk loads its own operands): the float64 bars, with
+  several chunks, a padded tail, an initial state and packed documents."""
+  inputs, weights = gdn_inputs(7, 1, 72, 2, 16, 16, g_low=-5.0, beta_high=0.9999)
+  cfg = gated_delta.default_config("cpu", 1, 72, 2, 16, 16, jnp.float32).replace(
+      walks_prefetch=False)
+  check_gdn_against_float64(_kernel_op(16, kernel_config=cfg), inputs, weights)
+  ids = np.array([[0] * 5 + [1] * 11 + [2] * 16 + [-1] * 3 + [3] * 30 + [4] + [-1] * 6])
+  check_gdn_documents(_kernel_op(16, kernel_config=cfg), inputs, weights, ids)
+
+
 def test_save_states_off_keeps_only_the_inputs_and_walks_again():
   """``save_states=False``: the residual is the inputs alone, and the backward, walking
   the states again, meets the float64 bars."""
@@ -180,7 +191,7 @@ def test_default_config_and_errors():
 
 
 @pytest.mark.parametrize("K,V,dqk_kd", [(128, 128, None), (128, 128, 128), (256, 512, None)],
-                         ids=["K128", "K128-dqk-whole-K", "K256-V512"])
+                         ids=["K128", "K128-dqk-whole-K-walks-unprefetched", "K256-V512"])
 def test_kernels_lower_to_triton_for_a_gpu_target(K, V, dqk_kd):
   """Every GPU kernel of the forward and backward lowers through Pallas's Triton lowering
   for an H200 on this CPU host (an abstract device): what the interpreter does not check.
@@ -192,7 +203,8 @@ def test_kernels_lower_to_triton_for_a_gpu_target(K, V, dqk_kd):
   config = gated_delta.default_config("gpu", B, T, H, K, V, jnp.bfloat16)
   assert config.dqk.kd == (32 if K <= 128 else 128)
   if dqk_kd is not None:
-    config = config.replace(dqk_kd=dqk_kd)
+    config = config.replace(dqk_kd=dqk_kd, walks_prefetch=False, walk_stages=3,
+                            dwalk_stages=3)
   kw = dict(scale=K ** -0.5, initial_state=jnp.zeros((B, H, K, V)), chunk_size=64,
             config=config)
 

@@ -169,10 +169,12 @@ def test_forward_keeps_one_state_per_chunk():
   assert jax.tree.leaves(res) == []
 
 
-def test_save_states_off_walks_the_states_again():
+@pytest.mark.parametrize("flag", ["save_states", "walks_prefetch"])
+def test_save_states_or_walks_prefetch_off(flag):
+  """``save_states=False`` (the backward walks the states again) or
+  ``walks_prefetch=False`` (each chunk loads its own operands): the reference's bars."""
   inputs, cot = _inputs(4, 1, 48, 2, 16, 16)
-  config = kda.default_config("cpu", 1, 48, 2, 16, 16, jnp.float32).replace(
-      save_states=False)
+  config = kda.default_config("cpu", 1, 48, 2, 16, 16, jnp.float32).replace(**{flag: False})
   _check(inputs, cot, 16, 1e-5, 1e-4, config=config)
 
 
