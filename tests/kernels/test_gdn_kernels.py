@@ -112,7 +112,6 @@ def test_save_states_off_keeps_only_the_inputs_and_walks_again():
   cfg = gated_delta.default_config("cpu", 1, T, H, K, V, jnp.float32).replace(
       save_states=False)
   op = _kernel_op(C, kernel_config=cfg)
-  q, k, v, g, beta, h0 = inputs
   _, vjp_fn = jax.vjp(lambda *a: op(*a[:5], initial_state=a[5])[0], *inputs)
   assert sum(x.size for x in jax.tree.leaves(vjp_fn)) == sum(x.size for x in inputs)
   check_gdn_against_float64(op, inputs, weights)

@@ -402,6 +402,14 @@ def check_overlap_pieces(overlap_pieces, method, H, *, name) -> int:
   return overlap_pieces
 
 
+def _pick(blocks, jc):
+  """``blocks[jc]`` for a traced index ``jc`` (pytrees alike: states or transitions)."""
+  out = blocks[0]
+  for j in range(1, len(blocks)):
+    out = jax.tree.map(lambda a, b, j=j: jnp.where(jc == j, a, b), blocks[j], out)
+  return out
+
+
 def all_scan_of_pieces(pieces, axis_name, *, initial=None):
   """The All-Scan over blocks that local work produces along the way: block j is what
   piece j computes (a head group's local pass), so the chain starts after the first
@@ -439,12 +447,6 @@ def all_scan_of_pieces(pieces, axis_name, *, initial=None):
   h0 = [zero() if initial is None else match_varying(initial[j].astype(jnp.float32), S[0])
         for j in range(G)]
 
-  def pick(blocks, jc):
-    out = blocks[0]
-    for j in range(1, len(blocks)):
-      out = jax.tree.map(lambda a, b, j=j: jnp.where(jc == j, a, b), blocks[j], out)
-    return out
-
   X = [None] * G
   recv = zero()
   steps = G + P - 2
@@ -453,12 +455,12 @@ def all_scan_of_pieces(pieces, axis_name, *, initial=None):
     active = (j >= 0) & (j < G)
     jc = jnp.clip(j, 0, G - 1)
     ready = min(s, G - 1) + 1                      # blocks 0..s exist at step s
-    incoming = jnp.where(pos == 0, pick(h0[:ready], jc), recv)
+    incoming = jnp.where(pos == 0, _pick(h0[:ready], jc), recv)
     for jj in range(ready):
       keep = zero() if X[jj] is None else X[jj]
       X[jj] = jnp.where(active & (j == jj), incoming, keep)
     if s < steps:
-      out = pick(A[:ready], jc).apply(incoming) + pick(S[:ready], jc)
+      out = _pick(A[:ready], jc).apply(incoming) + _pick(S[:ready], jc)
       nxt = s + 1 < G
       if nxt:
         out, args = lax.optimization_barrier((out, pieces[s + 1][1]))
@@ -507,12 +509,6 @@ def all_scan_of_pieces_transpose(transitions_, d_exclusive, d_inclusive, axis_na
   backward = [a.transpose() for a in transitions_]
   zero = lambda: jnp.zeros_like(d_exclusive[0])
 
-  def pick(blocks, jc):
-    out = blocks[0]
-    for j in range(1, len(blocks)):
-      out = jax.tree.map(lambda a, b, j=j: jnp.where(jc == j, a, b), blocks[j], out)
-    return out
-
   d_states = [zero() for _ in range(G)]
   first = [zero() for _ in range(G)]            # position 0's outgoing: the initial's share
   results = [None] * G
@@ -521,8 +517,8 @@ def all_scan_of_pieces_transpose(transitions_, d_exclusive, d_inclusive, axis_na
     j = s - pos
     active = (j >= 0) & (j < G)
     jc = jnp.clip(j, 0, G - 1)
-    d_state = recv + pick(d_inclusive, jc)
-    out = pick(backward, jc).apply(d_state) + pick(d_exclusive, jc)
+    d_state = recv + _pick(d_inclusive, jc)
+    out = _pick(backward, jc).apply(d_state) + _pick(d_exclusive, jc)
     for jj in range(G):
       mine = active & (j == jj)
       d_states[jj] = jnp.where(mine, d_state, d_states[jj])
