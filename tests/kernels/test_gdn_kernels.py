@@ -61,24 +61,28 @@ def test_kernels_packed_documents():
 
 
 # The head sizes users run (K = V = 128) around one 64-token chunk: the silent-garbage
-# box of the GLA issue. jit and eager give the same as the jnp path.
+# box of the GLA issue. jit and eager give the same as the jnp path; past the chunk, so
+# does jit with the states walked again and the walks unprefetched (the flags' other
+# forms).
 @pytest.mark.parametrize("T", [63, 65])
 def test_kernels_head_128_around_one_chunk(T):
   (q, k, v, g, beta, h0), (do, dht) = gdn_inputs(4, 1, T, 1, 128, 128, g_low=-5.0,
                                                    beta_high=0.9999)
 
-  def run(backend, jit):
+  def run(backend, jit, config=None):
     f = lambda *a: chunk_gated_delta_rule(*a[:5], initial_state=a[5], output_final_state=True,
-                                          backend=backend)
+                                          backend=backend, kernel_config=config)
     f = jax.jit(f) if jit else f
     (o, s), vjp = jax.vjp(f, q, k, v, g, beta, h0)
     return (o, s) + vjp((do.astype(o.dtype), dht))
 
   want = run("jax", True)
-  for jit in (True, False):
-    got = run("pallas", jit)
+  flags = gated_delta.default_config("cpu", 1, T, 1, 128, 128, jnp.float32).replace(
+      save_states=False, walks_prefetch=False)
+  for jit, config in [(True, None), (False, None)] + [(True, flags)] * (T > 64):
+    got = run("pallas", jit, config)
     errs = [rel_err(a, b) for a, b in zip(got, want)]
-    assert max(errs[:2]) <= 1e-5 and max(errs[2:]) <= 1e-4, (jit, errs)
+    assert max(errs[:2]) <= 1e-5 and max(errs[2:]) <= 1e-4, (jit, config, errs)
 
 
 def test_backward_keeps_inputs_and_one_state_per_chunk():

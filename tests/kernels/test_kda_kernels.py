@@ -74,9 +74,13 @@ def _check(inputs, cotangents, C, fwd_tol, grad_tol, config=None):
 
 
 def test_head_128_one_chunk_pair():
-  """K = V = 128, the head size users run, over two 64-token chunks."""
+  """K = V = 128, the head size users run, over two 64-token chunks; and with the flags'
+  other forms (the states walked again, the walks unprefetched)."""
   inputs, cot = _inputs(0, 1, 128, 1, 128, 128)
   _check(inputs, cot, 64, 1e-5, 1e-4)
+  flags = kda.default_config("cpu", 1, 128, 1, 128, 128, jnp.float32).replace(
+      save_states=False, walks_prefetch=False)
+  _check(inputs, cot, 64, 1e-5, 1e-4, config=flags)
 
 
 def test_documents_mid_sub_chunk_and_on_a_chunk_boundary():
