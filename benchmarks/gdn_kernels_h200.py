@@ -12,7 +12,7 @@ Results: benchmarks/results/gdn_h200.md (FLA beside the op: ``benchmarks.delta_h
 * ``--heads-340m``: at Gated DeltaNet-340M's heads (B1 T16384 H6 K=256 V=512 bf16, where
   the walks and ``gdn_dqk`` take most of that model's step) the walks' and ``gdn_dqk``'s
   options of :func:`_options_340m` alone, then the op's forward + backward with the
-  chunk states kept (the default) and walked again (``save_states=False``).
+  chunk states kept (``save_states=True``) and walked again (the default).
 * always: ``chunk_gated_delta_rule`` (the default kernel configuration) forward and
   forward + backward (grad of sum(o * do) for q, k, v, g, beta) at B1 T16384 and B8 T4096
   (H16, K=V=128, bf16), our ``chunk_gla`` forward + backward on the same tokens (g
@@ -43,8 +43,8 @@ SHAPE_340M = (1, 16384, 6, 256, 512)
 def _options():
   from pallas_kernels import Launch
   L = Launch
-  walk = [L(bv=16, warps=4, stages=2), L(bv=32, warps=4, stages=2),
-          L(bv=64, warps=4, stages=2), L(bv=32, warps=2, stages=2)]
+  walk = [L(bv=16, warps=4, stages=3), L(bv=32, warps=4, stages=3),
+          L(bv=64, warps=8, stages=3), L(bv=16, warps=4, stages=2)]
   return {
       "inv": [L(kd=128, warps=1, stages=1), L(kd=128, warps=2, stages=1),
               L(kd=128, warps=4, stages=1)],
@@ -65,13 +65,14 @@ def _options():
 
 
 def _options_340m():
-  """The launches tried at K = 256, V = 512 (the defaults there: walks V tile 16 with 8
-  warps, ``gdn_dqk`` in K slices of 128)."""
+  """The launches tried at K = 256, V = 512 (the defaults there: walks V tile 32 with 4
+  warps and 2 stages, ``gdn_dqk`` in K slices of 64; 3 stages at tile 32 overflow shared
+  memory)."""
   from pallas_kernels import Launch as L
-  walk = [L(bv=16, warps=8, stages=2), L(bv=16, warps=4, stages=2),
-          L(bv=32, warps=8, stages=2), L(bv=32, warps=4, stages=3)]
+  walk = [L(bv=32, warps=4, stages=2), L(bv=16, warps=4, stages=3),
+          L(bv=32, warps=8, stages=2), L(bv=16, warps=8, stages=2)]
   return {"walk": walk, "dwalk": walk,
-          "dqk": [L(kd=128, bv=64, warps=4, stages=1), L(kd=64, bv=64, warps=4, stages=1),
+          "dqk": [L(kd=64, bv=64, warps=4, stages=1), L(kd=128, bv=64, warps=4, stages=1),
                   L(kd=32, bv=64, warps=4, stages=1), L(kd=128, bv=64, warps=8, stages=1)]}
 
 

@@ -72,11 +72,12 @@ def config_type(family: str):
 
 
 def family_default_config(family: str, platform: str, B: int, T: int, H: int, K: int, V: int,
-                          dtype, *, sm_count=None):
-  """The family's :func:`default_config` for a target platform and shape."""
+                          dtype, *, sm_count=None, chunk_size=64):
+  """The family's :func:`default_config` for a target platform, shape and chunk size."""
   _check_family(family)
   module = importlib.import_module(f"pallas_kernels.{family}.config")
-  return module.default_config(platform, B, T, H, K, V, dtype, sm_count=sm_count)
+  return module.default_config(platform, B, T, H, K, V, dtype, sm_count=sm_count,
+                               chunk_size=chunk_size)
 
 
 __all__ = ["ChunkKernels", "FAMILIES", "KERNEL_PLATFORMS", "NOT_YET_AUTO", "KernelConfig",

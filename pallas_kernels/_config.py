@@ -122,29 +122,57 @@ def state_store_dtype(config, input_dtype):
   return input_dtype if config.states_in_input_dtype else jnp.float32
 
 
+# Shared memory one thread block may take on sm_90 (the H100 / H200), 227 KB; no NVIDIA
+# GPU offers more.
+SHARED_MEMORY_BYTES = 232448
+# What the walks' defaults leave free of it beyond their pipelined operands (Triton's
+# scratch for layout changes: 8 KB to 24 KB in the launches that overflowed on an H100).
+_WALK_SCRATCH_BYTES = 16384
+
+
+def walk_stage_bytes(C: int, K: int, BV: int, itemsize: int, *, grad: bool) -> int:
+  """Bytes of one pipeline stage of a delta-rule walk: the operands one chunk loads, the
+  forward walk w and kd ``[C, K]`` and u ``[C, BV]``, the grad walk qb, w, kd ``[C, K]``
+  and do, dv_local ``[C, BV]``. Times ``num_stages``, a lower bound of the shared memory
+  Triton takes (measured on an H100: the grad walk at K = 128, tile 64, 4 stages asked
+  262144 bytes, this 262144; at K = 256, tile 32, 3 stages 327680, this 319488)."""
+  n_k, n_v = (3, 2) if grad else (2, 1)
+  return (n_k * C * K + n_v * C * BV) * itemsize
+
+
 def delta_walk_launch(B: int, H: int, K: int, V: int, *, sm_count: Optional[int],
-                      stages: int) -> Launch:
+                      itemsize: int = 2, chunk_size: int = 64) -> Launch:
   """The delta-rule walks' launch (both families, forward and backward; a program per ``[K,
-  bv]`` state tile, ``B * H * V / bv`` programs): the largest V tile of 64, 32 and 16 that
-  still gives every SM a program, 16 when none does; 8 warps with a tile of 64 or with K >=
-  256, else 4.
-  Measured on an H200 for Gated DeltaNet (``benchmarks/results/gdn_h200.md``): at B1 T16384
-  H16 K=V=128 (128 programs at tile 16) the forward walk took 0.44 / 0.50 / 0.72 ms at tile
-  16 / 32 / 64; at B8 T4096 H16 tile 64 with 8 warps made the op 1.265 / 5.660 ms forward /
-  forward + backward against 1.808 / 6.815 at tile 16 (the backward walk at 32 with 4
-  warps: 5.830). K >= 256 (Gated DeltaNet-340M's K = 256, V = 512): for sm_90 the walks
-  at tile 16 with 4 warps spill 328 and 1912 bytes in their chunk loops, with 8 warps
-  nothing (``benchmarks/results/ptx_sm90.md``); in the 340M step (tile 16, 8 warps) they
-  take 1.62 and 2.39 ms a layer, no other launch timed there."""
+  bv]`` state tile, ``B * H * V / bv`` programs). The V tile: 32 at K >= 256; else the
+  largest of 64 and 32 that still gives every SM a program, 16 when none does. 8 warps with
+  a tile of 64, else 4. Stages: the most of 3, 2, 1 whose operands
+  (:func:`walk_stage_bytes` of the grad walk) leave :data:`_WALK_SCRATCH_BYTES` of
+  :data:`SHARED_MEMORY_BYTES` (bf16: 3 at K = 128, 2 at K = 256 with tile 32).
+  Measured on an H100 (``benchmarks/results/gdn_h200.md``, 2026-12-05), forward / forward +
+  backward ms of Gated DeltaNet's op: B1 T16384 H16 K=V=128 (tile 16, 4 warps) 0.822 /
+  3.024 with 3 stages against 0.867 / 3.246 for the form that carried the next chunk's
+  operands in registers (2 stages); B8 T4096 H16 (tile 64, 8 warps) 1.311 / 5.328 against
+  1.355 / 5.509 (4 stages overflow shared memory); Gated DeltaNet-340M's heads, B1 T16384
+  H6 K=256 V=512: tile 32 with 4 warps, 2 stages, 1.310 / 5.811 against 2.211 / 8.008 for
+  tile 16 with 8 warps and the register prefetch (with 8 warps 1.425 / 5.978; 3 stages or
+  a tile of 64 overflow). KDA's op at K=V=128: 1.389 / 6.831 against 1.472 / 7.059 (B1),
+  2.505 / 13.132 against 2.563 / 13.254 (B8)."""
   programs = sm_count or DEFAULT_SM_COUNT
-  bv = next((t for t in (64, 32) if V % t == 0 and B * H * (V // t) >= programs), 16)
-  return Launch(bv=bv, warps=8 if bv == 64 or K >= 256 else 4, stages=stages)
+  if K >= 256 and V % 32 == 0:
+    bv = 32
+  else:
+    bv = next((t for t in (64, 32) if V % t == 0 and B * H * (V // t) >= programs), 16)
+  per_stage = walk_stage_bytes(chunk_size, K, min(bv, V), itemsize, grad=True)
+  stages = next((s for s in (3, 2) if s * per_stage + _WALK_SCRATCH_BYTES
+                 <= SHARED_MEMORY_BYTES), 1)
+  return Launch(bv=bv, warps=8 if bv == 64 else 4, stages=stages)
 
 
-def with_delta_walks(config, B: int, H: int, K: int, V: int, *, sm_count: Optional[int]):
+def with_delta_walks(config, B: int, H: int, K: int, V: int, *, sm_count: Optional[int],
+                     itemsize: int = 2, chunk_size: int = 64):
   """A delta-rule family's ``KernelConfig`` with its ``walk`` and ``dwalk`` launches from
-  :func:`delta_walk_launch` (``sm_count`` read on a GPU target only), stages kept."""
+  :func:`delta_walk_launch` (``sm_count`` read on a GPU target only)."""
   sms = sm_count if config.platform == "gpu" else None
-  return config.replace(
-      walk=delta_walk_launch(B, H, K, V, sm_count=sms, stages=config.walk.stages),
-      dwalk=delta_walk_launch(B, H, K, V, sm_count=sms, stages=config.dwalk.stages))
+  launch = delta_walk_launch(B, H, K, V, sm_count=sms, itemsize=itemsize,
+                             chunk_size=chunk_size)
+  return config.replace(walk=launch, dwalk=launch)

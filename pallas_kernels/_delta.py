@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels._config import SHARED_MEMORY_BYTES, walk_stage_bytes
 from pallas_kernels._launch import F32, block, call, dot, iota, program_barrier
 
 S = 16                       # rows of a block of the UT inverse
@@ -116,27 +117,32 @@ def _apply_decay(d, x, C, rows):
   return jnp.exp(jnp.sum(jnp.where(iota((C,), 0) == C - 1, d, 0.0))) * x
 
 
-def _chunk_loop(N, step, load, init, *, prefetch, reverse=False):
+def _chunk_loop(N, step, load, init, *, reverse=False):
   """The walks' loop over the N chunks (last to first with ``reverse``): ``step(n, carry,
-  operands)`` with ``load(n)``'s operands. ``prefetch``: the next chunk's operands are
-  loaded before this chunk's chain and ride in the loop carry (registers); else each
-  step loads its own, which leaves Triton's software pipeliner free to stage them through
-  shared memory (``num_stages``; for sm_90 the grad walk at tile 16: 134 registers and
-  112 KB of shared memory, against 241 and 24 KB: ``benchmarks/results/ptx_sm90.md``)."""
+  load(n))``. Each step loads its own operands, which leaves Triton's software pipeliner
+  to stage them through shared memory (``num_stages``: :func:`check_walk_stages`). The
+  form that carried the next chunk's operands in registers lost (``docs/kernels.md``)."""
   at = (lambda i: N - 1 - i) if reverse else (lambda i: i)
-  if not prefetch:
-    return jax.lax.fori_loop(0, N, lambda i, c: step(at(i), c, load(at(i))), init)
+  return jax.lax.fori_loop(0, N, lambda i, c: step(at(i), c, load(at(i))), init)
 
-  def body(i, carry):
-    c, operands = carry
-    ahead = load(jnp.clip(at(i + 1), 0, N - 1))   # issued before this chunk's chain
-    return step(at(i), c, operands), ahead
 
-  return jax.lax.fori_loop(0, N, body, (init, load(at(0))))[0]
+def check_walk_stages(*, stage, launch, C, K, BV, itemsize, grad):
+  """ValueError when a walk's pipelined operands alone
+  (:func:`pallas_kernels._config.walk_stage_bytes` times ``launch.stages``) exceed
+  :data:`~pallas_kernels._config.SHARED_MEMORY_BYTES`: such a launch fails at run time
+  (RESOURCE_EXHAUSTED), so it is refused while tracing. A lower bound of what Triton
+  allocates, so nothing that fits is refused."""
+  need = launch.stages * walk_stage_bytes(C, K, BV, itemsize, grad=grad)
+  if need > SHARED_MEMORY_BYTES:
+    raise ValueError(
+        f"KernelConfig: `{stage}_stages`={launch.stages} with a V tile of {BV} at K = {K} "
+        f"({itemsize}-byte inputs) pipelines at least {need} bytes of operands through "
+        f"shared memory, more than a GPU's {SHARED_MEMORY_BYTES}; lower `{stage}_stages` "
+        f"or `{stage}_bv` (the default config fits).")
 
 
 def _walk_kernel(w_ref, u_ref, kd_ref, d_ref, h0_ref, h_ref, vn_ref, ht_ref, *, C, N, BV, dt,
-                 rows, prefetch):
+                 rows):
   b, hd, iv = (pl.program_id(i) for i in range(3))
   vs = pl.ds(iv * BV, BV)
 
@@ -152,7 +158,7 @@ def _walk_kernel(w_ref, u_ref, kd_ref, d_ref, h0_ref, h_ref, vn_ref, ht_ref, *, 
     vn_ref[b, pl.ds(n * C, C), hd, vs] = vn.astype(vn_ref.dtype)
     return _apply_decay(d, h, C, rows) + dot(kd, vn, dt, ta=True)
 
-  h = _chunk_loop(N, step, load, h0_ref[b, hd, :, vs].astype(F32), prefetch=prefetch)
+  h = _chunk_loop(N, step, load, h0_ref[b, hd, :, vs].astype(F32))
   ht_ref[b, hd, :, vs] = h
 
 
@@ -163,8 +169,11 @@ def state_walk(w, u, kd, decay, h0, *, chunk_size, config, store_dtype, prefix):
   V = u.shape[-1]
   N = T // chunk_size
   BV = block(V, config.walk.bv)
+  if not config.interpret:
+    check_walk_stages(stage="walk", launch=config.walk, C=chunk_size, K=K, BV=BV,
+                      itemsize=w.dtype.itemsize, grad=False)
   kern = functools.partial(_walk_kernel, C=chunk_size, N=N, BV=BV, dt=w.dtype,
-                           rows=decay.ndim == 4, prefetch=config.walks_prefetch)
+                           rows=decay.ndim == 4)
   out = (jax.ShapeDtypeStruct((B, H, N, K, V), store_dtype),
          jax.ShapeDtypeStruct(u.shape, u.dtype), jax.ShapeDtypeStruct((B, H, K, V), F32))
   return call(kern, out, (B, H, V // BV), config=config, num_warps=config.walk.warps,
@@ -172,7 +181,7 @@ def state_walk(w, u, kd, decay, h0, *, chunk_size, config, store_dtype, prefix):
 
 
 def _dwalk_kernel(qb_ref, d_ref, w_ref, kd_ref, do_ref, dvl_ref, dht_ref, dh_ref, dvn_ref,
-                  dh0_ref, *, C, N, BV, dt, rows, prefetch):
+                  dh0_ref, *, C, N, BV, dt, rows):
   b, hd, iv = (pl.program_id(i) for i in range(3))
   vs = pl.ds(iv * BV, BV)
 
@@ -189,8 +198,7 @@ def _dwalk_kernel(qb_ref, d_ref, w_ref, kd_ref, do_ref, dvl_ref, dht_ref, dh_ref
     return (_apply_decay(d, dh, C, rows) + dot(qb, do, dt, ta=True)
             - dot(w, dvn, dt, ta=True))
 
-  dh = _chunk_loop(N, step, load, dht_ref[b, hd, :, vs].astype(F32), prefetch=prefetch,
-                   reverse=True)
+  dh = _chunk_loop(N, step, load, dht_ref[b, hd, :, vs].astype(F32), reverse=True)
   dh0_ref[b, hd, :, vs] = dh
 
 
@@ -203,8 +211,11 @@ def grad_walk(qb, decay, w, kd, do, dvl, dht, *, chunk_size, config, store_dtype
   V = do.shape[-1]
   N = T // chunk_size
   BV = block(V, config.dwalk.bv)
+  if not config.interpret:
+    check_walk_stages(stage="dwalk", launch=config.dwalk, C=chunk_size, K=K, BV=BV,
+                      itemsize=qb.dtype.itemsize, grad=True)
   kern = functools.partial(_dwalk_kernel, C=chunk_size, N=N, BV=BV, dt=qb.dtype,
-                           rows=decay.ndim == 4, prefetch=config.walks_prefetch)
+                           rows=decay.ndim == 4)
   out = (jax.ShapeDtypeStruct((B, H, N, K, V), store_dtype),
          jax.ShapeDtypeStruct(dvl.shape, qb.dtype), jax.ShapeDtypeStruct((B, H, K, V), F32))
   return call(kern, out, (B, H, V // BV), config=config, num_warps=config.dwalk.warps,

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import jax.numpy as jnp
+
 from pallas_kernels._config import (PLATFORMS, Launch, check_config, check_dot_tiles,
                                      replace_config, with_delta_walks)
 
@@ -20,16 +22,15 @@ STAGE_DEFAULTS = {
     "inv": Launch(kd=128, warps=2, stages=1),   # A and its UT inverse per chunk (kd: the
                                                 # K slice of k k^T)
     "wu": Launch(bv=64, warps=4, stages=1),     # w, u, kd per chunk (bv: the K / V tile)
-    "walk": Launch(bv=16, warps=4, stages=2),   # forward walk (h, v_new); tile, warps by shape
+    "walk": Launch(bv=16, warps=4, stages=3),   # forward walk (h, v_new); the launch by shape
     "out": Launch(bv=128, warps=4, stages=2),   # the output per chunk and V tile
     "vnew": Launch(bv=128, warps=4, stages=2),  # backward: v_new and the local dv per V tile
-    "dwalk": Launch(bv=16, warps=4, stages=2),  # backward walk; tile, warps by shape
+    "dwalk": Launch(bv=16, warps=4, stages=3),  # backward walk; the launch by shape
     "dqk": Launch(kd=32, bv=64, warps=4, stages=1),   # backward: dq, dk, dw, dg per chunk
-                                                # (kd: K per program; 128 with K > 128)
+                                                # (kd: K per program; 64 with K > 128)
     "dwy": Launch(bv=64, warps=4, stages=1),    # backward: through w, u and A per chunk
 }
-FLAGS = ("interpret", "states_in_input_dtype", "save_states",
-         "walks_prefetch")
+FLAGS = ("interpret", "states_in_input_dtype", "save_states")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,13 +43,14 @@ class KernelConfig:
   ``bv`` is a cap on the V tile. ``states_in_input_dtype``: the chunk states kept for the
   backward and their cotangents are stored in the input dtype (the dots read them so),
   else float32. ``save_states``: the forward keeps the chunk states h ``[B, H, T / C, K,
-  V]`` for the backward (K / C times v's size); else the backward recomputes them with a
-  second forward walk (GPU; FLA's ops recompute them). On by default; off trades a walk
-  for that memory (Gated DeltaNet-340M keeps 21 x 403 MB at 16384 tokens; not timed).
-  ``walks_prefetch``: the walks load the next chunk's operands into registers ahead of
-  this chunk's chain (the measured default); off, each chunk loads its own and Triton's
-  pipeliner stages them through shared memory by ``num_stages`` (FLA's walks; for sm_90
-  the grad walk then holds 134 registers, not 241; not yet timed).
+  V]`` for the backward (K / C times v's size); off (the default) the backward recomputes
+  them with a second forward walk, as FLA's ops do (GPU; the TPU kernels keep them). Off
+  was faster as well as leaner on an H100 (forward + backward, bf16: 2.886 against 3.047
+  ms at B1 T16384 H16 K=V=128, 4.769 against 5.351 at B8 T4096, 4.714 against 4.921 at
+  Gated DeltaNet-340M's heads, whose kept states take 21 x 403 MB at 16384 tokens).
+  The walks' ``stages`` are shared-memory buffers of a chunk's operands: a launch whose
+  operands alone overflow a GPU's shared memory is refused while tracing
+  (:func:`pallas_kernels._delta.check_walk_stages`).
 
   Change one with :meth:`replace` (``cfg.replace(walk_bv=32, dqk_warps=4)``).
   """
@@ -63,8 +65,7 @@ class KernelConfig:
   dqk: Launch = STAGE_DEFAULTS["dqk"]
   dwy: Launch = STAGE_DEFAULTS["dwy"]
   states_in_input_dtype: bool = True
-  save_states: bool = True
-  walks_prefetch: bool = True
+  save_states: bool = False
 
   def __post_init__(self):
     check_config(self, stage_defaults=STAGE_DEFAULTS, flags=FLAGS,
@@ -78,22 +79,23 @@ class KernelConfig:
 
 
 def default_config(platform: str, B: int, T: int, H: int, K: int, V: int, dtype, *,
-                   sm_count: Optional[int] = None) -> KernelConfig:
+                   sm_count: Optional[int] = None, chunk_size: int = 64) -> KernelConfig:
   """The default :class:`KernelConfig` for a target: the stages' measured defaults
   (:data:`STAGE_DEFAULTS`, chosen at B1 T16384 H16 K=V=128 bf16 on an H200), and the
-  walks' V tile and warps by the number of walk programs
-  (:func:`pallas_kernels._config.delta_walk_launch`: 16 at B1 H16, 64 with 8 warps at B8
-  H16, as measured; 8 warps with K >= 256; ``sm_count`` None: 132). ``gdn_dqk`` takes K
-  slices of 32 up to K = 128 (measured at K = V = 128: forward + backward 3.26 -> 3.15 ms
-  at B1 T16384 H16, 5.54 -> 5.19 at B8 T4096; no register spills for sm_90, where the
-  whole K spilled 1164 bytes) and of 128 above (Gated DeltaNet-340M's K = 256, V = 512
-  was measured so; slices of 32 there, eight programs a chunk each forming do v_new^T
-  over V, are not). T and dtype change no default yet."""
-  del T, dtype
+  walks' launch by shape, dtype and ``chunk_size``
+  (:func:`pallas_kernels._config.delta_walk_launch`; ``sm_count`` None: 132). ``gdn_dqk``
+  takes K slices of 32 up to K = 128 (measured at K = V = 128: forward + backward 3.26 ->
+  3.15 ms at B1 T16384 H16, 5.54 -> 5.19 at B8 T4096; no register spills for sm_90, where
+  the whole K spilled 1164 bytes) and of 64 above (Gated DeltaNet-340M's heads, B1 T16384
+  H6 K=256 V=512, on an H100 with the walks' defaults: forward + backward 4.927 ms against
+  5.811 with slices of 128; with the walks of before, slices of 32: 7.847 against 8.008).
+  T changes no default yet."""
+  del T
   if platform not in PLATFORMS:
     raise ValueError(f"gated_delta default_config: unknown `platform` {platform!r}; choose "
                      f"one of {', '.join(map(repr, PLATFORMS))}.")
   config = KernelConfig(platform=platform, interpret=platform == "cpu")
   if K > 128:
-    config = config.replace(dqk_kd=128)
-  return with_delta_walks(config, B, H, K, V, sm_count=sm_count)
+    config = config.replace(dqk_kd=64)
+  return with_delta_walks(config, B, H, K, V, sm_count=sm_count,
+                          itemsize=jnp.dtype(dtype).itemsize, chunk_size=chunk_size)

@@ -7,12 +7,13 @@ launch configuration ``config`` (:class:`pallas_kernels.gated_delta.KernelConfig
 
   fwd: UT inverse T per chunk -> w, u, kd, gc (full-chunk tiles) -> state walk (h,
        v_new, final) -> output
-  bwd: T, w, u, kd, gc (recomputed) and qb = scale e^{b} q -> v_new and its local
-       cotangent (from the kept states) -> state-gradient walk (dH, dv_new, dh0) -> dq, dk, dw, dg per chunk
+  bwd: T, w, u, kd, gc (recomputed) and qb = scale e^{b} q -> the chunk states walked
+       again (or kept: ``config.save_states``) -> v_new and its local cotangent ->
+       state-gradient walk (dH, dv_new, dh0) -> dq, dk, dw, dg per chunk
        -> the WY backward (dk, dv, dbeta, dg through w, u and A)
 
-The forward keeps the chunk states h ``[B, H, N, K, V]`` (one state per chunk, nothing
-per token) as its :class:`Residual` (with ``config.save_states`` off, nothing: the
+With ``config.save_states`` the forward keeps the chunk states h ``[B, H, N, K, V]`` (one
+state per chunk, nothing per token) as its :class:`Residual` (by default nothing: the
 backward walks them again); the backward recomputes everything per token.
 """
 from __future__ import annotations

@@ -114,7 +114,7 @@ def walk_tile_v(B: int, H: int, K: int, V: int, *, walks: int, programs: int,
 
 
 def default_config(platform: str, B: int, T: int, H: int, K: int, V: int, dtype, *,
-                   sm_count: Optional[int] = None) -> KernelConfig:
+                   sm_count: Optional[int] = None, chunk_size: int = 64) -> KernelConfig:
   """The default :class:`KernelConfig` for a target platform and problem shape.
 
   ``platform``: ``"gpu"``, ``"tpu"`` or ``"cpu"`` (what :func:`zeco_jax.runtime.target.platform_of`
@@ -122,10 +122,11 @@ def default_config(platform: str, B: int, T: int, H: int, K: int, V: int, dtype,
   GPU's streaming multiprocessors, for the state-walk tiles (about one walk program per
   SM); None, or a platform other than ``"gpu"``: 132, the H100 / H200 the defaults were
   measured on. Today the choice depends
-  on B, H, K and V only; T and dtype are part of the signature so that per-length or
+  on B, H, K and V only; T, dtype and ``chunk_size`` are part of the signature (as in the
+  delta-rule families', whose walks' stages depend on them) so that per-length or
   per-dtype defaults need no change to callers.
   """
-  del T, dtype      # no default depends on them yet (see the docstring)
+  del T, dtype, chunk_size      # no default depends on them yet (see the docstring)
   if platform not in PLATFORMS:
     raise ValueError(f"default_config: unknown `platform` {platform!r}; choose one of "
                      f"{', '.join(map(repr, PLATFORMS))}.")

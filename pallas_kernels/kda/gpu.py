@@ -10,14 +10,15 @@ configuration ``config`` (:class:`pallas_kernels.kda.KernelConfig`):
   fwd: A, P and T = (I + A)^{-1} per chunk (kda_diag, kda_intra)
        -> w, u, kd, e^{gamma} (kda_wu) -> state walk (h, v_new, final) -> output
   bwd: T, P, w, u, kd, e^{gamma} (recomputed) and qb = scale e^{b} * q
-       -> v_new and its local cotangent (from the kept states) -> state-gradient walk
+       -> the chunk states walked again (or kept: ``config.save_states``) -> v_new and its
+       local cotangent -> state-gradient walk
        (dH, dv_new, dh0) -> dq, dk, dg through the state terms, dw, dP (kda_dqk)
        -> through w, u and T: dk, dv, dbeta, dg, dA (kda_dwy; adds kda_dqk's dk, dg)
        -> through A and P: dq, dk, dg, dbeta (kda_dpairs; adds the parts before and
           writes the op's dq, dk in their dtype)
 
-The forward keeps the chunk states h ``[B, H, N, K, V]`` (one state per chunk, nothing
-per token) as its :class:`Residual` (with ``config.save_states`` off, nothing: the
+With ``config.save_states`` the forward keeps the chunk states h ``[B, H, N, K, V]`` (one
+state per chunk, nothing per token) as its :class:`Residual` (by default nothing: the
 backward walks them again); the backward recomputes everything per token.
 Exactness (:mod:`pallas_kernels.kda.chunk`, :mod:`pallas_kernels.kda.pairs`): every
 exponent is a sum of g over exactly the tokens it spans, and the decay gradient sums

@@ -62,8 +62,8 @@ def test_kernels_packed_documents():
 
 # The head sizes users run (K = V = 128) around one 64-token chunk: the silent-garbage
 # box of the GLA issue. jit and eager give the same as the jnp path; past the chunk, so
-# does jit with the states walked again and the walks unprefetched (the flags' other
-# forms).
+# does jit with the states kept (the flag's other form) and the walks on one pipeline
+# stage.
 @pytest.mark.parametrize("T", [63, 65])
 def test_kernels_head_128_around_one_chunk(T):
   (q, k, v, g, beta, h0), (do, dht) = gdn_inputs(4, 1, T, 1, 128, 128, g_low=-5.0,
@@ -78,43 +78,49 @@ def test_kernels_head_128_around_one_chunk(T):
 
   want = run("jax", True)
   flags = gated_delta.default_config("cpu", 1, T, 1, 128, 128, jnp.float32).replace(
-      save_states=False, walks_prefetch=False)
+      save_states=True, walk_stages=1, dwalk_stages=1)
   for jit, config in [(True, None), (False, None)] + [(True, flags)] * (T > 64):
     got = run("pallas", jit, config)
     errs = [rel_err(a, b) for a, b in zip(got, want)]
     assert max(errs[:2]) <= 1e-5 and max(errs[2:]) <= 1e-4, (jit, config, errs)
 
 
-def test_backward_keeps_inputs_and_one_state_per_chunk():
+def test_save_states_keeps_inputs_and_one_state_per_chunk():
+  """``save_states=True``: the residual is the inputs and one state per chunk, nothing per
+  token."""
   T, C, H, K, V = 128, 16, 2, 16, 16
   (q, k, v, g, beta, h0), _ = gdn_inputs(5, 1, T, H, K, V)
+  cfg = gated_delta.default_config("cpu", 1, T, H, K, V, jnp.float32).replace(
+      save_states=True)
   _, vjp_fn = jax.vjp(lambda *a: chunk_gated_delta_rule(*a[:5], initial_state=a[5],
-                                                       chunk_size=C, backend="pallas")[0],
+                                                       chunk_size=C, backend="pallas",
+                                                       kernel_config=cfg)[0],
                       q, k, v, g, beta, h0)
   leaves = jax.tree.leaves(vjp_fn)
   inputs = sum(x.size for x in (q, k, v, g, beta, h0))
-  assert sum(x.size for x in leaves) - inputs <= (T // C) * H * K * V
+  assert sum(x.size for x in leaves) - inputs == (T // C) * H * K * V
   assert not any(x.size >= T * H * K * V for x in leaves)
 
 
-def test_walks_without_prefetch():
-  """``walks_prefetch=False`` (each chunk loads its own operands): the float64 bars, with
-  several chunks, a padded tail, an initial state and packed documents."""
+def test_walks_on_two_stages():
+  """The walks on two pipeline stages (each chunk's operands staged through shared memory
+  a chunk ahead on a GPU): the float64 bars, with several chunks, a padded tail, an
+  initial state and packed documents."""
   inputs, weights = gdn_inputs(7, 1, 72, 2, 16, 16, g_low=-5.0, beta_high=0.9999)
   cfg = gated_delta.default_config("cpu", 1, 72, 2, 16, 16, jnp.float32).replace(
-      walks_prefetch=False)
+      walk_stages=2, dwalk_stages=2)
   check_gdn_against_float64(_kernel_op(16, kernel_config=cfg), inputs, weights)
   ids = np.array([[0] * 5 + [1] * 11 + [2] * 16 + [-1] * 3 + [3] * 30 + [4] + [-1] * 6])
   check_gdn_documents(_kernel_op(16, kernel_config=cfg), inputs, weights, ids)
 
 
-def test_save_states_off_keeps_only_the_inputs_and_walks_again():
-  """``save_states=False``: the residual is the inputs alone, and the backward, walking
-  the states again, meets the float64 bars."""
+def test_default_keeps_only_the_inputs_and_walks_again():
+  """The default (``save_states=False``): the residual is the inputs alone, and the
+  backward, walking the states again, meets the float64 bars."""
   T, C, H, K, V = 48, 16, 2, 16, 16
   inputs, weights = gdn_inputs(6, 1, T, H, K, V, g_low=-5.0)
-  cfg = gated_delta.default_config("cpu", 1, T, H, K, V, jnp.float32).replace(
-      save_states=False)
+  cfg = gated_delta.default_config("cpu", 1, T, H, K, V, jnp.float32)
+  assert not cfg.save_states
   op = _kernel_op(C, kernel_config=cfg)
   _, vjp_fn = jax.vjp(lambda *a: op(*a[:5], initial_state=a[5])[0], *inputs)
   assert sum(x.size for x in jax.tree.leaves(vjp_fn)) == sum(x.size for x in inputs)
@@ -153,15 +159,25 @@ def test_sequence_parallel_local_pass_on_kernels(method, pieces):
 def test_default_config_and_errors():
   cfg = gated_delta.default_config("gpu", 1, 16384, 16, 128, 128, jnp.bfloat16)
   assert cfg.platform == "gpu" and not cfg.interpret and cfg.walk.bv == 16
-  # The walks' tile by the number of walk programs (pallas_kernels._config.delta_walk_launch).
+  # The walks' launch by shape and dtype (pallas_kernels._config.delta_walk_launch): the
+  # tile by the number of walk programs, the stages by the shared memory a chunk's
+  # operands take.
+  launch = lambda c: (c.walk.bv, c.walk.warps, c.walk.stages)
+  assert launch(cfg) == (16, 4, 3) and cfg.dwalk == cfg.walk
   big = gated_delta.default_config("gpu", 8, 4096, 16, 128, 128, jnp.bfloat16)
-  assert (big.walk.bv, big.walk.warps, big.dwalk.bv, big.dwalk.warps) == (64, 8, 64, 8)
-  assert (cfg.walk.warps, cfg.dwalk.bv) == (4, 16)
+  assert launch(big) == (64, 8, 3) and big.dwalk == big.walk
   mid = gated_delta.default_config("gpu", 4, 4096, 16, 128, 128, jnp.bfloat16)
-  assert (mid.walk.bv, mid.walk.warps) == (32, 4)
-  # Gated DeltaNet-340M's heads (K = 256, V = 512): tile 16 (192 programs), 8 warps.
+  assert launch(mid) == (32, 4, 3)
+  assert launch(gated_delta.default_config("gpu", 1, 16384, 16, 128, 128,
+                                           jnp.float32)) == (16, 4, 2)
+  assert launch(gated_delta.default_config("gpu", 8, 4096, 16, 128, 128,
+                                           jnp.float32)) == (64, 8, 1)
+  assert launch(gated_delta.default_config("gpu", 1, 16384, 16, 128, 128, jnp.bfloat16,
+                                           chunk_size=128)) == (16, 4, 2)
+  # Gated DeltaNet-340M's heads (K = 256, V = 512): tile 32 (96 programs), 4 warps, 2
+  # stages; gdn_dqk in K slices of 64.
   wide = gated_delta.default_config("gpu", 1, 16384, 6, 256, 512, jnp.bfloat16)
-  assert (wide.walk.bv, wide.walk.warps, wide.dwalk.warps) == (16, 8, 8)
+  assert launch(wide) == (32, 4, 2) and wide.dqk.kd == 64
   assert gated_delta.default_config("gpu", 4, 4096, 16, 128, 128, jnp.bfloat16,
                                     sm_count=64).walk.bv == 64
   assert hash(cfg) == hash(gated_delta.default_config("gpu", 1, 16384, 16, 128, 128,
@@ -193,21 +209,10 @@ def test_default_config_and_errors():
   assert np.array_equal(np.asarray(o_auto), np.asarray(o_jax))
 
 
-@pytest.mark.parametrize("K,V,dqk_kd", [(128, 128, None), (128, 128, 128), (256, 512, None)],
-                         ids=["K128", "K128-dqk-whole-K-walks-unprefetched", "K256-V512"])
-def test_kernels_lower_to_triton_for_a_gpu_target(K, V, dqk_kd):
-  """Every GPU kernel of the forward and backward lowers through Pallas's Triton lowering
-  for an H200 on this CPU host (an abstract device): what the interpreter does not check.
-  The defaults (gdn_dqk in K slices of 32 at K = 128), gdn_dqk over the whole K, and
-  K = 256, V = 512, Gated DeltaNet-340M's head (the walks with 8 warps, k k^T and dqk in
-  two K slices)."""
+def _lower_gdn_for_gpu(B, T, H, K, V, config):
+  """The kernels' forward and backward lowered for an H200 (an abstract device): the
+  lowered text."""
   mesh = abstract_mesh("gpu", "NVIDIA H200", 132)
-  B, T, H = 1, 256, 2
-  config = gated_delta.default_config("gpu", B, T, H, K, V, jnp.bfloat16)
-  assert config.dqk.kd == (32 if K <= 128 else 128)
-  if dqk_kd is not None:
-    config = config.replace(dqk_kd=dqk_kd, walks_prefetch=False, walk_stages=3,
-                            dwalk_stages=3)
   kw = dict(scale=K ** -0.5, initial_state=jnp.zeros((B, H, K, V)), chunk_size=64,
             config=config)
 
@@ -220,10 +225,41 @@ def test_kernels_lower_to_triton_for_a_gpu_target(K, V, dqk_kd):
   args = [sd((B, T, H, K), bf)] * 2 + [sd((B, T, H, V), bf), sd((B, T, H), f32),
                                        sd((B, T, H), f32), sd((B, T, H, V), bf)]
   with jax.sharding.use_abstract_mesh(mesh):
-    text = jax.jit(fwd_bwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return jax.jit(fwd_bwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("K,V,dqk_kd", [(128, 128, None), (128, 128, 128), (256, 512, None)],
+                         ids=["K128", "K128-dqk-whole-K", "K256-V512"])
+def test_kernels_lower_to_triton_for_a_gpu_target(K, V, dqk_kd):
+  """Every GPU kernel of the forward and backward lowers through Pallas's Triton lowering
+  for an H200 on this CPU host (an abstract device): what the interpreter does not check.
+  The defaults (gdn_dqk in K slices of 32 at K = 128), gdn_dqk over the whole K, and
+  K = 256, V = 512, Gated DeltaNet-340M's head (the walks on a V tile of 32 and 2 stages,
+  k k^T in two K slices, dqk in four)."""
+  B, T, H = 1, 256, 2
+  config = gated_delta.default_config("gpu", B, T, H, K, V, jnp.bfloat16)
+  assert config.dqk.kd == (32 if K <= 128 else 64)
+  if dqk_kd is not None:
+    config = config.replace(dqk_kd=dqk_kd)
+  text = _lower_gdn_for_gpu(B, T, H, K, V, config)
   names = ("gdn_ut_inverse", "gdn_wu", "gdn_state_walk", "gdn_output", "gdn_vnew",
            "gdn_grad_walk", "gdn_dqk", "gdn_dwy")
   assert all(name in text for name in names), [n for n in names if n not in text]
+
+
+@pytest.mark.parametrize("K,V,B,changes", [
+    (128, 128, 8, dict(dwalk_stages=4, dwalk_bv=64)),   # 4 x 64 KB
+    (256, 512, 1, dict(dwalk_stages=3)),                # tile 32: 3 x 104 KB
+], ids=["K128-tile-64-4-stages", "K256-3-stages"])
+def test_walk_stages_that_overflow_shared_memory_are_refused(K, V, B, changes):
+  """Walk launches whose operands alone overflow a GPU's shared memory (on an H100 they
+  failed at run time: RESOURCE_EXHAUSTED, 262144 and 327680 bytes asked) are refused
+  while tracing, naming the setting; the defaults beside them lower."""
+  config = gated_delta.default_config("gpu", B, 256, 2, K, V, jnp.bfloat16)
+  stage = "dwalk"
+  with pytest.raises(ValueError, match=rf"`{stage}_stages`=\d with a V tile of \d+ at K = "
+                                       rf"{K} .* lower `{stage}_stages` or `{stage}_bv`"):
+    _lower_gdn_for_gpu(B, 256, 2, K, V, config.replace(**changes))
 
 
 def test_layer_and_model_take_the_backend():

@@ -75,11 +75,11 @@ def _check(inputs, cotangents, C, fwd_tol, grad_tol, config=None):
 
 def test_head_128_one_chunk_pair():
   """K = V = 128, the head size users run, over two 64-token chunks; and with the flags'
-  other forms (the states walked again, the walks unprefetched)."""
+  other form (the states kept) and the walks on one pipeline stage."""
   inputs, cot = _inputs(0, 1, 128, 1, 128, 128)
   _check(inputs, cot, 64, 1e-5, 1e-4)
   flags = kda.default_config("cpu", 1, 128, 1, 128, 128, jnp.float32).replace(
-      save_states=False, walks_prefetch=False)
+      save_states=True, walk_stages=1, dwalk_stages=1)
   _check(inputs, cot, 64, 1e-5, 1e-4, config=flags)
 
 
@@ -159,35 +159,40 @@ def test_bf16():
   _check(inputs, cot, 32, 2e-2, 2e-2)
 
 
-def test_forward_keeps_one_state_per_chunk():
-  """The residual between forward and backward is the chunk states h, nothing per token."""
+def test_forward_keeps_one_state_per_chunk_or_nothing():
+  """The residual between forward and backward: nothing by default (the backward walks
+  the states again), with ``save_states`` the chunk states h, nothing per token."""
   (q, k, v, g, beta, h0), _ = _inputs(3, 1, 64, 2, 32, 16)
   config = kda.default_config("cpu", 1, 64, 2, 32, 16, jnp.float32)
   _, res = jax.eval_shape(functools.partial(gpu.fwd_res, scale=1.0, chunk_size=16,
-                                            config=config), q, k, v, g, beta,
-                          initial_state=h0)
+                                            config=config.replace(save_states=True)),
+                          q, k, v, g, beta, initial_state=h0)
   assert [x.shape for x in jax.tree.leaves(res)] == [(1, 2, 4, 32, 16)]
   _, res = jax.eval_shape(functools.partial(gpu.fwd_res, scale=1.0, chunk_size=16,
-                                            config=config.replace(save_states=False)),
-                          q, k, v, g, beta, initial_state=h0)
+                                            config=config), q, k, v, g, beta,
+                          initial_state=h0)
   assert jax.tree.leaves(res) == []
 
 
-@pytest.mark.parametrize("flag", ["save_states", "walks_prefetch"])
-def test_save_states_or_walks_prefetch_off(flag):
-  """``save_states=False`` (the backward walks the states again) or
-  ``walks_prefetch=False`` (each chunk loads its own operands): the reference's bars."""
+@pytest.mark.parametrize("changes", [dict(save_states=True),
+                                     dict(walk_stages=2, dwalk_stages=2)],
+                         ids=["states-kept", "walks-two-stages"])
+def test_save_states_or_walks_on_two_stages(changes):
+  """``save_states=True`` (the forward keeps the chunk states for the backward) or the
+  walks on two pipeline stages: the reference's bars."""
   inputs, cot = _inputs(4, 1, 48, 2, 16, 16)
-  config = kda.default_config("cpu", 1, 48, 2, 16, 16, jnp.float32).replace(**{flag: False})
+  config = kda.default_config("cpu", 1, 48, 2, 16, 16, jnp.float32).replace(**changes)
   _check(inputs, cot, 16, 1e-5, 1e-4, config=config)
 
 
 def test_default_config_and_errors():
   cfg = kda.default_config("gpu", 1, 16384, 16, 128, 128, jnp.bfloat16)
   assert cfg.platform == "gpu" and not cfg.interpret
-  assert (cfg.walk.bv, cfg.dwalk.bv) == (16, 16)
+  # Gated DeltaNet's walks and launches (pallas_kernels._config.delta_walk_launch).
+  assert (cfg.walk.bv, cfg.walk.stages) == (16, 3) and cfg.dwalk == cfg.walk
   big = kda.default_config("gpu", 8, 4096, 16, 128, 128, jnp.bfloat16)
-  assert (big.walk.bv, big.walk.warps, big.dwalk.bv, big.dwalk.warps) == (64, 8, 64, 8)
+  assert (big.walk.bv, big.walk.warps, big.walk.stages) == (64, 8, 3)
+  assert big.dwalk == big.walk
   assert hash(cfg) == hash(kda.default_config("gpu", 1, 16384, 16, 128, 128, jnp.bfloat16))
   assert cfg.replace(dpairs_kd=64).dpairs.kd == 64
   assert cfg.replace(out=Launch(bk=32, bv=32, warps=2, stages=1)).out.bk == 32

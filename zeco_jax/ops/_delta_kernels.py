@@ -1,6 +1,7 @@
 """The delta-rule families' kernel path (Gated DeltaNet, Kimi Delta Attention): which
 backend runs (:func:`kernel_setup`), the kernels behind one custom_vjp
-(:func:`kernel_recurrence`: keeps the inputs and the kernels' chunk states), and the
+(:func:`kernel_recurrence`: keeps the inputs and what the kernels' forward keeps, the
+chunk states with ``save_states``), and the
 sequence-parallel local pass on the kernels (:func:`local_pass_ops`: the widened state's
 forward, the plain backward).
 
@@ -36,10 +37,12 @@ def check_kernel_config(kernel_config, *, family, name):
                      "default_config(platform, B, T, H, K, V, dtype).")
 
 
-def kernel_setup(backend, kernel_config, arrays, B, T, H, K, V, dtype, *, family, name):
+def kernel_setup(backend, kernel_config, arrays, B, T, H, K, V, dtype, *, chunk_size, family,
+                 name):
   """``(backend, config)``: the backend resolved for the platform ``arrays`` are compiled
   for (:func:`zeco_jax.ops._dispatch.resolve_backend`), and the kernels' launch
-  configuration (None on the jnp path)."""
+  configuration (None on the jnp path; None given: the family's default for the target,
+  shape, dtype and ``chunk_size``)."""
   check_kernel_config(kernel_config, family=family, name=name)
   found = target.target_of(*arrays)
   backend = _dispatch.resolve_backend(backend, family=family, name=name,
@@ -47,7 +50,8 @@ def kernel_setup(backend, kernel_config, arrays, B, T, H, K, V, dtype, *, family
   if backend == "jax":
     return backend, None
   return backend, kernel_config or _dispatch.kernel_package().family_default_config(
-      family, found.platform, B, T, H, K, V, dtype, sm_count=found.num_cores)
+      family, found.platform, B, T, H, K, V, dtype, sm_count=found.num_cores,
+      chunk_size=chunk_size)
 
 
 def check_kernel_dims(K, V, chunk_size, *, name):
@@ -76,7 +80,7 @@ def _core_fwd(q, k, v, g, beta, h0, scale, chunk_size, family, config):
   q, k, v, g, beta, h0 = (x.value for x in (q, k, v, g, beta, h0))
   out, res = _kernels(family, config).fwd_res(q, k, v, g, beta, scale=scale, initial_state=h0,
                                               chunk_size=chunk_size, config=config)
-  return out, (q, k, v, g, beta, h0, res)          # the inputs and one state per chunk
+  return out, (q, k, v, g, beta, h0, res)   # the inputs (and one state per chunk, if kept)
 
 
 def _core_bwd(scale, chunk_size, family, config, res, cotangents):
@@ -179,13 +183,14 @@ def local_pass_ops(backend, kernel_config, q, args, chunk_size, *, family, name,
   width), the backward with the default for V columns; the op with ``backend="pallas"``
   for LASP-1's ring."""
   backend, wide = kernel_setup(backend, kernel_config, (q,), args.B, args.T, args.H, args.K,
-                               args.V + args.K, q.dtype, family=family, name=name)
+                               args.V + args.K, q.dtype, chunk_size=chunk_size, family=family,
+                               name=name)
   if backend == "jax":
     return _chunks.jnp_local_pass(functools.partial(terms, scale=args.scale), chunk_size,
                                   chunked_op)
   check_kernel_dims(args.K, args.V, chunk_size, name=name)
   _, plain = kernel_setup(backend, None, (q,), args.B, args.T, args.H, args.K, args.V, q.dtype,
-                          family=family, name=name)
+                          chunk_size=chunk_size, family=family, name=name)
   return _kernel_local_pass(family, wide, plain, args.scale, chunk_size,
                             functools.partial(chunked_op, backend="pallas",
                                               kernel_config=kernel_config))

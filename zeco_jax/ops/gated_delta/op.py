@@ -71,7 +71,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
                       chunk_size=chunk_size)
   backend, config = kernel_setup(backend, kernel_config, (q, k, v, g, beta, initial_state),
                                  args.B, args.T, args.H, args.K, args.V, q.dtype,
-                                 family=FAMILY, name=name)
+                                 chunk_size=chunk_size, family=FAMILY, name=name)
   if backend == "pallas":
     check_kernel_dims(args.K, args.V, chunk_size, name=name)
   if use_qk_l2norm:

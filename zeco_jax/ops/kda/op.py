@@ -10,7 +10,7 @@ Two implementations, chosen by ``backend=``: ``"jax"`` the jnp chunked form (any
 platform), ``"pallas"`` the family's Pallas kernels (``pallas_kernels.backend("kda",
 platform)``: Triton on GPU, Mosaic on TPU, the GPU kernels in the interpreter on CPU),
 behind the delta-rule families' custom_vjp (:mod:`zeco_jax.ops._delta_kernels`: the inputs
-and the chunk states kept). ``"auto"`` picks the kernels on a GPU (3.6x less time than the jnp
+kept; the chunk states too with ``save_states``). ``"auto"`` picks the kernels on a GPU (3.6x less time than the jnp
 path forward, 3.3x forward + backward at B1 T16384 H16 K=V=128 on an H200:
 ``benchmarks/results/kda_h200.md``) and on a TPU (compiled ahead of time for v5e / v5p /
 v6e, not yet run on a chip), the jnp path on CPU.
@@ -92,7 +92,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
                       chunk_size=chunk_size)
   backend, config = kernel_setup(backend, kernel_config, (q, k, v, g, beta, initial_state),
                                  args.B, args.T, args.H, args.K, args.V, q.dtype,
-                                 family=FAMILY, name=name)
+                                 chunk_size=chunk_size, family=FAMILY, name=name)
   if backend == "pallas":
     check_kernel_dims(args.K, args.V, chunk_size, name=name)
   if use_qk_l2norm:
