@@ -221,10 +221,12 @@ class LocalPass(NamedTuple):
     the chunked form widened by K identity columns, from a zero state
     (:func:`chunk_recurrence` with ``augment``); a custom_vjp of its own.
   * ``widened_res``: the same, ``((out, final), states)`` with the state entering every
-    chunk ``[B, H, N, K, V + K]`` (what the backward below is given).
+    chunk ``[B, H, N, K, V + K]`` (what the backward below is given), or None where the
+    backend's backward walks the states again (the kernels' default).
   * ``backward(q, k, v, g, beta, h0, states, do, dht)``: ``(dq, dk, dv, dg, dbeta)`` of
     the plain pass (V columns) entered with ``h0`` ``[B, H, K, V]`` whose chunk states
-    are ``states`` ``[B, H, N, K, V]``, for the cotangents of its outputs and final state.
+    are ``states`` ``[B, H, N, K, V]`` (None: walked again from ``h0``), for the
+    cotangents of its outputs and final state.
   * ``chunked_op``: the family's op (LASP-1's ``"ring"`` runs it from the received state).
   """
   widened: Callable
@@ -378,11 +380,14 @@ def _plain_grads(ops, inputs, states, entering, first_starts, do, d_state):
   where the segment's first token starts a document), for the cotangents of its outputs
   and of the state after it. Its chunk states are the widened forward's applied to that
   state: ``S_n + P_n X_p``, P_n (their last K columns) the product of the chunk
-  transitions before chunk n."""
+  transitions before chunk n; with ``states`` None the backend walks them again from
+  that state."""
   V = inputs[2].shape[-1]
   x = entering
   if first_starts is not None:
     x = jnp.where(first_starts[:, None, None, None], 0.0, x)
+  if states is None:
+    return ops.backward(*inputs, x, None, do, d_state)
   plain = (states[..., :V].astype(jnp.float32)
            + jnp.einsum("bhnkj,bhjv->bhnkv", states[..., V:].astype(jnp.float32), x,
                         precision=_HI)).astype(states.dtype)

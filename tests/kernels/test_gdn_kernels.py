@@ -144,16 +144,37 @@ def test_stages_match_the_jnp_chunk_terms():
   assert rel_err(got, want) <= 1e-6
 
 
-@pytest.mark.parametrize("method,pieces", [("all_scan", None), ("ring", None),
-                                          ("all_scan", 2)])
-def test_sequence_parallel_local_pass_on_kernels(method, pieces):
+@pytest.mark.parametrize("method,pieces,keep", [
+    ("all_scan", None, False), ("ring", None, False), ("all_scan", 2, False),
+    ("all_scan", None, True)])
+def test_sequence_parallel_local_pass_on_kernels(method, pieces, keep):
   """zeco_gated_delta_rule with the kernels in its local pass (the widened state as V + K
   value columns; in 2 head groups, the TPU default's form) equals the float64 truth on 4
-  ranks, documents crossing ranks."""
+  ranks, documents crossing ranks: by default the plain backward walks its states again
+  from the received state; with ``save_states`` they are formed from the widened pass's
+  kept states."""
   inputs, weights = gdn_inputs(7, 2, 64, 2, 16, 16, g_low=-5.0)
+  cfg = gated_delta.default_config("cpu", 2, 16, 2, 16, 32, jnp.float32).replace(
+      save_states=keep)
   op = functools.partial(zeco_gated_delta_rule, mesh=seq_mesh(4), method=method, chunk_size=16,
-                         backend="pallas", overlap_pieces=pieces)
+                         backend="pallas", overlap_pieces=pieces, kernel_config=cfg)
   check_gdn_documents(op, inputs, weights, GDN_SHARD_DOC_IDS)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_local_pass_keeps_widened_states_only_with_save_states(keep):
+  """What the local pass on the kernels keeps for its backward: no chunk states ``[..., K,
+  V + K]`` by default, the widened pass's with ``save_states``."""
+  K, V = 16, 16
+  (q, k, v, g, beta, _), _ = gdn_inputs(3, 1, 64, 2, K, V)
+  cfg = gated_delta.default_config("cpu", 1, 16, 2, K, V + K, jnp.float32).replace(
+      save_states=keep)
+  op = lambda *a: zeco_gated_delta_rule(*a, mesh=seq_mesh(4), chunk_size=16,
+                                        backend="pallas", kernel_config=cfg)[0]
+  _, vjp_fn = jax.vjp(op, q, k, v, g, beta)
+  widened = [x.shape for x in jax.tree.leaves(vjp_fn) if x.shape[-2:] == (K, V + K)
+             and x.ndim == 5]
+  assert bool(widened) == keep, widened
 
 
 def test_default_config_and_errors():

@@ -134,14 +134,21 @@ def _widened_inputs(v, K):
 
 def _kernel_local_pass(family, wide, plain, scale, C, chunked_op):
   """:class:`zeco_jax._chunks.LocalPass` on the family's kernels: the widened pass with the
-  launch configuration ``wide`` (V + K columns; its chunk states always kept, the plain
-  backward's states being formed from them), the plain backward with ``plain``."""
-  wide = wide.replace(save_states=True)
+  launch configuration ``wide`` (V + K columns), the plain backward with ``plain``. With
+  ``wide.save_states`` (and always on TPU, whose backward kernel reads kept states) the
+  widened pass keeps its chunk states ``[B, H, N, K, V + K]`` and the plain backward's are
+  formed from them; else it keeps none and the plain backward walks its states again from
+  the received state, as the op's backward does by default."""
+  keep = wide.save_states or wide.platform == "tpu"
+  wide = wide.replace(save_states=keep)
+
   def widened(q, k, v, g, beta):
     v, h0 = _widened_inputs(v, q.shape[-1])
     return kernel_recurrence(q, k, v, g, beta, h0, scale, C, wide, family=family)
 
   def widened_res(q, k, v, g, beta):
+    if not keep:
+      return widened(q, k, v, g, beta), None
     T = q.shape[1]
     v, h0 = _widened_inputs(v, q.shape[-1])
     *arrays, h0 = _kernel_inputs(C, (q, k, v, g, beta), h0)
@@ -151,11 +158,13 @@ def _kernel_local_pass(family, wide, plain, scale, C, chunked_op):
 
   def backward(q, k, v, g, beta, h0, states, do, dht):
     T = q.shape[1]
-    *arrays, h0, dht, states = _kernel_inputs(C, (q, k, v, g, beta, do.astype(v.dtype)), h0,
-                                              dht.astype(jnp.float32), states)
-    pq, pk, pv, pg, pbeta, pdo = arrays
+    kept = () if states is None else (states,)
+    padded = _kernel_inputs(C, (q, k, v, g, beta, do.astype(v.dtype)), h0,
+                            dht.astype(jnp.float32), *kept)
+    pq, pk, pv, pg, pbeta, pdo, h0, dht = padded[:8]
+    states = padded[8] if kept else None
     impl = _kernels(family, plain)
-    res = impl.Residual(states)                                 # the chunk states h
+    res = impl.Residual(states)              # the chunk states h, or None: walked again
     grads = impl.bwd_res(res, pq, pk, pv, pg, pbeta, pdo, dht, scale=scale, initial_state=h0,
                          chunk_size=C, config=plain)[:5]
     return tuple(d[:, :T].astype(x.dtype) for d, x in zip(grads, (q, k, v, g, beta)))

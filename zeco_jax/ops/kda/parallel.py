@@ -61,8 +61,10 @@ def zeco_kda_local(q, k, v, g, beta, *, axis_name, method="all_scan", num_blocks
   this rank's slice of the packed rows' document ids (docs/design.md §10).
   ``backend``, ``kernel_config``: as in :func:`zeco_jax.chunk_kda`; the kernels run on
   V + K value columns (the widened state) in the forward, so a ``kernel_config`` is for that
-  width; the backward runs them on V columns with the default configuration.
-  ``overlap_pieces``: as in :func:`zeco_kda`.
+  width; the backward runs them on V columns with the default configuration, walking the
+  chunk states again from the received state (with the ``kernel_config``'s
+  ``save_states``, and on TPU, the forward keeps its widened states and the backward's
+  are formed from them). ``overlap_pieces``: as in :func:`zeco_kda`.
   """
   name = "zeco_kda_local"
   args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, group_size,
