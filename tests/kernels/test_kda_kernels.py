@@ -252,8 +252,6 @@ def test_op_layer_and_sequence_parallel_on_kernels():
   check_kda_documents(op, inputs, weights, ids)
   op = functools.partial(zeco_kda, mesh=seq_mesh(4), chunk_size=16, backend="pallas")
   check_kda_documents(op, inputs, weights, ids)
-  kept = kda.default_config("cpu", 2, 16, 2, 16, 32, jnp.float32).replace(save_states=True)
-  check_kda_documents(functools.partial(op, kernel_config=kept), inputs, weights, ids)
   x = jax.random.normal(jax.random.PRNGKey(9), (1, 40, 32), jnp.float32)
   outs = []
   for backend in ("jax", "pallas"):
