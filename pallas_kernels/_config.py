@@ -10,6 +10,8 @@ from typing import Optional
 
 import jax.numpy as jnp
 
+from pallas_kernels._launch import block
+
 PLATFORMS = ("cpu", "gpu", "tpu")
 # Streaming multiprocessors assumed when the target GPU is not known (an H100 / H200, the
 # GPU the defaults were measured on).
@@ -162,7 +164,7 @@ def delta_walk_launch(B: int, H: int, K: int, V: int, *, sm_count: Optional[int]
     bv = 32
   else:
     bv = next((t for t in (64, 32) if V % t == 0 and B * H * (V // t) >= programs), 16)
-  per_stage = walk_stage_bytes(chunk_size, K, min(bv, V), itemsize, grad=True)
+  per_stage = walk_stage_bytes(chunk_size, K, block(V, bv), itemsize, grad=True)
   stages = next((s for s in (3, 2) if s * per_stage + _WALK_SCRATCH_BYTES
                  <= SHARED_MEMORY_BYTES), 1)
   return Launch(bv=bv, warps=8 if bv == 64 else 4, stages=stages)

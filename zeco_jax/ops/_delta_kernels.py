@@ -1,9 +1,8 @@
 """The delta-rule families' kernel path (Gated DeltaNet, Kimi Delta Attention): which
 backend runs (:func:`kernel_setup`), the kernels behind one custom_vjp
 (:func:`kernel_recurrence`: keeps the inputs and what the kernels' forward keeps, the
-chunk states with ``save_states``), and the
-sequence-parallel local pass on the kernels (:func:`local_pass_ops`: the widened state's
-forward, the plain backward).
+chunk states with ``save_states``), and the sequence-parallel local pass on the kernels
+(:func:`local_pass_ops`: the widened state's forward, the plain backward).
 
 A family's kernels are ``pallas_kernels.backend(family, platform)`` (``fwd`` / ``fwd_res``
 / ``bwd_res`` on padded inputs, g and beta float32, an initial state always given) with

@@ -68,7 +68,8 @@ def zeco_gated_delta_rule_local(q, k, v, g, beta, *, axis_name, method="all_scan
   ``kernel_config`` is for that width; the backward runs them on V columns with the
   default configuration, walking the chunk states again from the received state (with
   the ``kernel_config``'s ``save_states``, and on TPU, the forward keeps its widened
-  states and the backward's are formed from them). ``overlap_pieces``: as in :func:`zeco_gated_delta_rule`.
+  states and the backward's are formed from them). ``overlap_pieces``: as in
+  :func:`zeco_gated_delta_rule`.
   """
   name = "zeco_gated_delta_rule_local"
   args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, group_size,

@@ -10,10 +10,10 @@ Two implementations, chosen by ``backend=``: ``"jax"`` the jnp chunked form (any
 platform), ``"pallas"`` the family's Pallas kernels (``pallas_kernels.backend("kda",
 platform)``: Triton on GPU, Mosaic on TPU, the GPU kernels in the interpreter on CPU),
 behind the delta-rule families' custom_vjp (:mod:`zeco_jax.ops._delta_kernels`: the inputs
-kept; the chunk states too with ``save_states``). ``"auto"`` picks the kernels on a GPU (3.6x less time than the jnp
-path forward, 3.3x forward + backward at B1 T16384 H16 K=V=128 on an H200:
-``benchmarks/results/kda_h200.md``) and on a TPU (compiled ahead of time for v5e / v5p /
-v6e, not yet run on a chip), the jnp path on CPU.
+kept; the chunk states too with ``save_states``). ``"auto"`` picks the kernels on a GPU
+(3.6x less time than the jnp path forward, 3.3x forward + backward at B1 T16384 H16
+K=V=128 on an H200: ``benchmarks/results/kda_h200.md``) and on a TPU (compiled ahead of
+time for v5e / v5p / v6e, not yet run on a chip), the jnp path on CPU.
 
 What it does not do: grouped value heads (FLA's ``HV > H``), the gate or
 ``sigmoid(beta)`` inside the op (FLA's ``use_gate_in_kernel``,
