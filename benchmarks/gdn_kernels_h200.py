@@ -126,20 +126,21 @@ def sweep(shape, stages, log, options=None):
   kw = dict(chunk_size=C, config=base)
   Tv = jax.jit(lambda: chunk.inverse(k, g, bf, **kw))()
   w, u, kd, gc, qb = jax.jit(lambda: chunk.wu(Tv, k, v, g, bf, q=q, scale=sc, **kw))()
-  h, vn, _ = jax.jit(lambda: walk.state_walk(w, u, kd, gc, h0, store_dtype=q.dtype, **kw))()
+  eg = walk.chunk_decay(gc, C)
+  h, vn, _ = jax.jit(lambda: walk.state_walk(w, u, kd, eg, h0, store_dtype=q.dtype, **kw))()
   vn2, dvl = jax.jit(lambda: chunk.vnew(q, k, g, w, u, h, do, scale=sc, **kw))()
-  dH, dvn, _ = jax.jit(lambda: walk.grad_walk(qb, gc, w, kd, do, dvl, dht,
+  dH, dvn, _ = jax.jit(lambda: walk.grad_walk(qb, eg, w, kd, do, dvl, dht,
                                               store_dtype=q.dtype, **kw))()
   _, dk1, dw, _ = jax.jit(lambda: chunk.dqk(q, k, g, gc, vn2, dvn, do, h, dH, scale=sc,
                                             **kw))()
   fns = {
       "inv": lambda c: chunk.inverse(k, g, bf, chunk_size=C, config=c),
       "wu": lambda c: chunk.wu(Tv, k, v, g, bf, chunk_size=C, config=c),
-      "walk": lambda c: walk.state_walk(w, u, kd, gc, h0, store_dtype=q.dtype, chunk_size=C,
+      "walk": lambda c: walk.state_walk(w, u, kd, eg, h0, store_dtype=q.dtype, chunk_size=C,
                                         config=c),
       "out": lambda c: chunk.output(q, k, g, gc, vn, h, scale=sc, chunk_size=C, config=c),
       "vnew": lambda c: chunk.vnew(q, k, g, w, u, h, do, scale=sc, chunk_size=C, config=c),
-      "dwalk": lambda c: walk.grad_walk(qb, gc, w, kd, do, dvl, dht, store_dtype=q.dtype,
+      "dwalk": lambda c: walk.grad_walk(qb, eg, w, kd, do, dvl, dht, store_dtype=q.dtype,
                                         chunk_size=C, config=c),
       "dqk": lambda c: chunk.dqk(q, k, g, gc, vn2, dvn, do, h, dH, scale=sc, chunk_size=C,
                                  config=c),

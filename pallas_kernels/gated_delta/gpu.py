@@ -6,7 +6,7 @@ Same contract as ``zeco_jax.ops.gated_delta.chunked`` (padded, validated inputs;
 launch configuration ``config`` (:class:`pallas_kernels.gated_delta.KernelConfig`):
 
   fwd: UT inverse T per chunk -> w, u, kd, gc (full-chunk tiles) -> state walk (h,
-       v_new, final) -> output
+       v_new, final; the chunk decays e^{gamma} from gc) -> output
   bwd: T, w, u, kd, gc (recomputed) and qb = scale e^{b} q -> the chunk states walked
        again (or kept: ``config.save_states``) -> v_new and its local cotangent ->
        state-gradient walk (dH, dv_new, dh0) -> dq, dk, dw, dg per chunk
@@ -37,8 +37,8 @@ def fwd_res(q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
   check_dims(q.shape[-1], v.shape[-1], chunk_size)
   kw = dict(chunk_size=chunk_size, config=config)
   _, w, u, kd, gc = chunk.wy(k, v, g, beta, **kw)
-  h, vn, final = walk.state_walk(w, u, kd, gc, initial_state, store_dtype=state_store_dtype(config, k.dtype),
-                                 **kw)
+  h, vn, final = walk.state_walk(w, u, kd, walk.chunk_decay(gc, chunk_size), initial_state,
+                                 store_dtype=state_store_dtype(config, k.dtype), **kw)
   o = chunk.output(q, k, g, gc, vn, h, scale=scale, **kw)
   return (o, final), Residual(h if config.save_states else None)
 
@@ -58,11 +58,12 @@ def bwd_res(res, q, k, v, g, beta, do, dht, *, scale, initial_state, chunk_size,
   store = state_store_dtype(config, k.dtype)
   do = do.astype(v.dtype)
   Tinv, w, u, kd, gc, qb = chunk.wy(k, v, g, beta, q=q, scale=scale, **kw)
+  eg = walk.chunk_decay(gc, chunk_size)
   h = None if res is None else res.h
   if h is None:
-    h, _, _ = walk.state_walk(w, u, kd, gc, initial_state, store_dtype=store, **kw)
+    h, _, _ = walk.state_walk(w, u, kd, eg, initial_state, store_dtype=store, **kw)
   vn, dvl = chunk.vnew(q, k, g, w, u, h, do, scale=scale, **kw)
-  dH, dvn, dh0 = walk.grad_walk(qb, gc, w, kd, do, dvl, dht.astype(F32), store_dtype=store,
+  dH, dvn, dh0 = walk.grad_walk(qb, eg, w, kd, do, dvl, dht.astype(F32), store_dtype=store,
                                 **kw)
   dq, dk1, dw, dg1 = chunk.dqk(q, k, g, gc, vn, dvn, do, h, dH, scale=scale, **kw)
   dk, dv, dbeta, dg2 = chunk.dwy(Tinv, k, v, g, beta, dw, dvn, dk1, **kw)
