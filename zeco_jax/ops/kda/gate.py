@@ -65,10 +65,16 @@ def kda_gate(g, A_log, dt_bias=None, lower_bound=None):
     raise ValueError(f"{name}: `dt_bias` must have H * K = {H * K} elements (FLA's [H * K], "
                      f"one per head and key channel), got shape "
                      f"{getattr(dt_bias, 'shape', dt_bias)}.")
-  x = g.astype(jnp.float32)
-  if dt_bias is not None:
-    x = x + jnp.reshape(dt_bias, (H, K)).astype(jnp.float32)
-  rate = None if A_log is None else jnp.exp(jnp.reshape(A_log, (H, 1)).astype(jnp.float32))
-  if lower_bound is None:
-    return -rate * jax.nn.softplus(x)
-  return lower_bound * jax.nn.sigmoid(x if rate is None else rate * x)
+  # Under jax.checkpoint: the backward recomputes the gate from g instead of keeping its
+  # float32 intermediates per token and channel (the op keeps the gate's output).
+  @jax.checkpoint
+  def gate(g, A_log, dt_bias):
+    x = g.astype(jnp.float32)
+    if dt_bias is not None:
+      x = x + jnp.reshape(dt_bias, (H, K)).astype(jnp.float32)
+    rate = None if A_log is None else jnp.exp(jnp.reshape(A_log, (H, 1)).astype(jnp.float32))
+    if lower_bound is None:
+      return -rate * jax.nn.softplus(x)
+    return lower_bound * jax.nn.sigmoid(x if rate is None else rate * x)
+
+  return gate(g, A_log, dt_bias)
