@@ -78,13 +78,11 @@ class ShortConvolution(nnx.Module):
                          f"{x_BxTxC.shape[:2]}, got {ids.dtype} {ids.shape}.")
     w = self.weight[...].astype(x_BxTxC.dtype)
     if shard.seq_size(mesh, seq_axis) > 1:
-      y = _sharded_conv(x_BxTxC, w, segment_ids, mesh=mesh, seq_axis=seq_axis)
-    else:
-      # Recomputed in the backward from x: the taps, their sum and the SiLU's input are not
-      # kept per token (21 KB a token of Gated DeltaNet-340M's q, k and v, jax's residuals).
-      return jax.checkpoint(lambda x, w, ids: jax.nn.silu(_conv_with_halo(x, w, ids, None, None)))(
-          x_BxTxC, w, segment_ids)
-    return jax.nn.silu(y)
+      return jax.nn.silu(_sharded_conv(x_BxTxC, w, segment_ids, mesh=mesh, seq_axis=seq_axis))
+    # One shard: recomputed in the backward from x, so that the taps, their sum and the
+    # SiLU's input are not kept per token (21 KB a token of Gated DeltaNet-340M's q, k and
+    # v in jax's saved residuals).
+    return jax.checkpoint(_local_conv_silu)(x_BxTxC, w, segment_ids)
 
   def step(self, x_BxLxC, tail_BxWxC):
     """The next ``L`` tokens (decoding) given the ``size - 1`` inputs before them
@@ -94,6 +92,10 @@ class ShortConvolution(nnx.Module):
     y = _conv_with_halo(x_BxLxC, w, None, tail, None)
     new_tail = jnp.concatenate([tail, x_BxLxC], axis=1)[:, x_BxLxC.shape[1]:]
     return jax.nn.silu(y), new_tail
+
+
+def _local_conv_silu(x_BxTxC, w_WxC, ids_BxT):
+  return jax.nn.silu(_conv_with_halo(x_BxTxC, w_WxC, ids_BxT, None, None))
 
 
 def _conv_with_halo(x_BxLxC, w_WxC, ids_BxL, halo_x, halo_ids):
@@ -278,10 +280,13 @@ def gated_output(norm: RMSNorm, o_proj, o_BxTxHxV, gate_BxTxHxV, x_BxTxD):
   given, through ``o_proj`` back to ``[B, T, hidden]`` in x's dtype."""
   B, T, _ = x_BxTxD.shape
 
-  @jax.checkpoint             # the backward recomputes the float32 norm and gate from o and
-  def normed(o, gate, w):     # the gate (x's dtype) instead of keeping float32 copies per
-    o = norm.apply(o, w).astype(jnp.float32)     # token (72 KB a token of Gated
-    if gate is not None:                         # DeltaNet-340M's layer, jax's residuals)
+  # Under jax.checkpoint the backward recomputes the float32 norm and gate from o and the
+  # gate instead of keeping float32 copies per token (72 KB a token of a Gated
+  # DeltaNet-340M layer in jax's saved residuals).
+  @jax.checkpoint
+  def normed(o, gate, w):
+    o = norm.apply(o, w).astype(jnp.float32)
+    if gate is not None:
       o = o * jax.nn.silu(gate.astype(jnp.float32))
     return o.astype(x_BxTxD.dtype)
 
