@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from zeco_jax.nn import GatedDeltaNet
+from zeco_jax.nn import GatedDeltaNet, KimiDeltaAttention
 
 B, T, D = 1, 64, 64
 
@@ -26,3 +26,10 @@ def test_gated_deltanet_keeps_no_float32_per_token_and_channel():
   # and 2 (l2norm's float32 q and k); g and beta [B, T, H] are the op's float32 inputs.
   layer = GatedDeltaNet(D, 2, head_dim=32, expand_v=2.0, rngs=nnx.Rngs(0))
   assert _float32_per_token(layer) == []
+
+
+def test_kda_keeps_only_its_float32_log_decay_per_token():
+  # The op keeps its float32 log-decay g [B, T, H, K]; before the recomputation the gate
+  # projection, the output norm and the sigmoid gate kept 6 more float32 copies.
+  layer = KimiDeltaAttention(D, 2, head_dim=32, rngs=nnx.Rngs(0))
+  assert _float32_per_token(layer) == [(B, T, 2, 32)]

@@ -144,7 +144,7 @@ class KimiDeltaAttention(TokenMixer):
     float32 ``[B, T, H]``."""
     B, T, _ = x_BxTxD.shape
     beta = jax.nn.sigmoid(dot(x_BxTxD, self.b_proj[...]).astype(jnp.float32))
-    f = dot(dot(x_BxTxD, self.f_down[...]), self.f_up[...]).astype(jnp.float32)
+    f = dot(dot(x_BxTxD, self.f_down[...]), self.f_up[...])   # kda_gate takes it to float32
     g = kda_gate(f.reshape(B, T, self.num_heads, -1), self.A_log[...], self.dt_bias[...],
                  lower_bound=self.lower_bound)
     return g, beta
@@ -152,11 +152,20 @@ class KimiDeltaAttention(TokenMixer):
   def _output(self, o_BxTxHxV, x_BxTxD):
     """Per-head RMSNorm times the sigmoid output gate, through ``o_proj``."""
     B, T, _ = x_BxTxD.shape
-    gate = (dot(dot(x_BxTxD, self.g_down[...]), self.g_up[...]).astype(jnp.float32)
-            + self.g_bias[...].astype(jnp.float32))
-    o = self.o_norm(o_BxTxHxV).astype(jnp.float32)
-    o = o * jax.nn.sigmoid(gate.reshape(B, T, self.num_heads, -1))
-    return dot(o.reshape(B, T, -1).astype(x_BxTxD.dtype), self.o_proj[...])
+    gate = dot(dot(x_BxTxD, self.g_down[...]), self.g_up[...])
+
+    # Under jax.checkpoint, as zeco_jax.nn.common.gated_output: the backward recomputes
+    # the float32 norm and gate from o and the gate projection instead of keeping float32
+    # copies per token.
+    @jax.checkpoint
+    def normed(o, gate, w, bias):
+      o = self.o_norm.apply(o, w).astype(jnp.float32)
+      gate = gate.astype(jnp.float32) + bias.astype(jnp.float32)
+      o = o * jax.nn.sigmoid(gate.reshape(B, T, self.num_heads, -1))
+      return o.astype(x_BxTxD.dtype)
+
+    o = normed(o_BxTxHxV, gate, self.o_norm.weight[...], self.g_bias[...])
+    return dot(o.reshape(B, T, -1), self.o_proj[...])
 
   def _run(self, x_BxTxD, mesh, segment_ids, *, tails: bool):
     (q, k, v), conv = project_qkv_with_tails(
