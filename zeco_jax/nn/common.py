@@ -275,22 +275,27 @@ class TokenMixer(nnx.Module):
     return cache
 
 
-def gated_output(norm: RMSNorm, o_proj, o_BxTxHxV, gate_BxTxHxV, x_BxTxD):
-  """The layer's ending: the per-head ``norm`` (float32), times ``silu(gate)`` if a gate is
-  given, through ``o_proj`` back to ``[B, T, hidden]`` in x's dtype."""
+def gated_output(norm: RMSNorm, o_proj, o_BxTxHxV, gate_BxTxHxV, x_BxTxD, *,
+                 activation=jax.nn.silu, gate_bias=None):
+  """The layer's ending: the per-head ``norm`` (float32), times ``activation(gate +
+  gate_bias)`` if a gate is given (``gate_bias``: None or broadcastable to the gate
+  ``[B, T, H, V]``), through ``o_proj`` back to ``[B, T, hidden]`` in x's dtype."""
   B, T, _ = x_BxTxD.shape
 
   # Under jax.checkpoint the backward recomputes the float32 norm and gate from o and the
   # gate instead of keeping float32 copies per token (72 KB a token of a Gated
   # DeltaNet-340M layer in jax's saved residuals).
   @jax.checkpoint
-  def normed(o, gate, w):
+  def normed(o, gate, w, bias):
     o = norm.apply(o, w).astype(jnp.float32)
     if gate is not None:
-      o = o * jax.nn.silu(gate.astype(jnp.float32))
+      gate = gate.astype(jnp.float32)
+      if bias is not None:
+        gate = gate + bias.astype(jnp.float32)
+      o = o * activation(gate)
     return o.astype(x_BxTxD.dtype)
 
-  o = normed(o_BxTxHxV, gate_BxTxHxV, norm.weight[...])
+  o = normed(o_BxTxHxV, gate_BxTxHxV, norm.weight[...], gate_bias)
   return dot(o.reshape(B, T, -1), o_proj[...])
 
 

@@ -33,8 +33,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from zeco_jax.nn.common import (LOGICAL_AXES_KEY, LayerCache, RMSNorm, TokenMixer,
-                                constant_param, dot, init_qkv, init_short_convs, normal_param,
-                                project_qkv_with_tails, step_qkv)
+                                constant_param, dot, gated_output, init_qkv, init_short_convs,
+                                normal_param, project_qkv_with_tails, step_qkv)
 from zeco_jax.ops.kda.gate import kda_gate
 from zeco_jax.ops.kda.op import chunk_kda
 from zeco_jax.ops.kda.parallel import zeco_kda
@@ -153,19 +153,10 @@ class KimiDeltaAttention(TokenMixer):
     """Per-head RMSNorm times the sigmoid output gate, through ``o_proj``."""
     B, T, _ = x_BxTxD.shape
     gate = dot(dot(x_BxTxD, self.g_down[...]), self.g_up[...])
-
-    # Under jax.checkpoint, as zeco_jax.nn.common.gated_output: the backward recomputes
-    # the float32 norm and gate from o and the gate projection instead of keeping float32
-    # copies per token.
-    @jax.checkpoint
-    def normed(o, gate, w, bias):
-      o = self.o_norm.apply(o, w).astype(jnp.float32)
-      gate = gate.astype(jnp.float32) + bias.astype(jnp.float32)
-      o = o * jax.nn.sigmoid(gate.reshape(B, T, self.num_heads, -1))
-      return o.astype(x_BxTxD.dtype)
-
-    o = normed(o_BxTxHxV, gate, self.o_norm.weight[...], self.g_bias[...])
-    return dot(o.reshape(B, T, -1), self.o_proj[...])
+    return gated_output(self.o_norm, self.o_proj, o_BxTxHxV,
+                        gate.reshape(B, T, self.num_heads, -1), x_BxTxD,
+                        activation=jax.nn.sigmoid,
+                        gate_bias=self.g_bias[...].reshape(self.num_heads, -1))
 
   def _run(self, x_BxTxD, mesh, segment_ids, *, tails: bool):
     (q, k, v), conv = project_qkv_with_tails(
