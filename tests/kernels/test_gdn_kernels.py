@@ -62,8 +62,9 @@ def test_kernels_packed_documents():
 
 # The head sizes users run (K = V = 128) around one 64-token chunk: the silent-garbage
 # box of the GLA issue. jit and eager give the same as the jnp path; past the chunk, so
-# does jit with the states kept (the flag's other form) and the walks on one pipeline
-# stage.
+# does jit with the states kept (the flag's other form). (The walks' pipeline stages are a
+# Triton launch option, absent from the interpreter's program: their shared-memory check
+# is below, their speed timed on a GPU.)
 @pytest.mark.parametrize("T", [63, 65])
 def test_kernels_head_128_around_one_chunk(T):
   (q, k, v, g, beta, h0), (do, dht) = gdn_inputs(4, 1, T, 1, 128, 128, g_low=-5.0,
@@ -78,7 +79,7 @@ def test_kernels_head_128_around_one_chunk(T):
 
   want = run("jax", True)
   flags = gated_delta.default_config("cpu", 1, T, 1, 128, 128, jnp.float32).replace(
-      save_states=True, walk_stages=1, dwalk_stages=1)
+      save_states=True)
   for jit, config in [(True, None), (False, None)] + [(True, flags)] * (T > 64):
     got = run("pallas", jit, config)
     errs = [rel_err(a, b) for a, b in zip(got, want)]
@@ -100,18 +101,6 @@ def test_save_states_keeps_inputs_and_one_state_per_chunk():
   inputs = sum(x.size for x in (q, k, v, g, beta, h0))
   assert sum(x.size for x in leaves) - inputs == (T // C) * H * K * V
   assert not any(x.size >= T * H * K * V for x in leaves)
-
-
-def test_walks_on_two_stages():
-  """The walks on two pipeline stages (each chunk's operands staged through shared memory
-  a chunk ahead on a GPU): the float64 bars, with several chunks, a padded tail, an
-  initial state and packed documents."""
-  inputs, weights = gdn_inputs(7, 1, 72, 2, 16, 16, g_low=-5.0, beta_high=0.9999)
-  cfg = gated_delta.default_config("cpu", 1, 72, 2, 16, 16, jnp.float32).replace(
-      walk_stages=2, dwalk_stages=2)
-  check_gdn_against_float64(_kernel_op(16, kernel_config=cfg), inputs, weights)
-  ids = np.array([[0] * 5 + [1] * 11 + [2] * 16 + [-1] * 3 + [3] * 30 + [4] + [-1] * 6])
-  check_gdn_documents(_kernel_op(16, kernel_config=cfg), inputs, weights, ids)
 
 
 def test_default_keeps_only_the_inputs_and_walks_again():

@@ -52,8 +52,9 @@ def _loss_and_grads(layer, x, ids, mesh=None):
 
 
 @pytest.mark.parametrize("name,axes", [
-    (name, axes) for name in ("gla", "gla_k64", "gdn") for axes in ("explicit", "auto")]
-    + [("gla_2level", "auto"), ("gdn_2level", "explicit"), ("kda", "explicit")])
+    (name, axes) for name in ("gla", "gdn") for axes in ("explicit", "auto")]
+    + [("gla_k64", "explicit"), ("gla_2level", "auto"), ("gdn_2level", "explicit"),
+       ("kda", "explicit")])
 def test_layer_on_a_mesh_equals_one_device(name, axes, devices):
   layer = _layers()[name]
   x = jnp.asarray(np.random.default_rng(1).standard_normal((B, T, D)), jnp.float32)
