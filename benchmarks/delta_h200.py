@@ -161,21 +161,26 @@ def main():
 
 
 def kernel_profile(fn, args, trace_dir, log, calls=3):
-  """GPU time per kernel of ``calls`` calls of ``fn(*args)`` (already compiled), per call."""
+  """GPU time per kernel of ``calls`` calls of ``fn(*args)`` (already compiled), per call,
+  and the GPU span per call (first kernel's start to last kernel's end over the calls,
+  issued back to back, divided by ``calls``): the span less the kernel time is the GPU's
+  idle time between kernels."""
   from benchmarks import profile_step
   profile_step.profile_steps(fn, lambda i, out: args, calls, trace_dir)
   summary = profile_step.summarize(trace_dir, calls, top=30)
   log(profile_step.format_summary(summary))
   return {"kernel ms": summary["kernel_ms_per_step"],
+          "gpu span ms": summary["gpu_span_ms_per_step"],
           "by kernel": [{"name": r["name"], "ms": r["ms_per_step"], "calls": r["calls_per_step"]}
                         for r in summary["top"]]}
 
 
 def torch_kernel_profile(torch, fn, log, calls=3):
   """GPU time per kernel of ``calls`` calls of ``fn()`` (warmed up), ms per call, largest
-  first: ``{"kernel ms": total, "by kernel": [{"name", "ms", "calls"}]}`` as
-  :func:`kernel_profile`. A failure is logged and returned, not raised (the timings above
-  are kept)."""
+  first: ``{"kernel ms": total, "gpu span ms", "by kernel": [{"name", "ms", "calls"}]}``
+  as :func:`kernel_profile` (the span from the CUDA events' time ranges; None where torch
+  gives none). A failure is logged and returned, not raised (the timings above are
+  kept)."""
   try:
     from torch.profiler import ProfilerActivity, profile
     fn()
@@ -191,12 +196,25 @@ def torch_kernel_profile(torch, fn, log, calls=3):
       if us > 0:
         rows.append({"name": e.key, "ms": us / 1e3 / calls, "calls": e.count / calls})
     rows.sort(key=lambda r: -r["ms"])
-    out = {"kernel ms": sum(r["ms"] for r in rows), "by kernel": rows[:30]}
+    out = {"kernel ms": sum(r["ms"] for r in rows), "gpu span ms": _torch_span_ms(prof, calls),
+           "by kernel": rows[:30]}
     log(json.dumps(out, indent=1))
     return out
   except Exception as e:  # noqa: BLE001 -- a profile is optional; keep the run's timings
     log(f"torch profile failed: {e!r}")
     return {"error": repr(e)}
+
+
+def _torch_span_ms(prof, calls):
+  """First CUDA event's start to last one's end, ms per call; None if there are none."""
+  try:
+    from torch.autograd import DeviceType
+    ranges = [e.time_range for e in prof.events() if e.device_type == DeviceType.CUDA]
+  except Exception:  # noqa: BLE001 -- optional, as the profile
+    return None
+  if not ranges:
+    return None
+  return (max(r.end for r in ranges) - min(r.start for r in ranges)) / 1e3 / calls
 
 
 if __name__ == "__main__":

@@ -109,8 +109,8 @@ def summarize(trace_dir: str, steps: int, top: int = 60) -> dict:
 
 
 def format_summary(s: dict) -> str:
-  lines = [f"kernel time {s['kernel_ms_per_step']:.1f} ms/step over a GPU span of "
-           f"{s['gpu_span_ms_per_step']:.1f} ms/step ({s['steps']} steps)", "",
+  lines = [f"kernel time {s['kernel_ms_per_step']:.3f} ms/step over a GPU span of "
+           f"{s['gpu_span_ms_per_step']:.3f} ms/step ({s['steps']} steps)", "",
            "| category | ms/step |", "|---|---|"]
   lines += [f"| {c} | {t:.2f} |" for c, t in s["by_category_ms"].items()]
   lines += ["", "| kernel | category | ms/step | calls | op |", "|---|---|---|---|---|"]
