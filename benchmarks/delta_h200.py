@@ -2,7 +2,7 @@
 (``chunk_gated_delta_rule``) or Kimi Delta Attention (``chunk_kda``).
 
     python -m benchmarks.delta_h200 [--family gdn|kda] [--backend jax|pallas|auto]
-        [--shapes 1,16384,16,128,128 8,4096,16,128,128] [--iters 10 --reps 5] [--no-fla]
+        [--shapes 1,16384,16,128,128 8,4096,16,128,128] [--iters 100 --reps 5] [--no-fla]
         [--json out.json] [--profile TRACE_DIR]
 
 Results: benchmarks/results/gdn_h200.md and kda_h200.md. With --json, the environment
@@ -16,7 +16,10 @@ of sum(o * do) for q, k, v, g, beta), then FLA 0.6.0's ``chunk_gated_delta_rule`
 ``chunk_kda`` on the same inputs (after its autotuning), and reports the relative
 difference of o and of the gradients between the two (bf16 outputs, so ~1e-2 is
 agreement). Median over ``reps`` of the mean of ``iters`` calls after one warm-up call
-(``benchmarks._harness.time_loop``). With ``--profile``, our forward and forward + backward
+(``benchmarks._harness.time_loop``). 100 calls by default: what starts the first call's
+kernels (about 0.3 ms for our ops on an H100, where their kernels leave the GPU no idle
+time between them) is spread over them; at 10 calls it added 0.03 ms a call to ours
+(``benchmarks/results/gdn_h200.md``, 2026-12-06). With ``--profile``, our forward and forward + backward
 are traced (3 calls each, ``jax.profiler``) after their timing, and the GPU time per
 kernel is printed and kept in the JSON (``benchmarks.profile_step.summarize``): every
 kernel's share from the one compilation the timing needed; FLA's forward and forward +
@@ -46,7 +49,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--family", choices=("gdn", "kda"), default="gdn")
   ap.add_argument("--shapes", nargs="+", default=["1,16384,16,128,128", "8,4096,16,128,128"])
-  ap.add_argument("--iters", type=int, default=10)
+  ap.add_argument("--iters", type=int, default=100)
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--no-fla", action="store_true")
   ap.add_argument("--backend", choices=("jax", "pallas", "auto"), default="jax")

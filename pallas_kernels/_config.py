@@ -6,6 +6,7 @@ its ``replace`` by flat names (:func:`replace_config`) and the stored states' dt
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import jax.numpy as jnp
@@ -143,13 +144,17 @@ def walk_stage_bytes(C: int, K: int, BV: int, itemsize: int, *, grad: bool) -> i
 
 
 def delta_walk_launch(B: int, H: int, K: int, V: int, *, sm_count: Optional[int],
-                      itemsize: int = 2, chunk_size: int = 64) -> Launch:
-  """The delta-rule walks' launch (both families, forward and backward; a program per ``[K,
-  bv]`` state tile, ``B * H * V / bv`` programs). The V tile: 32 at K >= 256; else the
-  largest of 64 and 32 that still gives every SM a program, 16 when none does. 8 warps with
-  a tile of 64, else 4. Stages: the most of 3, 2, 1 whose operands
-  (:func:`walk_stage_bytes` of the grad walk) leave :data:`_WALK_SCRATCH_BYTES` of
-  :data:`SHARED_MEMORY_BYTES` (bf16: 3 at K = 128, 2 at K = 256 with tile 32).
+                      itemsize: int = 2, chunk_size: int = 64, grad: bool = True) -> Launch:
+  """The delta-rule walks' launch (both families; ``grad``: the backward's state-gradient
+  walk, else the forward walk; a program per ``[K, bv]`` state tile, ``B * H * V / bv``
+  programs). The V tile: 32 at K >= 256; else the largest of 64 and 32 that still gives
+  every SM a program, 16 when none does. 8 warps with a tile of 64, else 4. Stages: the
+  most of 3, 2, 1 whose operands (:func:`walk_stage_bytes` of the grad walk) leave
+  :data:`_WALK_SCRATCH_BYTES` of :data:`SHARED_MEMORY_BYTES` (bf16: 3 at K = 128, 2 at
+  K = 256 with tile 32). The forward walk at a tile of 64 (more programs than SMs) takes 4
+  warps and the most of 2, 1 stages whose forward operands let two programs share an SM
+  (half of :data:`SHARED_MEMORY_BYTES` each, the scratch included): 256 programs at B8 H16
+  then run in one wave instead of two.
   Measured on an H100 (``benchmarks/results/gdn_h200.md``, 2026-12-05), forward / forward +
   backward ms of Gated DeltaNet's op: B1 T16384 H16 K=V=128 (tile 16, 4 warps) 0.822 /
   3.024 with 3 stages against 0.867 / 3.246 for the form that carried the next chunk's
@@ -158,13 +163,23 @@ def delta_walk_launch(B: int, H: int, K: int, V: int, *, sm_count: Optional[int]
   H6 K=256 V=512: tile 32 with 4 warps, 2 stages, 1.310 / 5.811 against 2.211 / 8.008 for
   tile 16 with 8 warps and the register prefetch (with 8 warps 1.425 / 5.978; 3 stages or
   a tile of 64 overflow). KDA's op at K=V=128: 1.389 / 6.831 against 1.472 / 7.059 (B1),
-  2.505 / 13.132 against 2.563 / 13.254 (B8)."""
+  2.505 / 13.132 against 2.563 / 13.254 (B8). The forward walk at B8 T4096 H16 K=V=128
+  bf16 (2026-12-06, an H100): 0.349 ms with tile 64, 4 warps, 2 stages against 0.416 with
+  8 warps, 3 stages (4 warps, 3 stages: 0.429; 8 warps, 1 stage: 0.534; tile 32: 0.476 at
+  best), the op's forward 1.276 -> 1.209 ms (Gated DeltaNet; 8 warps, 2 stages: 1.356),
+  2.497 -> 2.411 (KDA). The grad walk there keeps 8 warps and 3 stages (0.592 ms; 4 warps,
+  2 stages: 0.643)."""
   programs = sm_count or DEFAULT_SM_COUNT
   if K >= 256 and V % 32 == 0:
     bv = 32
   else:
     bv = next((t for t in (64, 32) if V % t == 0 and B * H * (V // t) >= programs), 16)
-  per_stage = walk_stage_bytes(chunk_size, K, block(V, bv), itemsize, grad=True)
+  tile = block(V, bv)
+  if not grad and bv == 64:
+    per_stage = walk_stage_bytes(chunk_size, K, tile, itemsize, grad=False)
+    two = 2 * per_stage + _WALK_SCRATCH_BYTES <= SHARED_MEMORY_BYTES // 2
+    return Launch(bv=bv, warps=4, stages=2 if two else 1)
+  per_stage = walk_stage_bytes(chunk_size, K, tile, itemsize, grad=True)
   stages = next((s for s in (3, 2) if s * per_stage + _WALK_SCRATCH_BYTES
                  <= SHARED_MEMORY_BYTES), 1)
   return Launch(bv=bv, warps=8 if bv == 64 else 4, stages=stages)
@@ -175,6 +190,6 @@ def with_delta_walks(config, B: int, H: int, K: int, V: int, *, sm_count: Option
   """A delta-rule family's ``KernelConfig`` with its ``walk`` and ``dwalk`` launches from
   :func:`delta_walk_launch` (``sm_count`` read on a GPU target only)."""
   sms = sm_count if config.platform == "gpu" else None
-  launch = delta_walk_launch(B, H, K, V, sm_count=sms, itemsize=itemsize,
+  launch = functools.partial(delta_walk_launch, B, H, K, V, sm_count=sms, itemsize=itemsize,
                              chunk_size=chunk_size)
-  return config.replace(walk=launch, dwalk=launch)
+  return config.replace(walk=launch(grad=False), dwalk=launch(grad=True))

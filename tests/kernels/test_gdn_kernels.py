@@ -171,17 +171,18 @@ def test_default_config_and_errors():
   assert cfg.platform == "gpu" and not cfg.interpret and cfg.walk.bv == 16
   # The walks' launch by shape and dtype (pallas_kernels._config.delta_walk_launch): the
   # tile by the number of walk programs, the stages by the shared memory a chunk's
-  # operands take.
-  launch = lambda c: (c.walk.bv, c.walk.warps, c.walk.stages)
+  # operands take; at a tile of 64 (more programs than SMs) the forward walk takes 4 warps
+  # and the stages that let two programs share an SM.
+  launch = lambda c, s="walk": (getattr(c, s).bv, getattr(c, s).warps, getattr(c, s).stages)
   assert launch(cfg) == (16, 4, 3) and cfg.dwalk == cfg.walk
   big = gated_delta.default_config("gpu", 8, 4096, 16, 128, 128, jnp.bfloat16)
-  assert launch(big) == (64, 8, 3) and big.dwalk == big.walk
+  assert launch(big) == (64, 4, 2) and launch(big, "dwalk") == (64, 8, 3)
   mid = gated_delta.default_config("gpu", 4, 4096, 16, 128, 128, jnp.bfloat16)
-  assert launch(mid) == (32, 4, 3)
+  assert launch(mid) == (32, 4, 3) and mid.dwalk == mid.walk
   assert launch(gated_delta.default_config("gpu", 1, 16384, 16, 128, 128,
                                            jnp.float32)) == (16, 4, 2)
-  assert launch(gated_delta.default_config("gpu", 8, 4096, 16, 128, 128,
-                                           jnp.float32)) == (64, 8, 1)
+  big32 = gated_delta.default_config("gpu", 8, 4096, 16, 128, 128, jnp.float32)
+  assert launch(big32) == (64, 4, 1) and launch(big32, "dwalk") == (64, 8, 1)
   assert launch(gated_delta.default_config("gpu", 1, 16384, 16, 128, 128, jnp.bfloat16,
                                            chunk_size=128)) == (16, 4, 2)
   # Gated DeltaNet-340M's heads (K = 256, V = 512): tile 32 (96 programs), 4 warps, 2

@@ -187,8 +187,8 @@ def test_default_config_and_errors():
   # Gated DeltaNet's walks and launches (pallas_kernels._config.delta_walk_launch).
   assert (cfg.walk.bv, cfg.walk.stages) == (16, 3) and cfg.dwalk == cfg.walk
   big = kda.default_config("gpu", 8, 4096, 16, 128, 128, jnp.bfloat16)
-  assert (big.walk.bv, big.walk.warps, big.walk.stages) == (64, 8, 3)
-  assert big.dwalk == big.walk
+  assert (big.walk.bv, big.walk.warps, big.walk.stages) == (64, 4, 2)
+  assert (big.dwalk.bv, big.dwalk.warps, big.dwalk.stages) == (64, 8, 3)
   assert hash(cfg) == hash(kda.default_config("gpu", 1, 16384, 16, 128, 128, jnp.bfloat16))
   assert cfg.replace(dpairs_kd=64).dpairs.kd == 64
   assert cfg.replace(out=Launch(bk=32, bv=32, warps=2, stages=1)).out.bk == 32
