@@ -19,10 +19,11 @@ agreement). Median over ``reps`` of the mean of ``iters`` calls after one warm-u
 (``benchmarks._harness.time_loop``). 100 calls by default: what starts the first call's
 kernels (about 0.3 ms for our ops on an H100, where their kernels leave the GPU no idle
 time between them) is spread over them; at 10 calls it added 0.03 ms a call to ours
-(``benchmarks/results/gdn_h200.md``, 2026-12-06). With ``--profile``, our forward and forward + backward
-are traced (3 calls each, ``jax.profiler``) after their timing, and the GPU time per
-kernel is printed and kept in the JSON (``benchmarks.profile_step.summarize``): every
-kernel's share from the one compilation the timing needed; FLA's forward and forward +
+(``benchmarks/results/gdn_h200.md``, 2026-12-06). With ``--profile``, our forward and
+forward + backward are traced (3 calls each, ``jax.profiler``) after their timing, and the
+GPU time per kernel is printed and kept in the JSON
+(``benchmarks.profile_step.summarize``): every kernel's share from the one compilation
+the timing needed; FLA's forward and forward +
 backward likewise (``torch.profiler``, CUDA activity, :func:`torch_kernel_profile`). JAX
 and torch share the GPU in one process: XLA_PYTHON_CLIENT_PREALLOCATE=false is set before
 jax starts.
