@@ -26,8 +26,9 @@ exactly the terms whose span holds m (:func:`seg_grad`, :func:`revsum`, :func:`e
 
 The UT inverse is by 16 x 16 blocks (FLA's ``solve_tril`` scheme): each diagonal block by
 forward substitution (16 row steps, masked rows, no slicing of loaded values, which
-Triton cannot do), the blocks below by ``X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ``, in
-float32 at HIGHEST precision.
+Triton cannot do), the blocks below by ``X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ``, float32
+products at HIGHEST precision for float32 inputs and three bfloat16 products for narrower
+ones (:func:`pallas_kernels._delta.merge_dot`).
 """
 from __future__ import annotations
 
@@ -165,7 +166,7 @@ def _inverse_kernel(k_ref, g_ref, beta_ref, t_ref, ad_ref, *, C, K, KD, dt, conf
   program_barrier(config)
   stacked = stacked_through(ad_ref, b, hd, n, C, config,
                             lambda i, first: ad_ref[b, n * C + first + i, hd, :])
-  X = block_inverse(A, dec.L, stacked)
+  X = block_inverse(A, dec.L, stacked, dt)
   for I in range(dec.L):
     for J in range(dec.L):
       block = X[I, J] if J <= I else jnp.zeros((S, S), F32)

@@ -10,7 +10,8 @@ with ``seg[i, j, d] = sum_{j < m <= i} g[m, d]``, and T = (I + A)^{-1}.
   and head group, as FLA's token-parallel kernel), then T by 16 x 16 blocks (the diagonal
   blocks all at once by forward substitution, stacked ``[C, 16]`` and gathering A's rows
   from memory; the blocks below by ``X_IJ = -X_II sum_{J <= M < I} A_IM X_MJ``, float32 at
-  HIGHEST precision: :func:`pallas_kernels._delta.block_inverse`, verified on an H200).
+  HIGHEST precision for float32 inputs, three bfloat16 products for narrower ones:
+  :func:`pallas_kernels._delta.block_inverse`).
   Writes T and P in k's dtype, ``[B, T, H, C]`` each (row i of its chunk's matrix at
   token i). A itself never leaves the kernels.
 * :func:`dpairs` (``kda_dpairs``): the backward through A and P, from their cotangents dA
@@ -179,7 +180,7 @@ def _intra_kernel(q_ref, k_ref, g_ref, beta_ref, ad_ref, pd_ref, t_ref, p_ref, y
     a = beta_ref[b, tok, hd].astype(F32)[:, None] * ad_ref[b, tok, hd, :]
     return jnp.where(iota(a.shape, 1) < i, a, 0.0)
 
-  X = block_inverse(A, L, stacked_through(y_ref, b, hd, n, C, config, a_rows))
+  X = block_inverse(A, L, stacked_through(y_ref, b, hd, n, C, config, a_rows), dt)
   for I in range(L):
     for J in range(L):
       blk = X[I, J] if J <= I else jnp.zeros((S, S), F32)

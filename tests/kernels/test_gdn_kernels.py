@@ -239,6 +239,45 @@ def _lower_gdn_for_gpu(B, T, H, K, V, config):
     return jax.jit(fwd_bwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def _dot_precisions(jaxpr):
+  """The ``precision`` of every dot_general in a jaxpr, the kernels' bodies included."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      found.append(eqn.params["precision"])
+    for value in eqn.params.values():
+      inner = getattr(value, "jaxpr", value)
+      if hasattr(inner, "eqns"):
+        found += _dot_precisions(inner)
+  return found
+
+
+@pytest.mark.parametrize("family", ["gated_delta", "kda"])
+def test_inverse_merges_take_three_bf16_products_for_bf16_inputs(family):
+  """The UT inverse's 16 block merges of a chunk of 64 (``_delta.merge_dot``): the
+  three-bf16-product preset for bf16 inputs, IEEE float32 (HIGHEST) for float32 ones, in
+  both families' inverse kernels (``gdn_ut_inverse``, ``kda_intra``); no other dot takes
+  the preset."""
+  from pallas_kernels import _delta
+  from pallas_kernels.kda import pairs
+  B, T, H, K = 1, 64, 1, 32
+  g_shape = (B, T, H) if family == "gated_delta" else (B, T, H, K)
+  counts = {}
+  for dtype in (jnp.bfloat16, jnp.float32):
+    k = jnp.ones((B, T, H, K), dtype)
+    g, beta = -jnp.ones(g_shape), jnp.ones((B, T, H))
+    cfg = pallas_kernels.family_default_config(family, "cpu", B, T, H, K, K, dtype)
+    if family == "gated_delta":
+      run = lambda k, g, beta: gpu.chunk.inverse(k, g, beta, chunk_size=64, config=cfg)
+    else:
+      run = lambda k, g, beta: pairs.intra(k, k, g, beta, chunk_size=64, config=cfg)
+    precisions = _dot_precisions(jax.make_jaxpr(run)(k, g, beta).jaxpr)
+    counts[dtype] = sum(p == _delta.NARROW_MERGE for p in precisions)
+    if dtype == jnp.float32:
+      assert jax.lax.Precision.HIGHEST in jax.tree.leaves(precisions)
+  assert counts == {jnp.bfloat16: 16, jnp.float32: 0}, counts
+
+
 @pytest.mark.parametrize("K,V,dqk_kd", [(128, 128, None), (128, 128, 128), (256, 512, None)],
                          ids=["K128", "K128-dqk-whole-K", "K256-V512"])
 def test_kernels_lower_to_triton_for_a_gpu_target(K, V, dqk_kd):
