@@ -1,7 +1,7 @@
 """Kimi Delta Attention's Pallas kernels (pallas_kernels/kda, the GPU kernels in the Pallas
-interpreter on CPU) against the jnp chunked form ``zeco_jax.ops.kda.chunked`` and its
-autodiff backward; their launch configuration; and the lowering to Triton for an H200 on
-this CPU host.
+interpreter on CPU) against the float64 truth (``kda_float64``: the token loop and its
+hand-written reverse pass in numpy, nothing to compile); their launch configuration; and
+the lowering to Triton for an H200 on this CPU host.
 
 Tolerances are relative norms: float32 forward (o, final state) <= 1e-5, gradients (dq,
 dk, dv, dg, dbeta, dh0) <= 1e-4; bf16 <= 2e-2. Inputs: g uniform in [-5, 0] per token and
@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import abstract_mesh, rel_err
+from helpers import abstract_mesh, rel_err, rel_err64
 from zeco_jax.ops.kda import chunked
+from zeco_jax.ops.kda.reference import kda_float64
 
 pytest.importorskip("pallas_kernels")
 from pallas_kernels import Launch  # noqa: E402
@@ -51,23 +52,22 @@ def _kernels(q, k, v, g, beta, h0, do, dht, *, scale, C, config):
   return (o, final) + tuple(gpu.bwd_res(res, q, k, v, g, beta, do, dht, **kw))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "C"))
-def _reference(q, k, v, g, beta, h0, do, dht, *, scale, C):
-  f32 = lambda x: x.astype(jnp.float32)
-  ref = lambda *a: chunked.chunk_recurrence(*a, scale, C, False)
-  (o, final), vjp = jax.vjp(ref, f32(q), f32(k), f32(v), g, beta, h0)
-  return (o, final) + tuple(vjp((f32(do), dht)))
+def _truth(q, k, v, g, beta, h0, do, dht, scale):
+  """``kda_float64`` on the inputs (bf16 ones as their float32 values): o, final and the
+  vjp of (do, dht) for q, k, v, g, beta, h0, in float64."""
+  f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))
+  o, final, grads = kda_float64(*map(f32, (q, k, v, g, beta, h0, do, dht)), scale)
+  return (o, final) + tuple(grads[n] for n in ("q", "k", "v", "g", "beta", "h0"))
 
 
 def _check(inputs, cotangents, C, fwd_tol, grad_tol, config=None):
   q, v = inputs[0], inputs[2]
   B, T, H, K = q.shape
   config = config or kda.default_config("cpu", B, T, H, K, v.shape[-1], q.dtype)
-  kw = dict(scale=K ** -0.5, C=C)
-  got = _kernels(*inputs, *cotangents, config=config, **kw)
-  want = _reference(*inputs, *cotangents, **kw)
+  got = _kernels(*inputs, *cotangents, config=config, scale=K ** -0.5, C=C)
+  want = _truth(*inputs, *cotangents, K ** -0.5)
   names = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
-  errs = {n: rel_err(a, b) for n, a, b in zip(names, got, want)}
+  errs = {n: rel_err64(a, b) for n, a, b in zip(names, got, want)}
   assert got[0].dtype == v.dtype and got[1].dtype == jnp.float32
   assert max(errs["o"], errs["final"]) <= fwd_tol, errs
   assert max(errs[n] for n in names[2:]) <= grad_tol, errs
