@@ -274,8 +274,9 @@ def test_walk_stages_that_overflow_shared_memory_are_refused(K, V, B, changes):
 
 
 def test_layer_and_model_take_the_backend():
-  """GatedDeltaNet(backend="pallas") equals backend="jax" (forward and the input's
-  gradient); the model config checks the name."""
+  """GatedDeltaNet(backend="pallas"), run eagerly (each kernel launched on its own),
+  equals backend="jax" (one jitted program: the reference, not what is tested), forward
+  and the input's gradient; the model config checks the name."""
   from flax import nnx
   from models import GDNConfig
   from zeco_jax.nn import GatedDeltaNet
@@ -284,8 +285,13 @@ def test_layer_and_model_take_the_backend():
   for backend in ("jax", "pallas"):
     layer = GatedDeltaNet(32, 2, head_dim=16, expand_v=1.0, chunk_size=16, backend=backend,
                           rngs=nnx.Rngs(0))
-    y, vjp = jax.vjp(lambda x: layer(x), x)
-    outs.append((y, vjp(jnp.cos(y))[0]))
+
+    def forward_and_grad(x, layer=layer):
+      y, vjp = jax.vjp(lambda x: layer(x), x)
+      return y, vjp(jnp.cos(y))[0]
+
+    outs.append(forward_and_grad(x) if backend == "pallas" else
+                jax.jit(forward_and_grad)(x))
   assert rel_err(outs[1][0], outs[0][0]) <= 1e-5 and rel_err(outs[1][1], outs[0][1]) <= 1e-4
   with pytest.raises(ValueError, match="GatedDeltaNet: unknown `backend` .triton.; choose one of"):
     GatedDeltaNet(32, 2, head_dim=16, backend="triton", rngs=nnx.Rngs(0))
