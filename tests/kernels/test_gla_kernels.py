@@ -186,7 +186,9 @@ def _backend_terms(be, q, k, v, g, h0, key, C, config=None, call=None):
 def _jitted(fn, *args, **kw):
   """``fn(*args, **kw)`` compiled once per (fn, scale, chunk_size, config, shapes): calls
   of the same kernels on the same shapes (parametrized cases that differ only in values)
-  reuse the program instead of tracing and compiling every pallas_call again, eagerly."""
+  reuse the program instead of tracing and compiling every pallas_call again, eagerly.
+  The jnp path's forward and backward, the references, run through it too: one program
+  each instead of a hundred one-op programs."""
   return fn(*args, **kw)
 
 
@@ -201,7 +203,8 @@ def test_tpu_variant_matches_jnp_path(B, T, H, K, V, decay, dtype):
   config = KernelConfig(platform="tpu", interpret=True)
   f32 = lambda a: a.astype(jnp.float32)
   _assert_terms_match(_backend_terms(tpu_backend, q, k, v, g, h0, key, 64, config),
-                      _backend_terms(chunked, f32(q), f32(k), f32(v), g, h0, key, 64),
+                      _backend_terms(chunked, f32(q), f32(k), f32(v), g, h0, key, 64,
+                                     call=_jitted),
                       *((1e-5, 1e-4) if dtype == jnp.float32 else (2e-2, 2e-2)))
 
 
@@ -253,7 +256,7 @@ def test_gpu_launch_options_keep_results(kept, overrides):
 
     be = types.SimpleNamespace(fwd=fwd, bwd=lambda *a, **kw: impl.bwd_res(res["A"], *a, **kw))
   _assert_terms_match(_backend_terms(be, q, k, v, g, h0, key, 64, config),
-                      _backend_terms(chunked, q, k, v, g, h0, key, 64))
+                      _backend_terms(chunked, q, k, v, g, h0, key, 64, call=_jitted))
 
 
 @pytest.mark.parametrize("decay", ["mild", "mixed", "columns"])
@@ -281,7 +284,7 @@ def test_diagonal_blocks_as_dots(decay):
   assert config.diag_dots
   _assert_terms_match(_backend_terms(pallas_kernels.backend("gla", "cpu"), q, k, v, g, h0, key,
                                      64, config, call=_jitted),
-                      _backend_terms(chunked, q, k, v, g, h0, key, 64))
+                      _backend_terms(chunked, q, k, v, g, h0, key, 64, call=_jitted))
   kw = dict(chunk_size=64, config=config)
   p, s = _jitted(state.chunk_cumsum, g, **kw)
   d = _jitted(state.chunk_decays, g, q, k, **kw)
@@ -330,7 +333,7 @@ def test_whole_chunk_dots_where_the_chunk_total_fits():
   config = _config(q, v)
   _assert_terms_match(_backend_terms(pallas_kernels.backend("gla", "cpu"), q, k, v, g, h0, key,
                                      64, config, call=_jitted),
-                      _backend_terms(chunked, q, k, v, g, h0, key, 64))
+                      _backend_terms(chunked, q, k, v, g, h0, key, 64, call=_jitted))
   kw = dict(chunk_size=64, config=config)
   p, s = _jitted(state.chunk_cumsum, g, **kw)
   h, _ = _jitted(state.state_pass, k, v, p, s, h0, **kw)
