@@ -74,9 +74,14 @@ def _check(inputs, cotangents, C, fwd_tol, grad_tol, config=None):
 
 
 def test_head_128_one_chunk_pair():
-  """K = V = 128, the head size users run, over two 64-token chunks (the states kept:
-  :func:`test_save_states`)."""
-  inputs, cot = _inputs(0, 1, 128, 1, 128, 128)
+  """K = V = 128, the head size users run, over two 64-token chunks, the state carried
+  across the chunk boundary: four sub-chunks per chunk, ``kda_dpairs``'s programs (a
+  sub-chunk and K slice each, four slices of 32 here), the block pairs spanning a
+  sub-chunk added after the kernel, the diagonal blocks' dg by the tokens' roles; decays
+  down to -5 on every channel and a document starting mid-sub-chunk in each chunk (t = 37,
+  100). (Documents starting on a chunk boundary: the next test and test_several_chunks;
+  the states kept: :func:`test_save_states`.)"""
+  inputs, cot = _inputs(0, 1, 128, 1, 128, 128, resets=(37, 100))
   _check(inputs, cot, 64, 1e-5, 1e-4)
 
 
@@ -87,15 +92,6 @@ def test_documents_mid_sub_chunk_and_on_a_chunk_boundary():
   (K = 128 is lowered to Triton below)."""
   inputs, cot = _inputs(4, 1, 96, 2, 64, 64, resets=(21, 64))
   _check(inputs, cot, 32, 1e-5, 1e-4)
-
-
-def test_four_sub_chunks_two_k_slices():
-  """``kda_dpairs``'s programs (a sub-chunk and K slice each, two slices of 32 here), the
-  block pairs spanning a sub-chunk added after the kernel, the diagonal blocks' dg by the
-  tokens' roles; four sub-chunks per chunk, a document starting mid-sub-chunk and one on
-  a chunk boundary; decays down to -5 on every channel."""
-  inputs, cot = _inputs(5, 1, 128, 1, 64, 64, resets=(37, 64))
-  _check(inputs, cot, 64, 1e-5, 1e-4)
 
 
 def test_dpairs_against_autodiff_of_the_pairs():
