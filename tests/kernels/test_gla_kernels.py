@@ -393,18 +393,23 @@ def test_state_storage_dtype():
   """The chunk states h[n] are stored in the input dtype (bf16 for bf16 inputs) with
   ``states_in_input_dtype`` (the default), in float32 without; the scores A kept for the
   backward are float32; the states are kept for it with ``save_states`` (the default; in
-  the storage dtype, the recomputing walk's), not without."""
+  the storage dtype, the recomputing walk's), not without. The dtypes and shapes are
+  traced (``jax.eval_shape``); the kept states' values are compared with the walk's."""
   from pallas_kernels.gla import state
   q, k, v, g, h0, _ = _inputs(4, 1, 64, 1, 64, 64, decay="mild")
+
+  def states(k, v, config):
+    p, s = state.chunk_cumsum(g, chunk_size=64, config=config)
+    return state.state_pass(k, v, p, s, h0, chunk_size=64, config=config)[0]
+
   for dtype, stored in ((jnp.bfloat16, True), (jnp.float32, True), (jnp.bfloat16, False)):
     cast = lambda a: a.astype(dtype)
     config = _config(cast(q), v, states_in_input_dtype=stored)
-    p, s = state.chunk_cumsum(g, chunk_size=64, config=config)
-    h, _ = state.state_pass(cast(k), cast(v), p, s, h0, chunk_size=64, config=config)
+    h = jax.eval_shape(functools.partial(states, config=config), cast(k), cast(v))
     assert h.shape == (1, 1, 1, 64, 64) and h.dtype == (dtype if stored else jnp.float32)
   fwd_res = functools.partial(pallas_kernels.backend("gla", "cpu").fwd_res, q, k, v, g, scale=0.125,
                               initial_state=h0, chunk_size=64)
-  _, res = fwd_res(config=_config(q, v, save_states=False))
+  _, res = jax.eval_shape(lambda: fwd_res(config=_config(q, v, save_states=False)))
   assert res.A.dtype == jnp.float32 and res.h is None
   config = _config(q, v)
   _, res = fwd_res(config=config)
@@ -491,7 +496,7 @@ def test_forward_from_folded_operands(decay):
     g = _strong_odd_subchunks(g)
   be = pallas_kernels.backend("gla", "cpu")
   kw = dict(scale=0.125, initial_state=h0, chunk_size=64)
-  o_r, fin_r = chunked.fwd(q, k, v, g, **kw)
+  o_r, fin_r = _jitted(chunked.fwd, q, k, v, g, **kw)
   c64 = lambda a: np.asarray(a, np.float64).reshape(2, 64, 64)          # [N, C, K], H = 1
   gc = np.cumsum(c64(g), axis=1)
   A_r = np.einsum("nrk,nik,nrik->nri", c64(q), c64(k),
