@@ -119,9 +119,9 @@ def test_dpairs_against_autodiff_of_the_pairs():
     A = jnp.tril(pair(chunks(k)), -1) * chunks(beta[..., None])
     return jnp.sum(chunks(dP) * P) + jnp.sum(chunks(dA) * A)
 
-  with jax.default_matmul_precision("highest"):
-    want = jax.grad(loss, argnums=(0, 1, 2, 3))(bq.astype(jnp.float32),
-                                                bk.astype(jnp.float32), g, beta)
+  with jax.default_matmul_precision("highest"):       # one jitted program, not op by op
+    want = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(bq.astype(jnp.float32),
+                                                         bk.astype(jnp.float32), g, beta)
   parts = [jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in want]
   want = [w + d for w, d in zip(want, parts)]
   config = kda.default_config("cpu", B, T, H, K, K, jnp.float32)
