@@ -64,7 +64,8 @@ def test_backward_keeps_no_per_token_states():
 @pytest.mark.parametrize("decay", ["dim", "scalar", None])
 def test_backends_receive_g_as_given(monkeypatch, decay):
   """The backend contract: g reaches fwd / bwd per-dim, per-head scalar or None, not
-  broadcast; the custom_vjp's dg has g's own shape."""
+  broadcast; the custom_vjp's dg has g's own shape. Shapes only: traced
+  (``jax.eval_shape``), not run."""
   seen = []
   fwd, bwd = chunked.fwd, chunked.bwd
 
@@ -80,8 +81,12 @@ def test_backends_receive_g_as_given(monkeypatch, decay):
   monkeypatch.setattr(chunked, "fwd", spy_fwd)
   monkeypatch.setattr(chunked, "bwd", spy_bwd)
   q, k, v, g, _ = gla_inputs(18, 1, 32, 2, 8, 16, decay=decay)
-  (o, _), vjp = jax.vjp(lambda *a: chunk_gla(*a, chunk_size=32, backend="jax"), q, k, v, g)
-  dg = vjp((jnp.ones_like(o), None))[3]
+
+  def dg_of(q, k, v, g):
+    (o, _), vjp = jax.vjp(lambda *a: chunk_gla(*a, chunk_size=32, backend="jax"), q, k, v, g)
+    return vjp((jnp.ones_like(o), None))[3]
+
+  dg = jax.eval_shape(dg_of, q, k, v, g)
   expected = None if g is None else g.shape
   assert seen == [expected, expected]
   assert (dg is None) if g is None else (dg.shape == g.shape)
