@@ -7,10 +7,12 @@ data=2 x seq=4 mesh; scalar and per-dim decay; jit, and eager for the forward.
 
 Every case starts from a zero state (no ``initial_state``), with gradients taken without
 the final state: the zero initial state and the zero final-state cotangent are what
-XLA:CPU once saw as constants (``docs/xla_cpu_ynn.md``). One program per case, forward
-and gradients together, to stay within CI's time. Tolerances (relative norms, float32):
-forward 1e-5, gradients 1e-4; a gradient whose reference is exactly zero (dg at T = 1
-from a zero state) must be below 1e-6 of the largest gradient.
+XLA:CPU once saw as constants (``docs/xla_cpu_ynn.md``). The reference is the family's
+float64 truth (``gla_float64``, ``gdn_float64``, ``kda_float64``: the token loop and its
+hand-written vjp in numpy), so the op's programs are the only ones a case compiles: its
+forward alone and its forward with gradients. Tolerances (relative norms against the
+float64 values): forward 1e-5, gradients 1e-4; a gradient whose reference is exactly zero
+(dg at T = 1 from a zero state) must be below 1e-6 of the largest gradient.
 """
 import contextlib
 import itertools
@@ -19,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from helpers import rel_err
+from helpers import rel_err64
 
 CHUNK = 64
 T_VALUES = (1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK)
@@ -49,6 +51,38 @@ def delta_inputs(seed, B, T, H, K, V):
   return unit(q), unit(k), v, g, beta, w
 
 
+def _f64(x):
+  return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def gla_truth(q, k, v, g, w):
+  """``gla_float64`` from a zero state, loss sum(o * w): o and (dq, dk, dv, dg)."""
+  from zeco_jax.ops.gla.reference import gla_float64
+  B, T, H, K = q.shape
+  zero = np.zeros((B, H, K, v.shape[-1]))
+  o, _, grads = gla_float64(*map(_f64, (q, k, v, g)), zero, _f64(w), None, K ** -0.5)
+  return o, [grads[n] for n in "qkvg"]
+
+
+def _delta_truth(truth, q, k, v, g, beta, w):
+  B, T, H, K = q.shape
+  zero = np.zeros((B, H, K, v.shape[-1]))
+  o, _, grads = truth(*map(_f64, (q, k, v, g, beta)), None, _f64(w), zero, K ** -0.5)
+  return o, [grads[n] for n in ("q", "k", "v", "g", "beta")]
+
+
+def gdn_truth(q, k, v, g, beta, w):
+  """``gdn_float64`` from a zero state, loss sum(o * w): o and (dq, dk, dv, dg, dbeta)."""
+  from zeco_jax.ops.gated_delta.reference import gdn_float64
+  return _delta_truth(gdn_float64, q, k, v, g, beta, w)
+
+
+def kda_truth(q, k, v, g, beta, w):
+  """``kda_float64`` from a zero state, loss sum(o * w): o and (dq, dk, dv, dg, dbeta)."""
+  from zeco_jax.ops.kda.reference import kda_float64
+  return _delta_truth(kda_float64, q, k, v, g, beta, w)
+
+
 def value_and_grads(op, args, w):
   """o and the gradients of sum(o * w) w.r.t. every input: one jitted program."""
   def loss(*a):
@@ -60,14 +94,15 @@ def value_and_grads(op, args, w):
   return o, grads
 
 
-def check(op, reference, args, w, what, *, eager=False, mesh=None, tol=1e-4):
-  """``op`` against ``reference`` (both ``(*args) -> o``): the forward alone under jit (a
-  program of its own: XLA fuses it differently from one that also differentiates), the
-  forward and gradients of ``sum(o * w)`` in one program, and, if ``eager``, the forward
-  op by op. A gradient whose reference is exactly zero (dg at T = 1 from a zero state)
-  must be below 1e-6 of the largest gradient. With ``mesh``, ``op`` gets the arrays with
-  B over ``data`` and T over ``seq`` (under ``jax.set_mesh``), the reference unsharded."""
-  o_ref, grads_ref = value_and_grads(reference, args, w)
+def check(op, truth, args, w, what, *, eager=False, mesh=None, tol=1e-4):
+  """``op`` (``(*args) -> o``) against ``truth`` (``(*args, w) -> (o, grads)`` in float64,
+  e.g. :func:`gla_truth`): the forward alone under jit (a program of its own: XLA fuses it
+  differently from one that also differentiates), the forward and gradients of
+  ``sum(o * w)`` in one program, and, if ``eager``, the forward op by op. A gradient whose
+  truth is exactly zero (dg at T = 1 from a zero state) must be below 1e-6 of the largest
+  gradient. With ``mesh``, ``op`` gets the arrays with B over ``data`` and T over ``seq``
+  (under ``jax.set_mesh``), the truth the unsharded ones."""
+  o_ref, grads_ref = truth(*args, w)
   context = contextlib.nullcontext()
   if mesh is not None:
     args, (w,), context = on_mesh(mesh, *args), on_mesh(mesh, w), jax.set_mesh(mesh)
@@ -75,16 +110,17 @@ def check(op, reference, args, w, what, *, eager=False, mesh=None, tol=1e-4):
     o_jit = jax.jit(op)(*args)
     o, grads = value_and_grads(op, args, w)
     o_eager = op(*args) if eager else None
-  assert rel_err(o_jit, o_ref) <= 1e-5, (what, "jit forward")
-  assert rel_err(o, o_ref) <= 1e-5, (what, "forward with the backward")
+  assert rel_err64(o_jit, o_ref) <= 1e-5, (what, "jit forward")
+  assert rel_err64(o, o_ref) <= 1e-5, (what, "forward with the backward")
   if eager:
-    assert rel_err(o_eager, o_ref) <= 1e-5, (what, "eager forward")
-  largest = max(float(jnp.linalg.norm(g)) for g in grads_ref)
+    assert rel_err64(o_eager, o_ref) <= 1e-5, (what, "eager forward")
+  assert len(grads) == len(grads_ref)
+  largest = max(float(np.linalg.norm(g)) for g in grads_ref)
   for i, (g, g_ref) in enumerate(zip(grads, grads_ref)):
-    if float(jnp.linalg.norm(g_ref)) == 0.0:
+    if float(np.linalg.norm(g_ref)) == 0.0:
       assert float(jnp.linalg.norm(g)) <= 1e-6 * largest, (what, i)
     else:
-      assert rel_err(g, g_ref) <= tol, (what, i)
+      assert rel_err64(g, g_ref) <= tol, (what, i)
 
 
 def on_mesh(mesh, *arrays):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from helpers import (GDN_SHARD_DOC_IDS, abstract_mesh, check_gdn_against_float64,
-                     check_gdn_documents, gdn_inputs, rel_err, seq_mesh)
+                     check_gdn_documents, gdn_inputs, rel_err, rel_err64, seq_mesh)
 from zeco_jax import chunk_gated_delta_rule, zeco_gated_delta_rule
 
 pallas_kernels = pytest.importorskip("pallas_kernels")
@@ -61,29 +61,37 @@ def test_kernels_packed_documents():
 
 
 # The head sizes users run (K = V = 128) around one 64-token chunk: the silent-garbage
-# box of the GLA issue. jit and eager give the same as the jnp path; past the chunk, so
+# box of the GLA issue. jit and eager meet the float64 truth's bars; past the chunk, so
 # does jit with the states kept (the flag's other form). (The walks' pipeline stages are a
 # Triton launch option, absent from the interpreter's program: their shared-memory check
 # is below, their speed timed on a GPU.)
 @pytest.mark.parametrize("T", [63, 65])
 def test_kernels_head_128_around_one_chunk(T):
+  from zeco_jax.ops.gated_delta.reference import gdn_float64
   (q, k, v, g, beta, h0), (do, dht) = gdn_inputs(4, 1, T, 1, 128, 128, g_low=-5.0,
                                                    beta_high=0.9999)
 
-  def run(backend, jit, config=None):
+  def run(jit, config=None):
     f = lambda *a: chunk_gated_delta_rule(*a[:5], initial_state=a[5], output_final_state=True,
-                                          backend=backend, kernel_config=config)
+                                          backend="pallas", kernel_config=config)
     f = jax.jit(f) if jit else f
     (o, s), vjp = jax.vjp(f, q, k, v, g, beta, h0)
     return (o, s) + vjp((do.astype(o.dtype), dht))
 
-  want = run("jax", True)
+  o64, s64, g64 = gdn_float64(q, k, v, g, beta, h0, do, dht)
+  want = (o64, s64) + tuple(g64[n] for n in ("q", "k", "v", "g", "beta", "h0"))
   flags = gated_delta.default_config("cpu", 1, T, 1, 128, 128, jnp.float32).replace(
       save_states=True)
   for jit, config in [(True, None), (False, None)] + [(True, flags)] * (T > 64):
-    got = run("pallas", jit, config)
-    errs = [rel_err(a, b) for a, b in zip(got, want)]
+    got = run(jit, config)
+    errs = [rel_err64(a, b) for a, b in zip(got, want)]
     assert max(errs[:2]) <= 1e-5 and max(errs[2:]) <= 1e-4, (jit, config, errs)
+
+
+def _residual(f, *args):
+  """The arrays ``jax.vjp(f, *args)`` keeps for the backward, as ShapeDtypeStructs: traced
+  (``jax.eval_shape``), not run."""
+  return jax.tree.leaves(jax.eval_shape(lambda *a: jax.vjp(f, *a)[1], *args))
 
 
 def test_save_states_keeps_inputs_and_one_state_per_chunk():
@@ -93,27 +101,27 @@ def test_save_states_keeps_inputs_and_one_state_per_chunk():
   (q, k, v, g, beta, h0), _ = gdn_inputs(5, 1, T, H, K, V)
   cfg = gated_delta.default_config("cpu", 1, T, H, K, V, jnp.float32).replace(
       save_states=True)
-  _, vjp_fn = jax.vjp(lambda *a: chunk_gated_delta_rule(*a[:5], initial_state=a[5],
-                                                       chunk_size=C, backend="pallas",
-                                                       kernel_config=cfg)[0],
-                      q, k, v, g, beta, h0)
-  leaves = jax.tree.leaves(vjp_fn)
+  leaves = _residual(lambda *a: chunk_gated_delta_rule(*a[:5], initial_state=a[5],
+                                                      chunk_size=C, backend="pallas",
+                                                      kernel_config=cfg)[0],
+                     q, k, v, g, beta, h0)
   inputs = sum(x.size for x in (q, k, v, g, beta, h0))
   assert sum(x.size for x in leaves) - inputs == (T // C) * H * K * V
   assert not any(x.size >= T * H * K * V for x in leaves)
 
 
 def test_default_keeps_only_the_inputs_and_walks_again():
-  """The default (``save_states=False``): the residual is the inputs alone, and the
-  backward, walking the states again, meets the float64 bars."""
+  """The default (``save_states=False``): the residual is the inputs alone. (The backward
+  then walks the states again; every test here without ``save_states`` holds it to the
+  float64 bars, with an initial state and several chunks in
+  test_kernels_head_128_around_one_chunk[65] and test_kernels_packed_documents.)"""
   T, C, H, K, V = 48, 16, 2, 16, 16
-  inputs, weights = gdn_inputs(6, 1, T, H, K, V, g_low=-5.0)
+  inputs, _ = gdn_inputs(6, 1, T, H, K, V, g_low=-5.0)
   cfg = gated_delta.default_config("cpu", 1, T, H, K, V, jnp.float32)
   assert not cfg.save_states
   op = _kernel_op(C, kernel_config=cfg)
-  _, vjp_fn = jax.vjp(lambda *a: op(*a[:5], initial_state=a[5])[0], *inputs)
-  assert sum(x.size for x in jax.tree.leaves(vjp_fn)) == sum(x.size for x in inputs)
-  check_gdn_against_float64(op, inputs, weights)
+  leaves = _residual(lambda *a: op(*a[:5], initial_state=a[5])[0], *inputs)
+  assert sum(x.size for x in leaves) == sum(x.size for x in inputs)
 
 
 def test_stages_match_the_jnp_chunk_terms():
@@ -124,11 +132,16 @@ def test_stages_match_the_jnp_chunk_terms():
   C = 64
   config = gated_delta.default_config("cpu", 1, 128, 1, 16, 16, jnp.float32)
   Tinv = chunk.inverse(k, g, beta, chunk_size=C, config=config)        # [B, T, H, C]
-  kc, gc, bc = to_chunks(k, C), to_chunks(g, C), to_chunks(beta, C)
-  strict = jnp.tril(jnp.ones((C, C), bool), -1)
-  A = bc[..., :, None] * masked_exp(segment_sums(gc), strict) * jnp.einsum(
-      "...ik,...jk->...ij", kc, kc, precision="highest")
-  want = unit_lower_inverse(A)                                           # [B, H, N, C, C]
+
+  @jax.jit                                   # the jnp reference: one program, not op by op
+  def reference(k, g, beta):
+    kc, gc, bc = to_chunks(k, C), to_chunks(g, C), to_chunks(beta, C)
+    strict = jnp.tril(jnp.ones((C, C), bool), -1)
+    A = bc[..., :, None] * masked_exp(segment_sums(gc), strict) * jnp.einsum(
+        "...ik,...jk->...ij", kc, kc, precision="highest")
+    return unit_lower_inverse(A)                                         # [B, H, N, C, C]
+
+  want = reference(k, g, beta)
   got = jnp.moveaxis(Tinv.reshape(1, 2, C, 1, C), 3, 1)
   assert rel_err(got, want) <= 1e-6
 
@@ -160,8 +173,7 @@ def test_local_pass_keeps_widened_states_only_with_save_states(keep):
       save_states=keep)
   op = lambda *a: zeco_gated_delta_rule(*a, mesh=seq_mesh(4), chunk_size=16,
                                         backend="pallas", kernel_config=cfg)[0]
-  _, vjp_fn = jax.vjp(op, q, k, v, g, beta)
-  widened = [x.shape for x in jax.tree.leaves(vjp_fn) if x.shape[-2:] == (K, V + K)
+  widened = [x.shape for x in _residual(op, q, k, v, g, beta) if x.shape[-2:] == (K, V + K)
              and x.ndim == 5]
   assert bool(widened) == keep, widened
 
@@ -313,8 +325,9 @@ def test_walk_stages_that_overflow_shared_memory_are_refused(K, V, B, changes):
 
 
 def test_layer_and_model_take_the_backend():
-  """GatedDeltaNet(backend="pallas") equals backend="jax" (forward and the input's
-  gradient); the model config checks the name."""
+  """GatedDeltaNet(backend="pallas"), run eagerly (each kernel launched on its own),
+  equals backend="jax" (one jitted program: the reference, not what is tested), forward
+  and the input's gradient; the model config checks the name."""
   from flax import nnx
   from models import GDNConfig
   from zeco_jax.nn import GatedDeltaNet
@@ -323,8 +336,13 @@ def test_layer_and_model_take_the_backend():
   for backend in ("jax", "pallas"):
     layer = GatedDeltaNet(32, 2, head_dim=16, expand_v=1.0, chunk_size=16, backend=backend,
                           rngs=nnx.Rngs(0))
-    y, vjp = jax.vjp(lambda x: layer(x), x)
-    outs.append((y, vjp(jnp.cos(y))[0]))
+
+    def forward_and_grad(x, layer=layer):
+      y, vjp = jax.vjp(lambda x: layer(x), x)
+      return y, vjp(jnp.cos(y))[0]
+
+    outs.append(forward_and_grad(x) if backend == "pallas" else
+                jax.jit(forward_and_grad)(x))
   assert rel_err(outs[1][0], outs[0][0]) <= 1e-5 and rel_err(outs[1][1], outs[0][1]) <= 1e-4
   with pytest.raises(ValueError, match="GatedDeltaNet: unknown `backend` .triton.; choose one of"):
     GatedDeltaNet(32, 2, head_dim=16, backend="triton", rngs=nnx.Rngs(0))

@@ -1,12 +1,12 @@
 """Gated DeltaNet's Mosaic TPU kernels (``pallas_kernels.gated_delta.tpu``): in the Pallas
-interpreter against the jnp chunked form, and compiled by libtpu for v5e / v5p / v6e.
+interpreter against the float64 truth, and compiled by libtpu for v5e / v5p / v6e.
 
 Parity: ``fwd_res`` / ``bwd_res`` (and ``fwd`` / ``bwd``, which recomputes the chunk
-states) against ``zeco_jax.ops.gated_delta.chunked.chunk_recurrence`` and its vjp, float32
-forward (o, final) <= 1e-5 and gradients <= 1e-4, bf16 <= 2e-2. Strong decay (g uniform in
-[-5, 0], one case with document starts at -1e4), beta up to 0.9999, random h0 and
-cotangents; K = V = 128, K != V, chunks of 16 to 128 (the UT inverse with 0 to 3 merge
-levels), more than 8 chunks (two blocks of g rows), B and H > 1. And
+states) against ``gdn_float64`` (the token loop and its hand-written vjp in numpy: nothing
+to compile), float32 forward (o, final) <= 1e-5 and gradients <= 1e-4, bf16 <= 2e-2.
+Strong decay (g uniform in [-5, 0], one case with document starts at -1e4), beta up to
+0.9999, random h0 and cotangents; K = V = 128, K != V, chunks of 16 to 128 (the UT inverse
+with 0 to 3 merge levels), more than 8 chunks (two blocks of g rows), B and H > 1. And
 ``chunk_gated_delta_rule`` on these kernels (T not a multiple of the chunk) against the
 float64 truth.
 
@@ -21,14 +21,15 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from helpers import check_gdn_against_float64, gdn_inputs, rel_err
+from helpers import check_gdn_against_float64, gdn_inputs, rel_err64
 
 import pallas_kernels
 from pallas_kernels.gated_delta import KernelConfig, tpu
 from zeco_jax import chunk_gated_delta_rule
-from zeco_jax.ops.gated_delta import chunked
+from zeco_jax.ops.gated_delta.reference import gdn_float64
 
 INTERPRET = KernelConfig(platform="tpu", interpret=True)
 NAMES = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -45,12 +46,12 @@ def _kernels(q, k, v, g, beta, h0, do, dht, *, scale, C, config):
                               *tpu.bwd(q, k, v, g, beta, do, dht, **kw))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "C"))
-def _reference(q, k, v, g, beta, h0, do, dht, *, scale, C):
-  f32 = lambda x: x.astype(jnp.float32)
-  run = lambda *a: chunked.chunk_recurrence(*a, scale, C, False)
-  (o, final), vjp = jax.vjp(run, f32(q), f32(k), f32(v), g, beta, h0)
-  return (o, final, *vjp((do, dht)))
+def _truth(q, k, v, g, beta, h0, do, dht, *, scale):
+  """``gdn_float64`` on the inputs (bf16 ones as their float32 values): o, final and the
+  vjp of (do, dht) for q, k, v, g, beta, h0, in float64."""
+  f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))
+  o, final, grads = gdn_float64(*map(f32, (q, k, v, g, beta, h0, do, dht)), scale)
+  return (o, final, *(grads[n] for n in ("q", "k", "v", "g", "beta", "h0")))
 
 
 def _inputs(seed, B, T, H, K, V, dtype, decay="strong"):
@@ -72,15 +73,15 @@ def _inputs(seed, B, T, H, K, V, dtype, decay="strong"):
     (2, 160, 1, 32, 16, 16, jnp.float32, "mild"),
     (1, 128, 1, 128, 64, 32, jnp.bfloat16, "strong"),
 ], ids=["K128V128C64", "resets", "K64V128C128H2", "B2C16N10", "B2C16N10mild", "bf16K128V64C32"])
-def test_matches_chunked_form(B, T, H, K, V, C, dtype, decay):
+def test_matches_float64(B, T, H, K, V, C, dtype, decay):
   args = _inputs(0, B, T, H, K, V, dtype, decay)
   scale = K ** -0.5
   kept, recomputed = _kernels(*args, scale=scale, C=C, config=INTERPRET)
-  want = _reference(*args, scale=scale, C=C)
+  want = _truth(*args, scale=scale)
   fwd_tol, grad_tol = (1e-5, 1e-4) if dtype == jnp.float32 else (2e-2, 2e-2)
   assert kept[0].dtype == dtype and kept[0].shape == (B, T, H, V)
   for got in (kept, recomputed):
-    errors = {n: rel_err(a, b) for n, a, b in zip(NAMES, got, want)}
+    errors = {n: rel_err64(a, b) for n, a, b in zip(NAMES, got, want)}
     bad = {n: e for n, e in errors.items() if e > (fwd_tol if n in NAMES[:2] else grad_tol)}
     assert not bad, errors
 

@@ -1,7 +1,7 @@
 """Kimi Delta Attention's Pallas kernels (pallas_kernels/kda, the GPU kernels in the Pallas
-interpreter on CPU) against the jnp chunked form ``zeco_jax.ops.kda.chunked`` and its
-autodiff backward; their launch configuration; and the lowering to Triton for an H200 on
-this CPU host.
+interpreter on CPU) against the float64 truth (``kda_float64``: the token loop and its
+hand-written reverse pass in numpy, nothing to compile); their launch configuration; and
+the lowering to Triton for an H200 on this CPU host.
 
 Tolerances are relative norms: float32 forward (o, final state) <= 1e-5, gradients (dq,
 dk, dv, dg, dbeta, dh0) <= 1e-4; bf16 <= 2e-2. Inputs: g uniform in [-5, 0] per token and
@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import abstract_mesh, rel_err
+from helpers import abstract_mesh, rel_err, rel_err64
 from zeco_jax.ops.kda import chunked
+from zeco_jax.ops.kda.reference import kda_float64
 
 pytest.importorskip("pallas_kernels")
 from pallas_kernels import Launch  # noqa: E402
@@ -51,32 +52,36 @@ def _kernels(q, k, v, g, beta, h0, do, dht, *, scale, C, config):
   return (o, final) + tuple(gpu.bwd_res(res, q, k, v, g, beta, do, dht, **kw))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "C"))
-def _reference(q, k, v, g, beta, h0, do, dht, *, scale, C):
-  f32 = lambda x: x.astype(jnp.float32)
-  ref = lambda *a: chunked.chunk_recurrence(*a, scale, C, False)
-  (o, final), vjp = jax.vjp(ref, f32(q), f32(k), f32(v), g, beta, h0)
-  return (o, final) + tuple(vjp((f32(do), dht)))
+def _truth(q, k, v, g, beta, h0, do, dht, scale):
+  """``kda_float64`` on the inputs (bf16 ones as their float32 values): o, final and the
+  vjp of (do, dht) for q, k, v, g, beta, h0, in float64."""
+  f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))
+  o, final, grads = kda_float64(*map(f32, (q, k, v, g, beta, h0, do, dht)), scale)
+  return (o, final) + tuple(grads[n] for n in ("q", "k", "v", "g", "beta", "h0"))
 
 
 def _check(inputs, cotangents, C, fwd_tol, grad_tol, config=None):
   q, v = inputs[0], inputs[2]
   B, T, H, K = q.shape
   config = config or kda.default_config("cpu", B, T, H, K, v.shape[-1], q.dtype)
-  kw = dict(scale=K ** -0.5, C=C)
-  got = _kernels(*inputs, *cotangents, config=config, **kw)
-  want = _reference(*inputs, *cotangents, **kw)
+  got = _kernels(*inputs, *cotangents, config=config, scale=K ** -0.5, C=C)
+  want = _truth(*inputs, *cotangents, K ** -0.5)
   names = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
-  errs = {n: rel_err(a, b) for n, a, b in zip(names, got, want)}
+  errs = {n: rel_err64(a, b) for n, a, b in zip(names, got, want)}
   assert got[0].dtype == v.dtype and got[1].dtype == jnp.float32
   assert max(errs["o"], errs["final"]) <= fwd_tol, errs
   assert max(errs[n] for n in names[2:]) <= grad_tol, errs
 
 
 def test_head_128_one_chunk_pair():
-  """K = V = 128, the head size users run, over two 64-token chunks (the states kept:
-  :func:`test_save_states`)."""
-  inputs, cot = _inputs(0, 1, 128, 1, 128, 128)
+  """K = V = 128, the head size users run, over two 64-token chunks, the state carried
+  across the chunk boundary: four sub-chunks per chunk, ``kda_dpairs``'s programs (a
+  sub-chunk and K slice each, four slices of 32 here), the block pairs spanning a
+  sub-chunk added after the kernel, the diagonal blocks' dg by the tokens' roles; decays
+  down to -5 on every channel and a document starting mid-sub-chunk in each chunk (t = 37,
+  100). (Documents starting on a chunk boundary: the next test and test_several_chunks;
+  the states kept: :func:`test_save_states`.)"""
+  inputs, cot = _inputs(0, 1, 128, 1, 128, 128, resets=(37, 100))
   _check(inputs, cot, 64, 1e-5, 1e-4)
 
 
@@ -87,15 +92,6 @@ def test_documents_mid_sub_chunk_and_on_a_chunk_boundary():
   (K = 128 is lowered to Triton below)."""
   inputs, cot = _inputs(4, 1, 96, 2, 64, 64, resets=(21, 64))
   _check(inputs, cot, 32, 1e-5, 1e-4)
-
-
-def test_four_sub_chunks_two_k_slices():
-  """``kda_dpairs``'s programs (a sub-chunk and K slice each, two slices of 32 here), the
-  block pairs spanning a sub-chunk added after the kernel, the diagonal blocks' dg by the
-  tokens' roles; four sub-chunks per chunk, a document starting mid-sub-chunk and one on
-  a chunk boundary; decays down to -5 on every channel."""
-  inputs, cot = _inputs(5, 1, 128, 1, 64, 64, resets=(37, 64))
-  _check(inputs, cot, 64, 1e-5, 1e-4)
 
 
 def test_dpairs_against_autodiff_of_the_pairs():
@@ -123,9 +119,9 @@ def test_dpairs_against_autodiff_of_the_pairs():
     A = jnp.tril(pair(chunks(k)), -1) * chunks(beta[..., None])
     return jnp.sum(chunks(dP) * P) + jnp.sum(chunks(dA) * A)
 
-  with jax.default_matmul_precision("highest"):
-    want = jax.grad(loss, argnums=(0, 1, 2, 3))(bq.astype(jnp.float32),
-                                                bk.astype(jnp.float32), g, beta)
+  with jax.default_matmul_precision("highest"):       # one jitted program, not op by op
+    want = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(bq.astype(jnp.float32),
+                                                         bk.astype(jnp.float32), g, beta)
   parts = [jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in want]
   want = [w + d for w, d in zip(want, parts)]
   config = kda.default_config("cpu", B, T, H, K, K, jnp.float32)
@@ -237,7 +233,8 @@ def test_kernels_lower_to_triton_for_a_gpu_target(dtype):
 def test_op_layer_and_sequence_parallel_on_kernels():
   """chunk_kda(backend="pallas") against the float64 token loop with documents;
   zeco_kda with the kernels in its local pass (the widened state) on 4 ranks; the layer
-  with backend="pallas" equals backend="jax"."""
+  with backend="pallas", run eagerly (each kernel launched on its own), equals
+  backend="jax" (one jitted program: the reference, not what is tested)."""
   from flax import nnx
   from helpers import check_kda_documents, kda_inputs, seq_mesh
   from zeco_jax import chunk_kda, zeco_kda
@@ -253,8 +250,13 @@ def test_op_layer_and_sequence_parallel_on_kernels():
   for backend in ("jax", "pallas"):
     layer = KimiDeltaAttention(32, 2, head_dim=16, chunk_size=16, backend=backend,
                                rngs=nnx.Rngs(0))
-    y, vjp = jax.vjp(lambda x: layer(x), x)
-    outs.append((y, vjp(jnp.cos(y))[0]))
+
+    def forward_and_grad(x, layer=layer):
+      y, vjp = jax.vjp(lambda x: layer(x), x)
+      return y, vjp(jnp.cos(y))[0]
+
+    outs.append(forward_and_grad(x) if backend == "pallas" else
+                jax.jit(forward_and_grad)(x))
   assert rel_err(outs[1][0], outs[0][0]) <= 1e-5 and rel_err(outs[1][1], outs[0][1]) <= 1e-4
 
 

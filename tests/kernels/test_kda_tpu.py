@@ -1,15 +1,15 @@
 """Kimi Delta Attention's Mosaic TPU kernels (``pallas_kernels.kda.tpu``): in the Pallas
-interpreter against the jnp chunked form, and compiled by libtpu for v5e / v5p / v6e.
+interpreter against the float64 truth, and compiled by libtpu for v5e / v5p / v6e.
 
 Parity: ``fwd_res`` / ``bwd_res`` (and ``fwd`` / ``bwd``, which recomputes the chunk
-states) against ``zeco_jax.ops.kda.chunked.chunk_recurrence`` and its vjp, float32
-forward (o, final) <= 1e-5 and gradients <= 1e-4, bf16 <= 2e-2. Strong per-channel decay
-(g uniform in [-5, 0]; one case with document starts at -1e4 on every channel, one with
-tests/helpers.py's mix of 2% channels at -1e4), beta up to 0.9999, random h0 and
-cotangents; K = V = 128, K != V, chunks of 16 to 128 (no sub-chunk below the diagonal up
-to 7; the UT inverse with 0 to 3 merge levels), more than 8 chunks (two blocks of beta
-rows), B and H > 1. And ``chunk_kda`` on these kernels (T not a multiple of the chunk)
-against the float64 truth.
+states) against ``kda_float64`` (the token loop and its hand-written vjp in numpy: nothing
+to compile), float32 forward (o, final) <= 1e-5 and gradients <= 1e-4, bf16 <= 2e-2.
+Strong per-channel decay (g uniform in [-5, 0]; one case with document starts at -1e4 on
+every channel, one with tests/helpers.py's mix of 2% channels at -1e4), beta up to 0.9999,
+random h0 and cotangents; K = V = 128, K != V, chunks of 16 to 128 (no sub-chunk below the
+diagonal up to 7; the UT inverse with 0 to 3 merge levels), more than 8 chunks (two blocks
+of beta rows), B and H > 1. And ``chunk_kda`` on these kernels (T not a multiple of the
+chunk) against the float64 truth.
 
 Compiled (skipped without libtpu, ``pip install -e '.[tpu]'``): through ``chunk_kda``
 with the TPU kernels (``benchmarks/tpu_aot_kernels.py``'s helpers), forward and forward +
@@ -22,14 +22,15 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from helpers import check_kda_against_float64, kda_inputs, rel_err
+from helpers import check_kda_against_float64, kda_inputs, rel_err64
 
 import pallas_kernels
 from pallas_kernels.kda import KernelConfig, default_config, tpu
 from zeco_jax import chunk_kda
-from zeco_jax.ops.kda import chunked
+from zeco_jax.ops.kda.reference import kda_float64
 
 INTERPRET = KernelConfig(platform="tpu", interpret=True)
 NAMES = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -46,12 +47,12 @@ def _kernels(q, k, v, g, beta, h0, do, dht, *, scale, C, config, recompute):
   return (o, final, *tpu.bwd_res(res, q, k, v, g, beta, do, dht, **kw))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "C"))
-def _reference(q, k, v, g, beta, h0, do, dht, *, scale, C):
-  f32 = lambda x: x.astype(jnp.float32)
-  run = lambda *a: chunked.chunk_recurrence(*a, scale, C, False)
-  (o, final), vjp = jax.vjp(run, f32(q), f32(k), f32(v), g, beta, h0)
-  return (o, final, *vjp((do, dht)))
+def _truth(q, k, v, g, beta, h0, do, dht, *, scale):
+  """``kda_float64`` on the inputs (bf16 ones as their float32 values): o, final and the
+  vjp of (do, dht) for q, k, v, g, beta, h0, in float64."""
+  f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))
+  o, final, grads = kda_float64(*map(f32, (q, k, v, g, beta, h0, do, dht)), scale)
+  return (o, final, *(grads[n] for n in ("q", "k", "v", "g", "beta", "h0")))
 
 
 def _inputs(seed, B, T, H, K, V, dtype, decay="strong"):
@@ -73,16 +74,16 @@ def _inputs(seed, B, T, H, K, V, dtype, decay="strong"):
     (1, 128, 1, 32, 64, 128, jnp.float32, "mild", False),
     (1, 64, 1, 64, 32, 32, jnp.bfloat16, "strong", False),
 ], ids=["K128V128C64", "resets", "B2H2C16N10mix", "C128KneV", "bf16K64V32C32"])
-def test_matches_chunked_form(B, T, H, K, V, C, dtype, decay, recompute):
+def test_matches_float64(B, T, H, K, V, C, dtype, decay, recompute):
   args = _inputs(0, B, T, H, K, V, dtype, decay)
   scale = K ** -0.5
-  want = _reference(*args, scale=scale, C=C)
+  want = _truth(*args, scale=scale)
   fwd_tol, grad_tol = (1e-5, 1e-4) if dtype == jnp.float32 else (2e-2, 2e-2)
   for flag in sorted({False, recompute}):
     got = _kernels(*args, scale=scale, C=C, config=INTERPRET, recompute=flag)
     assert got[0].dtype == dtype and got[0].shape == (B, T, H, V)
     assert got[5].dtype == jnp.float32 and got[5].shape == (B, T, H, K)   # dg
-    errors = {n: rel_err(a, b) for n, a, b in zip(NAMES, got, want)}
+    errors = {n: rel_err64(a, b) for n, a, b in zip(NAMES, got, want)}
     bad = {n: e for n, e in errors.items() if e > (fwd_tol if n in NAMES[:2] else grad_tol)}
     assert not bad, (flag, errors)
 

@@ -84,9 +84,10 @@ def test_padded_prompts_and_eos(family):
   m, p = model(family), prompt(3)
   mask = np.ones(p.shape, bool)
   mask[1, :10] = False            # left padding
-  mask[2, -5:] = False            # right padding
-  alone = [p[0:1], p[1:2, 10:], p[2:3, :-5]]
-  want = [np.asarray(m.generate(a, max_new_tokens=6)[0][0]) for a in alone]
+  mask[2, -10:] = False           # right padding
+  # The prompts alone: row 0 as it is, rows 1 and 2 (27 tokens each) in one batch.
+  want = [np.asarray(m.generate(p[0:1], max_new_tokens=6)[0][0]),
+          *np.asarray(m.generate(jnp.stack([p[1, 10:], p[2, :-10]]), max_new_tokens=6)[0])]
   got, _ = m.generate(p, prompt_mask=jnp.asarray(mask), max_new_tokens=6)
   assert np.array_equal(np.asarray(got), np.stack(want))
   eos = int(want[0][2])

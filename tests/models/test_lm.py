@@ -68,15 +68,18 @@ def test_remat_recomputes_after_the_output_cotangent():
 
 
 def test_model_resets_at_document_starts():
-  """No mesh (chunk_gla): logits of a row's second document equal those of it alone."""
+  """No mesh (chunk_gla): logits of a row's second document equal those of it alone (the
+  model jitted; its jnp code runs eagerly in tests/models/test_generation.py)."""
   cfg = tiny_model_config(num_layers=1, use_short_conv=True)
   model = LM(cfg, rngs=nnx.Rngs(0))
+  forward = jax.jit(lambda tokens, segment_ids: model(tokens, segment_ids=segment_ids))
   tokens = jax.random.randint(jax.random.key(1), (2, 64), 0, 64)
   seg = jnp.asarray(np.repeat([[1] * 21 + [2] * 43], 2, 0), jnp.int32)
-  packed = model(tokens, segment_ids=seg)
-  alone = model(tokens[:, 21:])
+  packed = forward(tokens, seg)
+  alone = forward(tokens[:, 21:], None)
   np.testing.assert_allclose(packed[:, 21:], alone, rtol=1e-5, atol=1e-5)
-  assert float(jnp.max(jnp.abs(model(tokens)[:, 21:] - alone))) > 1e-3   # no reset: differs
+  no_reset = forward(tokens, None)
+  assert float(jnp.max(jnp.abs(no_reset[:, 21:] - alone))) > 1e-3   # no reset: differs
 
 
 @pytest.mark.parametrize("family,extra,config_cls", [

@@ -105,7 +105,9 @@ def test_decode_from_an_empty_cache_equals_the_layer(name):
 def test_documents_and_padding_continue_the_last_document(name):
   """Row 0: two documents, the second continued; row 1: 20 tokens of left padding; row 2:
   15 tokens of right padding. Each decoded token equals the layer over the last document
-  alone, followed by that token."""
+  alone, followed by that token: the three sequences in one call of the layer, each
+  followed by zeros up to the longest (the layer is causal: what comes after a token does
+  not change its output)."""
   _, full, prefill, decode = layer_and_steps(name)
   x = inputs(2, B=3)
   ids = np.zeros((3, T0), np.int32)
@@ -114,10 +116,12 @@ def test_documents_and_padding_continue_the_last_document(name):
   ids[2, -15:] = -1
   _, cache = prefill(x[:, :T0], jnp.asarray(ids))
   y, _ = decode_after(decode, cache, x[:, T0:])
-  alone = [x[0, 10:T0], x[1, 20:T0], x[2, :T0 - 15]]
-  for row, doc in enumerate(alone):
-    want = full(jnp.concatenate([doc, x[row, T0:]])[None], None)[0, -T1:]
-    assert rel_err(y[row], want) <= 1e-5, row
+  alone = [jnp.concatenate([doc, x[row, T0:]]) for row, doc in
+           enumerate([x[0, 10:T0], x[1, 20:T0], x[2, :T0 - 15]])]
+  longest = max(len(a) for a in alone)
+  want = full(jnp.stack([jnp.pad(a, ((0, longest - len(a)), (0, 0))) for a in alone]), None)
+  for row, a in enumerate(alone):
+    assert rel_err(y[row], want[row, len(a) - T1:len(a)]) <= 1e-5, row
 
 
 @pytest.mark.parametrize("name", LAYERS)

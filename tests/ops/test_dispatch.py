@@ -91,4 +91,5 @@ def test_broken_kernel_package_raises(monkeypatch):
     chunk_gla(q, k, v, g, backend="pallas")
   with pytest.raises(ImportError, match="failed to import"):
     resolve_backend("auto", platform="gpu")
-  chunk_gla(q, k, v, g, backend="jax")            # the jnp path does not need the kernels
+  # The jnp path does not need the kernels (traced: where the kernels would be looked up).
+  jax.eval_shape(lambda *a: chunk_gla(*a, backend="jax"), q, k, v, g)
