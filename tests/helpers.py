@@ -6,8 +6,8 @@ and the program checks (what a compiled program sends, what a traced one waits f
 * Errors: :func:`rel_err` (float32 results against any reference), :func:`rel_err64`
   (against a float64 truth kept in float64), :func:`assert_within` (a table of errors).
 * GLA, Gated DeltaNet and Kimi Delta Attention: random inputs (never zeros), the value
-  and gradients of one scalar loss, the comparison with the token-by-token reference or
-  the float64 truth of ``zeco_jax.ops.*.reference``; packed documents and mixed
+  and gradients of one scalar loss, the comparison with the float64 truth of
+  ``zeco_jax.ops.*.reference`` (the token-by-token recurrence); packed documents and mixed
   log-decays in float64.
 * Programs: the equations of a jaxpr, whether the local pass waits for a collective, and
   how many K x V states each rank sends in a compiled program.
@@ -134,28 +134,43 @@ def loss_and_grads(op, q, k, v, g, h0, w_o, w_s, **kwargs):
 
 def assert_outputs_match(got, want, fwd_tol=1e-5, grad_tol=1e-4):
   """Two (o, final, grads) of :func:`loss_and_grads` (or :func:`gdn_loss_and_grads`) agree:
-  o and the final state within ``fwd_tol``, the same gradients, each within ``grad_tol``."""
+  o and the final state within ``fwd_tol``, the same gradients, each within ``grad_tol``.
+  A float64 ``want`` (:func:`gla_truth`) is compared as it is (:func:`rel_err64`)."""
   (o, s, grads), (o_r, s_r, grads_r) = got, want
+  err = rel_err64 if isinstance(o_r, np.ndarray) and o_r.dtype == np.float64 else rel_err
   assert o.shape == o_r.shape, (o.shape, o_r.shape)
-  assert rel_err(o, o_r) <= fwd_tol and rel_err(s, s_r) <= fwd_tol
+  assert err(o, o_r) <= fwd_tol and err(s, s_r) <= fwd_tol
   assert set(grads) == set(grads_r)
   for name in grads_r:
     assert grads[name].shape == grads_r[name].shape, name
-    assert rel_err(grads[name], grads_r[name]) <= grad_tol, name
+    assert err(grads[name], grads_r[name]) <= grad_tol, name
+
+
+def gla_truth(q, k, v, g, h0, w_o, w_s):
+  """:func:`loss_and_grads`' (o, final, grads) from the token-by-token recurrence in
+  float64 (``gla_float64``: numpy, nothing to compile); a None g (no decay) or h0 (a zero
+  state) gets no gradient, as in :func:`loss_and_grads`; bf16 inputs: their values."""
+  from zeco_jax.ops.gla.reference import gla_float64
+  f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+  B, T, H, K = q.shape
+  g64 = np.zeros((B, T, H)) if g is None else f64(g)
+  s64 = np.zeros((B, H, K, v.shape[-1])) if h0 is None else f64(h0)
+  o, final, grads = gla_float64(f64(q), f64(k), f64(v), g64, s64, f64(w_o), f64(w_s),
+                                K ** -0.5)
+  given = ["q", "k", "v"] + ["g"] * (g is not None) + ["h0"] * (h0 is not None)
+  return o, final, {n: grads[n] for n in given}
 
 
 def check_gla_against_recurrence(op, seed, B, T, H, K, V, *, decay="dim", initial=True,
                                  dtype=jnp.float32, fwd_tol=1e-5, grad_tol=1e-4, **kwargs):
-  """A GLA op against the token-by-token reference (``recurrent_gla``, float32) on
+  """A GLA op against the token-by-token recurrence in float64 (:func:`gla_truth`) on
   :func:`gla_inputs`: o (v's dtype), the final state and every gradient."""
-  from zeco_jax import recurrent_gla
   q, k, v, g, h0 = gla_inputs(seed, B, T, H, K, V, decay=decay, initial_state=initial,
                               dtype=dtype)
   w_o, w_s = cotangents(seed, B, T, H, K, V)
-  want = loss_and_grads(recurrent_gla, q, k, v, g, h0, w_o, w_s)
   got = loss_and_grads(op, q, k, v, g, h0, w_o, w_s, **kwargs)
   assert got[0].dtype == v.dtype
-  assert_outputs_match(got, want, fwd_tol, grad_tol)
+  assert_outputs_match(got, gla_truth(q, k, v, g, h0, w_o, w_s), fwd_tol, grad_tol)
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,8 +6,10 @@ packed documents and left or right padding in the prompt continue the row's last
 the softmax attention layer (its KV cache; also with a sliding window, and with heads of
 128) likewise;
 ``init_cache`` then ``decode`` from the first token equals the layer too; the prefill over
-a data=2 x seq=4 mesh gives the cache and outputs of one device. Bars (relative norm,
-float32): 1e-5."""
+a data=2 x seq=4 mesh gives the cache and outputs of one device (here for the attention
+layer's sliding window and heads of 128; the GLA, Gated DeltaNet, KDA and grouped-key
+attention layers' prefill over the same mesh is checked through the LM, which calls it,
+in tests/models/test_generation.py). Bars (relative norm, float32): 1e-5."""
 import functools
 
 import jax
@@ -124,7 +126,10 @@ def test_documents_and_padding_continue_the_last_document(name):
     assert rel_err(y[row], want[row, len(a) - T1:len(a)]) <= 1e-5, row
 
 
-@pytest.mark.parametrize("name", LAYERS)
+# gla, gdn, kda and attn: LM.prefill over the same mesh calls their prefill with it, and
+# tests/models/test_generation.py::test_prefill_on_a_mesh_equals_one_device compares every
+# layer's cache and the logits with one device's (families gla, gdn, kda; attn in hybrid).
+@pytest.mark.parametrize("name", ["attn_window", "attn_head128"])
 def test_prefill_on_a_mesh_equals_one_device(name, devices):
   layer, _, prefill, _ = layer_and_steps(name)
   mesh = jax.make_mesh((2, 4), ("data", "seq"), devices=devices)

@@ -48,10 +48,11 @@ def test_chunk_bf16():
 def test_use_qk_l2norm_normalises_inside():
   (q, k, v, g, beta, h0), _ = gdn_inputs(4, B, 32, H, K, V)
   raw_k = 3.0 * k + 0.5
-  o1, s1 = chunk_gated_delta_rule(q, raw_k, v, g, beta, initial_state=h0, chunk_size=16,
-                                  output_final_state=True, use_qk_l2norm=True)
-  o2, s2 = recurrent_gated_delta_rule(l2norm(q), l2norm(raw_k), v, g, beta, initial_state=h0,
-                                      output_final_state=True)
+  o1, s1 = jax.jit(lambda *a: chunk_gated_delta_rule(
+      *a, initial_state=h0, chunk_size=16, output_final_state=True, use_qk_l2norm=True))(
+          q, raw_k, v, g, beta)
+  o2, s2 = jax.jit(lambda *a: recurrent_gated_delta_rule(
+      *a, initial_state=h0, output_final_state=True))(l2norm(q), l2norm(raw_k), v, g, beta)
   assert rel_err(o1, o2) <= 1e-5 and rel_err(s1, s2) <= 1e-5
 
 

@@ -27,7 +27,7 @@ B, T, H, K, V = 1, 256, 4, 8, 16
 
 @pytest.mark.parametrize("pieces", [2, 4])
 def test_split_local_pass_matches_reference(pieces):
-  """Forward <= 1e-5, gradients <= 1e-4 relative to the float32 recurrence (P = 4)."""
+  """Forward <= 1e-5, gradients <= 1e-4 relative to the float64 recurrence (P = 4)."""
   op = functools.partial(zeco_gla, mesh=seq_mesh(4), method="all_scan", num_blocks=2,
                          overlap_pieces=pieces, chunk_size=16, backend="jax")
   check_gla_against_recurrence(op, 3, B, T, H, K, V)

@@ -1,5 +1,7 @@
-"""GLA's two reference forms (zeco_jax.ops.gla.reference) agree: the token-by-token
-recurrence, which is the definition, and the exact chunked form."""
+"""GLA's two reference forms (zeco_jax.ops.gla.reference): the float32 token-by-token
+recurrence, which is the definition, and the exact chunked form, each against the
+recurrence in float64 (``gla_float64``, what ``check_gla_against_recurrence`` holds every
+GLA op to)."""
 import jax.numpy as jnp
 import pytest
 
@@ -12,6 +14,13 @@ def test_chunked_reference_matches_recurrence(decay):
   # T = 50 is not a multiple of the chunk size 16: padding must not change the state.
   check_gla_against_recurrence(chunk_gla_reference, 0, 2, 50, 2, 8, 16, decay=decay,
                                chunk_size=16)
+
+
+@pytest.mark.parametrize("decay,initial", [("dim", True), ("scalar", True), (None, False)])
+def test_float32_recurrence_matches_float64(decay, initial):
+  # recurrent_gla: the definition, and the reference some tests compare with directly.
+  check_gla_against_recurrence(recurrent_gla, 1, 2, 50, 2, 8, 16, decay=decay,
+                               initial=initial)
 
 
 def test_recurrence_is_the_definition():

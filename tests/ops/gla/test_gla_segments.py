@@ -15,6 +15,7 @@ per (op, options), shared by the tests of a process.
 """
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -50,7 +51,8 @@ def test_chunk_gla_bf16():
 def test_without_final_state_or_initial_state():
   q, k, v, g, _, _, _ = document_inputs(1)
   ids = jnp.asarray(DOC_IDS)
-  o, final = chunk_gla(q, k, v, g, chunk_size=C, backend="jax", segment_ids=ids)
+  o, final = jax.jit(lambda *a: chunk_gla(*a, chunk_size=C, backend="jax", segment_ids=ids))(
+      q, k, v, g)
   o_r, _, _ = gla_float64_documents(q, k, v, g, None, np.zeros(v.shape), None, DOC_IDS,
                                     K ** -0.5)
   assert final is None and rel_err64(o, o_r) <= FWD_TOL
