@@ -14,7 +14,9 @@ and to_end[j] = seg[C-1, j] (``docs/design.md`` §9):
 Kernels: :func:`inverse` forms A and T (16 x 16 blocks) and writes T as a ``[C, C]``
 tile per chunk; every other kernel works on whole-chunk tiles, looping over K and V tiles
 so that few accumulators are live (:func:`wu`, :func:`output`; the backward's
-:func:`vnew`, :func:`dqk`, :func:`dwy`).
+:func:`vnew`, :func:`dqk`, :func:`dwy`). The forward takes :func:`wy_forward`:
+:func:`inverse` and :func:`wu` in one program, applying T as the inverse leaves it, 16 x 16
+blocks in registers, T never written; the backward, which needs T, keeps the two.
 
 Exactness: every exponent is a sum of g over exactly the tokens it spans, never the
 difference of two cumulative sums and never positive: over a chunk the segment sums are
@@ -237,8 +239,79 @@ def wu(Tinv, k, v, g, beta, *, chunk_size, config, q=None, scale=None):
               num_stages=config.wu.stages, name="gdn_wu")(*args)
 
 
+def _wy_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, ad_ref, *, C, K,
+               V, KD, BD, dt, config):
+  b, hd, n = (pl.program_id(i) for i in range(3))
+  rows, _, betas, dec = _load_chunk((g_ref, beta_ref), b, hd, n, C)
+  L = dec.L
+  # A and the inverse's blocks as in _inverse_kernel.
+  A, _, _ = block_kkt(lambda I, ks: k_ref[b, rows[I], hd, ks], tiles(K, KD), betas, dec, dt)
+  for I in range(L):
+    ad_ref[b, rows[I], hd, :] = A[I, I]
+  program_barrier(config)
+  stacked = stacked_through(ad_ref, b, hd, n, C, config,
+                            lambda i, first: ad_ref[b, n * C + first + i, hd, :])
+  X = block_inverse(A, L, stacked, dt)
+  # T as gdn_ut_inverse stores it (in dt): the products below take the same operands as
+  # gdn_wu's dots with T, summed block by block.
+  X = {IJ: x.astype(dt) for IJ, x in X.items()}
+  gb = [dec.b(I) for I in range(L)]
+  eb = [jnp.exp(x) for x in gb]
+  ek = [jnp.exp(dec.to_end(I)) for I in range(L)]
+  for I in range(L):
+    gc_ref[b, rows[I], hd] = gb[I]
+
+  def apply_t(rhs):                    # rows of block I of T rhs: sum_{J <= I} X_IJ rhs_J
+    out = []
+    for I in range(L):
+      acc = dot(X[I, 0], rhs[0], dt)
+      for J in range(1, I + 1):
+        acc = acc + dot(X[I, J], rhs[J], dt)
+      out.append(acc)
+    return out
+
+  for ks in tiles(K, BD):
+    kb = [k_ref[b, r, hd, ks].astype(F32) for r in rows]
+    w = apply_t([(betas[J] * eb[J])[:, None] * kb[J] for J in range(L)])
+    for I in range(L):
+      w_ref[b, rows[I], hd, ks] = w[I].astype(w_ref.dtype)
+      kd_ref[b, rows[I], hd, ks] = (ek[I][:, None] * kb[I]).astype(kd_ref.dtype)
+  for vs in tiles(V, BD):
+    u = apply_t([betas[J][:, None] * v_ref[b, rows[J], hd, vs].astype(F32)
+                 for J in range(L)])
+    for I in range(L):
+      u_ref[b, rows[I], hd, vs] = u[I].astype(u_ref.dtype)
+
+
+def wy_forward(k, v, g, beta, *, chunk_size, config):
+  """The forward's ``(w, u, kd, gc)`` (as :func:`wu`'s) in one program per chunk (kernel
+  ``gdn_wy``), T never written: A and the inverse's blocks ``X[I, J]`` (J <= I, ``[16,
+  16]`` register tiles) as :func:`inverse` forms them, then per K and V tile of
+  ``config.wy.bv`` the rows of block I of w and u as ``sum_{J <= I} X[I, J] rhs[J]`` (rhs
+  = beta e^{b} k, beta v by 16-token blocks: L (L + 1) / 2 dots of ``[16, 16] x [16,
+  bv]`` a tile, 10 at a chunk of 64), b and to_end per block from :class:`Blocks`. X is
+  rounded to k's dtype before the products, as :func:`inverse` stores T, so w and u equal
+  :func:`wy`'s up to the order of the float32 accumulation. Spares :func:`inverse` then
+  :func:`wu`'s T write and read (``B T H C`` elements of k's dtype each way) and wu's
+  second read of k, g and beta: forward 1.16 -> 1.12 ms at B8 T4096 H16 K=V=128 on an
+  H100 (``benchmarks/results/gdn_h200.md``). The backward keeps :func:`wy`: written with
+  T for ``gdn_dwy`` the fused kernel measured slower there."""
+  B, T, H, K = k.shape
+  V = v.shape[-1]
+  C = chunk_size
+  kern = functools.partial(_wy_kernel, C=C, K=K, V=V, KD=config.wy.kd, BD=config.wy.bv,
+                           dt=k.dtype, config=config)
+  kshape = jax.ShapeDtypeStruct((B, T, H, K), k.dtype)
+  out = (kshape, jax.ShapeDtypeStruct((B, T, H, V), k.dtype), kshape,
+         jax.ShapeDtypeStruct((B, T, H), F32),
+         jax.ShapeDtypeStruct((B, T, H, S), F32))          # + the diagonal blocks' scratch
+  return call(kern, out, (B, H, T // C), config=config, num_warps=config.wy.warps,
+              num_stages=config.wy.stages, name="gdn_wy")(k, v, g, beta)[:4]
+
+
 def wy(k, v, g, beta, *, chunk_size, config, q=None, scale=None):
-  """:func:`inverse` then :func:`wu`: ``(Tinv, w, u, kd, gc)`` (and ``qb`` with q)."""
+  """:func:`inverse` then :func:`wu`: ``(Tinv, w, u, kd, gc)`` (and ``qb`` with q); the
+  backward's (the forward takes :func:`wy_forward`)."""
   Tinv = inverse(k, g, beta, chunk_size=chunk_size, config=config)
   return (Tinv, *wu(Tinv, k, v, g, beta, chunk_size=chunk_size, config=config, q=q,
                     scale=scale))

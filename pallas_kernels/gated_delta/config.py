@@ -22,6 +22,8 @@ STAGE_DEFAULTS = {
     "inv": Launch(kd=128, warps=2, stages=1),   # A and its UT inverse per chunk (kd: the
                                                 # K slice of k k^T)
     "wu": Launch(bv=64, warps=4, stages=1),     # w, u, kd per chunk (bv: the K / V tile)
+    "wy": Launch(kd=128, bv=64, warps=2, stages=1),   # forward: inv and wu in one program
+                                                # (kd as inv's, bv as wu's)
     "walk": Launch(bv=16, warps=4, stages=3),   # forward walk (h, v_new); the launch by shape
     "out": Launch(bv=128, warps=4, stages=2),   # the output per chunk and V tile
     "vnew": Launch(bv=128, warps=4, stages=2),  # backward: v_new and the local dv per V tile
@@ -58,6 +60,7 @@ class KernelConfig:
   interpret: bool = False
   inv: Launch = STAGE_DEFAULTS["inv"]
   wu: Launch = STAGE_DEFAULTS["wu"]
+  wy: Launch = STAGE_DEFAULTS["wy"]
   walk: Launch = STAGE_DEFAULTS["walk"]
   out: Launch = STAGE_DEFAULTS["out"]
   vnew: Launch = STAGE_DEFAULTS["vnew"]

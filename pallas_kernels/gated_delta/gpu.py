@@ -5,8 +5,9 @@ Same contract as ``zeco_jax.ops.gated_delta.chunked`` (padded, validated inputs;
 ``[B, T, H, D]``; g and beta float32 ``[B, T, H]``; T a multiple of the chunk), plus the
 launch configuration ``config`` (:class:`pallas_kernels.gated_delta.KernelConfig`):
 
-  fwd: UT inverse T per chunk -> w, u, kd, gc (full-chunk tiles) -> state walk (h,
-       v_new, final; the chunk decays e^{gamma} from gc) -> output
+  fwd: UT inverse per chunk and w, u, kd, gc from it (``chunk.wy_forward``: one kernel,
+       T kept in registers, not written) -> state walk (h, v_new, final; the chunk decays
+       e^{gamma} from gc) -> output
   bwd: T, w, u, kd, gc (recomputed) and qb = scale e^{b} q -> the chunk states walked
        again (or kept: ``config.save_states``) -> v_new and its local cotangent ->
        state-gradient walk (dH, dv_new, dh0) -> dq, dk, dw, dg per chunk
@@ -36,7 +37,7 @@ def fwd_res(q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
   """((o, final_state), :class:`Residual`)."""
   check_dims(q.shape[-1], v.shape[-1], chunk_size)
   kw = dict(chunk_size=chunk_size, config=config)
-  _, w, u, kd, gc = chunk.wy(k, v, g, beta, **kw)
+  w, u, kd, gc = chunk.wy_forward(k, v, g, beta, **kw)
   h, vn, final = walk.state_walk(w, u, kd, walk.chunk_decay(gc, chunk_size), initial_state,
                                  store_dtype=state_store_dtype(config, k.dtype), **kw)
   o = chunk.output(q, k, g, gc, vn, h, scale=scale, **kw)

@@ -43,7 +43,7 @@ def test_kernels_match_float64(shape):
   # in two programs per chunk (K slices); K = 16 gdn_dqk's whole K in one.
   cfg = gated_delta.default_config("cpu", B, T, H, K, V, jnp.float32)
   cfg = (cfg.replace(walk_bv=32, dwalk_bv=32) if V == 32
-         else cfg.replace(dqk_kd=16, inv_kd=16))
+         else cfg.replace(dqk_kd=16, inv_kd=16, wy_kd=16))
   check_gdn_against_float64(_kernel_op(C, kernel_config=cfg), inputs, weights)
 
 
@@ -144,6 +144,36 @@ def test_stages_match_the_jnp_chunk_terms():
   want = reference(k, g, beta)
   got = jnp.moveaxis(Tinv.reshape(1, 2, C, 1, C), 3, 1)
   assert rel_err(got, want) <= 1e-6
+
+
+# (B, T, H, K, V): the head users run (K = V = 128, two chunks) and a small one (K != V,
+# k k^T in two K slices, w in two tiles of 16 and u in three).
+@pytest.mark.parametrize("shape", [(1, 128, 1, 128, 128), (2, 128, 2, 32, 48)],
+                         ids=["K128-V128", "K32-V48"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_fused_wy_matches_inverse_then_wu(shape, dtype):
+  """The forward's ``gdn_wy`` (chunk.wy_forward) against ``gdn_ut_inverse`` then
+  ``gdn_wu`` (the backward's chunk.wy). w, u: the same products summed in another order
+  (block by block against whole-chunk dots); gc = b and kd = e^{to_end} k: b and to_end
+  summed by 16-token blocks instead of over the chunk. Relative norms: gc (float32) within
+  1e-6; w, u, kd within 1e-6 for float32 inputs and 1e-4 for bf16 ones (an element one
+  bf16 step apart, 2^-8 of its value, stays within it). Measured: at most 9e-8 (float32),
+  5e-7 (bf16). g down to log 0.5 per token, beta up to 0.99."""
+  from pallas_kernels.gated_delta import chunk
+  B, T, H, K, V = shape
+  (q, k, v, g, beta, _), _ = gdn_inputs(11, B, T, H, K, V, g_low=np.log(0.5),
+                                        beta_high=0.99, dtype=dtype, initial=False)
+  beta = beta.astype(jnp.float32)
+  cfg = gated_delta.default_config("cpu", B, T, H, K, V, dtype)
+  if K == 32:
+    cfg = cfg.replace(wy_kd=16, inv_kd=16, wy_bv=16, wu_bv=16)
+  kw = dict(chunk_size=64, config=cfg)
+  want = jax.jit(functools.partial(chunk.wy, **kw))(k, v, g, beta)[1:]
+  got = jax.jit(functools.partial(chunk.wy_forward, **kw))(k, v, g, beta)
+  for name, a, b in zip(("w", "u", "kd", "gc"), got, want):
+    assert a.dtype == b.dtype and a.shape == b.shape, name
+    bar = 1e-6 if name == "gc" or dtype == jnp.float32 else 1e-4
+    assert rel_err(a, b) <= bar, (name, rel_err(a, b))
 
 
 @pytest.mark.parametrize("method,pieces,keep", [
@@ -264,23 +294,26 @@ def _dot_precisions(jaxpr):
   return found
 
 
-@pytest.mark.parametrize("family", ["gated_delta", "kda"])
+@pytest.mark.parametrize("family", ["gated_delta", "gated_delta_wy", "kda"])
 def test_inverse_merges_take_three_bf16_products_for_bf16_inputs(family):
   """The UT inverse's 16 block merges of a chunk of 64 (``_delta.merge_dot``): the
   three-bf16-product preset for bf16 inputs, IEEE float32 (HIGHEST) for float32 ones, in
-  both families' inverse kernels (``gdn_ut_inverse``, ``kda_intra``); no other dot takes
-  the preset."""
+  both families' inverse kernels (``gdn_ut_inverse``, the fused ``gdn_wy``, ``kda_intra``);
+  no other dot takes the preset."""
   from pallas_kernels import _delta
   from pallas_kernels.kda import pairs
   B, T, H, K = 1, 64, 1, 32
-  g_shape = (B, T, H) if family == "gated_delta" else (B, T, H, K)
+  g_shape = (B, T, H, K) if family == "kda" else (B, T, H)
   counts = {}
   for dtype in (jnp.bfloat16, jnp.float32):
     k = jnp.ones((B, T, H, K), dtype)
     g, beta = -jnp.ones(g_shape), jnp.ones((B, T, H))
-    cfg = pallas_kernels.family_default_config(family, "cpu", B, T, H, K, K, dtype)
+    cfg = pallas_kernels.family_default_config(family.removesuffix("_wy"), "cpu", B, T, H, K,
+                                               K, dtype)
     if family == "gated_delta":
       run = lambda k, g, beta: gpu.chunk.inverse(k, g, beta, chunk_size=64, config=cfg)
+    elif family == "gated_delta_wy":
+      run = lambda k, g, beta: gpu.chunk.wy_forward(k, k, g, beta, chunk_size=64, config=cfg)
     else:
       run = lambda k, g, beta: pairs.intra(k, k, g, beta, chunk_size=64, config=cfg)
     precisions = _dot_precisions(jax.make_jaxpr(run)(k, g, beta).jaxpr)
@@ -304,7 +337,7 @@ def test_kernels_lower_to_triton_for_a_gpu_target(K, V, dqk_kd):
   if dqk_kd is not None:
     config = config.replace(dqk_kd=dqk_kd)
   text = _lower_gdn_for_gpu(B, T, H, K, V, config)
-  names = ("gdn_ut_inverse", "gdn_wu", "gdn_state_walk", "gdn_output", "gdn_vnew",
+  names = ("gdn_wy", "gdn_state_walk", "gdn_output", "gdn_ut_inverse", "gdn_wu", "gdn_vnew",
            "gdn_grad_walk", "gdn_dqk", "gdn_dwy")
   assert all(name in text for name in names), [n for n in names if n not in text]
 
