@@ -11,8 +11,10 @@ record goes beside it (``<json>.env.json``).
 For each shape (B, T, H, K, V; bf16 q, k, v, beta, float32 g, l2-normalised keys, chunk
 64; g per head for gdn, per key channel for kda: ``logsigmoid(N(0, 1))`` clipped at -5):
 times jit(our op) with ``--backend`` (default "jax", the jnp path, whose rows are
-labelled "jnp"; else labelled by the backend's name), forward and forward + backward (grad
-of sum(o * do) for q, k, v, g, beta), then FLA 0.6.0's ``chunk_gated_delta_rule`` or
+labelled "jnp"; else labelled by the backend's name), forward and forward + backward (o and
+its vjp of do for q, k, v, g, beta, o returned so that the forward runs whole as FLA's
+does; until 2026-12-06 only the vjp was returned and XLA dropped our forward's kernels as
+dead code: ``benchmarks/results/kda_h200.md``), then FLA 0.6.0's ``chunk_gated_delta_rule`` or
 ``chunk_kda`` on the same inputs (after its autotuning), and reports the relative
 difference of o and of the gradients between the two (bf16 outputs, so ~1e-2 is
 agreement). Median over ``reps`` of the mean of ``iters`` calls after one warm-up call
@@ -93,14 +95,18 @@ def main():
     row = {"shape": name}
     fwd = jax.jit(lambda *a: ours(*a)[0])
 
-    def loss(q, k, v, g, beta):
-      return jnp.sum(ours(q, k, v, g, beta)[0].astype(jnp.float32) * do.astype(jnp.float32))
+    def fwd_bwd(q, k, v, g, beta):
+      # o is returned with the gradients so that the forward runs whole, as FLA's
+      # o.backward(do) does: the vjp alone needs only the backward's residuals (the
+      # inputs), and XLA drops the forward's kernels as dead code.
+      o, vjp = jax.vjp(lambda *a: ours(*a)[0], q, k, v, g, beta)
+      return o, vjp(do)
 
-    fb = jax.jit(jax.grad(loss, (0, 1, 2, 3, 4)))
+    fb = jax.jit(fwd_bwd)
     sync = jax.block_until_ready
     t0 = time.perf_counter()
     o_j = sync(fwd(q, k, v, g, beta))
-    grads_j = sync(fb(q, k, v, g, beta))
+    grads_j = sync(fb(q, k, v, g, beta))[1]
     log(f"{name} {tag}: compiled + first call {time.perf_counter() - t0:.1f} s")
     row[f"{tag} fwd ms"] = time_loop(lambda: fwd(q, k, v, g, beta), sync, args.iters,
                                      args.reps)

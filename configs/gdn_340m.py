@@ -12,8 +12,8 @@ Size:  479.5M parameters here (counted with nnx.eval_shape). FLA names this shap
        head is tied to the embedding, as in this repository's GLA model.
 Op:    the Gated DeltaNet Pallas kernels on GPU and TPU (``model.backend="auto"``), at
        this shape's K = 256, V = 512 per head; the jnp chunked path on CPU.
-Time:  one H100 trains 1 x 16384 tokens at 64,359 tokens/s in 31.6 GiB on the kernels
-       (GLA-340M: 146,955 in 22.2 GiB on the same machine, 2026-12-05); the delta kernels
+Time:  one H100 trains 1 x 16384 tokens at 64,597 tokens/s in 31.6 GiB on the kernels
+       (GLA-340M: 145,993 in 22.2 GiB on the same machine, 2026-12-06); the delta kernels
        and 479.5M parameters' matmuls take most of the step; on the jnp path (an H200)
        22,416 in 95.0 GiB (benchmarks/results/gdn_h200.md).
 Reach: not measured (no corpus or long GPU run here).
