@@ -91,7 +91,9 @@ def test_padded_prompts_and_eos(family):
   # The prompts alone: row 0 as it is, rows 1 and 2 (27 tokens each) in one batch.
   want = [np.asarray(m.generate(p[0:1], max_new_tokens=6)[0][0]),
           *np.asarray(m.generate(jnp.stack([p[1, 10:], p[2, :-10]]), max_new_tokens=6)[0])]
-  got, _ = m.generate(p, prompt_mask=jnp.asarray(mask), max_new_tokens=6)
+  # pad_id (static) as in the EOS run below: one program for both (without an EOS no row
+  # stops, so nothing is padded).
+  got, _ = m.generate(p, prompt_mask=jnp.asarray(mask), max_new_tokens=6, pad_id=-7)
   assert np.array_equal(np.asarray(got), np.stack(want))
   eos = int(want[0][2])
   stopped, lengths = m.generate(p, prompt_mask=jnp.asarray(mask), max_new_tokens=6,
