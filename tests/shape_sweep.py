@@ -9,8 +9,9 @@ Every case starts from a zero state (no ``initial_state``), with gradients taken
 the final state: the zero initial state and the zero final-state cotangent are what
 XLA:CPU once saw as constants (``docs/xla_cpu_ynn.md``). The reference is the family's
 float64 truth (``gla_float64``, ``gdn_float64``, ``kda_float64``: the token loop and its
-hand-written vjp in numpy), so the op's programs are the only ones a case compiles: its
-forward alone and its forward with gradients. Tolerances (relative norms against the
+hand-written vjp in numpy), so the op's programs are the only ones a test compiles: the
+forward alone and the forward with gradients, each holding the test's cases side by side
+(:func:`check_cases`). Tolerances (relative norms against the
 float64 values): forward 1e-5, gradients 1e-4; a gradient whose reference is exactly zero
 (dg at T = 1 from a zero state) must be below 1e-6 of the largest gradient.
 """
@@ -83,44 +84,54 @@ def kda_truth(q, k, v, g, beta, w):
   return _delta_truth(kda_float64, q, k, v, g, beta, w)
 
 
-def value_and_grads(op, args, w):
-  """o and the gradients of sum(o * w) w.r.t. every input: one jitted program."""
-  def loss(*a):
-    o = op(*a)
-    return jnp.sum(o * w), o
-
-  (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args))),
-                                             has_aux=True))(*args)
-  return o, grads
-
-
 def check(op, truth, args, w, what, *, eager=False, mesh=None, tol=1e-4):
+  """:func:`check_cases` on one case."""
+  check_cases(op, truth, [(args, w, what)], eager=[what] if eager else [], mesh=mesh, tol=tol)
+
+
+def check_cases(op, truth, cases, *, eager=(), mesh=None, tol=1e-4):
   """``op`` (``(*args) -> o``) against ``truth`` (``(*args, w) -> (o, grads)`` in float64,
-  e.g. :func:`gla_truth`): the forward alone under jit (a program of its own: XLA fuses it
-  differently from one that also differentiates), the forward and gradients of
-  ``sum(o * w)`` in one program, and, if ``eager``, the forward op by op. A gradient whose
-  truth is exactly zero (dg at T = 1 from a zero state) must be below 1e-6 of the largest
-  gradient. With ``mesh``, ``op`` gets the arrays with B over ``data`` and T over ``seq``
-  (under ``jax.set_mesh``), the truth the unsharded ones."""
-  o_ref, grads_ref = truth(*args, w)
+  e.g. :func:`gla_truth`) on every case ``(args, w, what)`` of ``cases``: the forward alone
+  under jit (a program of its own: XLA fuses it differently from one that also
+  differentiates), the forward and gradients of ``sum(o * w)`` in one program, and, for the
+  cases whose ``what`` is in ``eager``, the forward op by op. The cases run side by side in
+  those two programs (each case's op on its own inputs, nothing shared; the loss is the sum
+  of the cases' losses, so each case's gradients are its own): one compilation per
+  program instead of one per case. A gradient whose truth is exactly zero (dg at T = 1
+  from a zero state) must be below 1e-6 of the largest gradient. With ``mesh``, ``op``
+  gets the arrays with B over ``data`` and T over ``seq`` (under ``jax.set_mesh``), the
+  truth the unsharded ones."""
+  refs = [truth(*args, w) for args, w, _ in cases]
+  args_list, w_list = [args for args, _, _ in cases], [w for _, w, _ in cases]
   context = contextlib.nullcontext()
   if mesh is not None:
-    args, (w,), context = on_mesh(mesh, *args), on_mesh(mesh, w), jax.set_mesh(mesh)
+    args_list = [on_mesh(mesh, *args) for args in args_list]
+    w_list = [on_mesh(mesh, w)[0] for w in w_list]
+    context = jax.set_mesh(mesh)
+
+  def loss(args_list, w_list):
+    outs = [op(*args) for args in args_list]
+    return sum(jnp.sum(o * w) for o, w in zip(outs, w_list)), outs
+
   with context:
-    o_jit = jax.jit(op)(*args)
-    o, grads = value_and_grads(op, args, w)
-    o_eager = op(*args) if eager else None
-  assert rel_err64(o_jit, o_ref) <= 1e-5, (what, "jit forward")
-  assert rel_err64(o, o_ref) <= 1e-5, (what, "forward with the backward")
-  if eager:
-    assert rel_err64(o_eager, o_ref) <= 1e-5, (what, "eager forward")
-  assert len(grads) == len(grads_ref)
-  largest = max(float(np.linalg.norm(g)) for g in grads_ref)
-  for i, (g, g_ref) in enumerate(zip(grads, grads_ref)):
-    if float(np.linalg.norm(g_ref)) == 0.0:
-      assert float(jnp.linalg.norm(g)) <= 1e-6 * largest, (what, i)
-    else:
-      assert rel_err64(g, g_ref) <= tol, (what, i)
+    o_jit = jax.jit(lambda args_list: [op(*args) for args in args_list])(args_list)
+    (_, outs), grads_list = jax.jit(jax.value_and_grad(loss, has_aux=True))(args_list, w_list)
+    o_eager = {what: op(*args) for args, (_, _, what) in zip(args_list, cases)
+               if what in eager}
+  assert len(o_eager) == len(eager), (list(eager), list(o_eager))
+  for (_, _, what), (o_ref, grads_ref), o_j, o, grads in zip(cases, refs, o_jit, outs,
+                                                            grads_list):
+    assert rel_err64(o_j, o_ref) <= 1e-5, (what, "jit forward")
+    assert rel_err64(o, o_ref) <= 1e-5, (what, "forward with the backward")
+    if what in o_eager:
+      assert rel_err64(o_eager[what], o_ref) <= 1e-5, (what, "eager forward")
+    assert len(grads) == len(grads_ref)
+    largest = max(float(np.linalg.norm(g)) for g in grads_ref)
+    for i, (g, g_ref) in enumerate(zip(grads, grads_ref)):
+      if float(np.linalg.norm(g_ref)) == 0.0:
+        assert float(jnp.linalg.norm(g)) <= 1e-6 * largest, (what, i)
+      else:
+        assert rel_err64(g, g_ref) <= tol, (what, i)
 
 
 def on_mesh(mesh, *arrays):

@@ -71,9 +71,12 @@ def test_sampling_is_seeded_and_its_cuts_work():
   a = sample(temperature=1.0, top_k=10, top_p=0.9, seed=3)
   assert np.array_equal(a, sample(temperature=1.0, top_k=10, top_p=0.9, seed=3))
   assert not np.array_equal(a, sample(temperature=1.0, top_k=10, top_p=0.9, seed=4))
-  greedy = sample()
-  assert np.array_equal(sample(temperature=1.0, top_k=1, seed=5), greedy)
-  assert np.array_equal(sample(temperature=1.0, top_p=1e-6, seed=5), greedy)
+  # top_k = 1 or a tiny top_p is greedy: on 64 rows of random logits of the vocabulary's
+  # size, the draws are the argmax (both cuts inside generate: the draws above).
+  rows = jax.random.normal(jax.random.key(7), (64, 64))
+  for cut in (Sampling(1.0, top_k=1), Sampling(1.0, top_p=1e-6)):
+    assert np.array_equal(np.asarray(cut.sample(rows, jax.random.key(5))),
+                          np.asarray(jnp.argmax(rows, axis=-1))), cut
   logits = jnp.asarray([[0.0, 1.0, 2.0, 3.0]])
   drawn = {int(Sampling(1.0, top_k=2).sample(logits, jax.random.key(i))[0]) for i in range(64)}
   assert drawn == {2, 3}
@@ -88,7 +91,9 @@ def test_padded_prompts_and_eos(family):
   # The prompts alone: row 0 as it is, rows 1 and 2 (27 tokens each) in one batch.
   want = [np.asarray(m.generate(p[0:1], max_new_tokens=6)[0][0]),
           *np.asarray(m.generate(jnp.stack([p[1, 10:], p[2, :-10]]), max_new_tokens=6)[0])]
-  got, _ = m.generate(p, prompt_mask=jnp.asarray(mask), max_new_tokens=6)
+  # pad_id (static) as in the EOS run below: one program for both (without an EOS no row
+  # stops, so nothing is padded).
+  got, _ = m.generate(p, prompt_mask=jnp.asarray(mask), max_new_tokens=6, pad_id=-7)
   assert np.array_equal(np.asarray(got), np.stack(want))
   eos = int(want[0][2])
   stopped, lengths = m.generate(p, prompt_mask=jnp.asarray(mask), max_new_tokens=6,
