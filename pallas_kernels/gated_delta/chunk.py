@@ -159,16 +159,24 @@ def _load_chunk(refs, b, hd, n, C):
 
 # --- forward ------------------------------------------------------------------------------
 
-def _inverse_kernel(k_ref, g_ref, beta_ref, t_ref, ad_ref, *, C, K, KD, dt, config):
-  b, hd, n = (pl.program_id(i) for i in range(3))
+def _inverse_blocks(k_ref, g_ref, beta_ref, ad_ref, b, hd, n, *, C, K, KD, dt, config):
+  """This program's chunk: ``(rows, betas, dec, X)`` with X the blocks of (I + A)^{-1}
+  (:func:`pallas_kernels._delta.block_inverse`), A's diagonal blocks through the float32
+  scratch ``ad_ref``, all at once."""
   rows, _, betas, dec = _load_chunk((g_ref, beta_ref), b, hd, n, C)
   A, _, _ = block_kkt(lambda I, ks: k_ref[b, rows[I], hd, ks], tiles(K, KD), betas, dec, dt)
-  for I in range(dec.L):               # the diagonal blocks through memory, all at once
+  for I in range(dec.L):
     ad_ref[b, rows[I], hd, :] = A[I, I]
   program_barrier(config)
   stacked = stacked_through(ad_ref, b, hd, n, C, config,
                             lambda i, first: ad_ref[b, n * C + first + i, hd, :])
-  X = block_inverse(A, dec.L, stacked, dt)
+  return rows, betas, dec, block_inverse(A, dec.L, stacked, dt)
+
+
+def _inverse_kernel(k_ref, g_ref, beta_ref, t_ref, ad_ref, *, C, K, KD, dt, config):
+  b, hd, n = (pl.program_id(i) for i in range(3))
+  rows, _, dec, X = _inverse_blocks(k_ref, g_ref, beta_ref, ad_ref, b, hd, n, C=C, K=K,
+                                    KD=KD, dt=dt, config=config)
   for I in range(dec.L):
     for J in range(dec.L):
       block = X[I, J] if J <= I else jnp.zeros((S, S), F32)
@@ -242,16 +250,9 @@ def wu(Tinv, k, v, g, beta, *, chunk_size, config, q=None, scale=None):
 def _wy_kernel(k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, kd_ref, gc_ref, ad_ref, *, C, K,
                V, KD, BD, dt, config):
   b, hd, n = (pl.program_id(i) for i in range(3))
-  rows, _, betas, dec = _load_chunk((g_ref, beta_ref), b, hd, n, C)
+  rows, betas, dec, X = _inverse_blocks(k_ref, g_ref, beta_ref, ad_ref, b, hd, n, C=C, K=K,
+                                        KD=KD, dt=dt, config=config)
   L = dec.L
-  # A and the inverse's blocks as in _inverse_kernel.
-  A, _, _ = block_kkt(lambda I, ks: k_ref[b, rows[I], hd, ks], tiles(K, KD), betas, dec, dt)
-  for I in range(L):
-    ad_ref[b, rows[I], hd, :] = A[I, I]
-  program_barrier(config)
-  stacked = stacked_through(ad_ref, b, hd, n, C, config,
-                            lambda i, first: ad_ref[b, n * C + first + i, hd, :])
-  X = block_inverse(A, L, stacked, dt)
   # T as gdn_ut_inverse stores it (in dt): the products below take the same operands as
   # gdn_wu's dots with T, summed block by block.
   X = {IJ: x.astype(dt) for IJ, x in X.items()}
