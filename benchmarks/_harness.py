@@ -82,6 +82,20 @@ def time_loop(fn, sync=None, iters: int = 20, reps: int = 7, *, warmup: int = 2)
 
 # -- errors and truths ------------------------------------------------------------------------
 
+def live_fwd_bwd(op, do):
+  """jit of ``op``'s output o (``op(*a)[0]``) with its vjp of ``do``, returned together,
+  so that the forward runs whole, as FLA's ``o.backward(do)`` does: the vjp alone needs
+  only the backward's residuals (for our delta-rule ops, the inputs), and XLA drops the
+  forward's kernels as dead code."""
+  import jax
+
+  def fwd_bwd(*a):
+    o, vjp = jax.vjp(lambda *x: op(*x)[0], *a)
+    return o, vjp(do)
+
+  return jax.jit(fwd_bwd)
+
+
 def rel(a, b) -> float:
   """``||a - b|| / ||b||`` in float64; NaN when ``a`` has a non-finite value (so every
   ``rel(...) <= tol`` check fails on it)."""

@@ -95,14 +95,7 @@ def main():
     row = {"shape": name}
     fwd = jax.jit(lambda *a: ours(*a)[0])
 
-    def fwd_bwd(q, k, v, g, beta):
-      # o is returned with the gradients so that the forward runs whole, as FLA's
-      # o.backward(do) does: the vjp alone needs only the backward's residuals (the
-      # inputs), and XLA drops the forward's kernels as dead code.
-      o, vjp = jax.vjp(lambda *a: ours(*a)[0], q, k, v, g, beta)
-      return o, vjp(do)
-
-    fb = jax.jit(fwd_bwd)
+    fb = harness.live_fwd_bwd(ours, do)          # o returned: the forward runs whole
     sync = jax.block_until_ready
     t0 = time.perf_counter()
     o_j = sync(fwd(q, k, v, g, beta))

@@ -15,8 +15,9 @@ Results: benchmarks/results/gdn_h200.md (FLA beside the op: ``benchmarks.delta_h
   chunk states kept (``save_states=True``) and walked again (the default).
 * always: ``chunk_gated_delta_rule`` (the default kernel configuration) forward and
   forward + backward (o and the vjp of do for q, k, v, g, beta, so that the forward runs
-  whole: :func:`live_fwd_bwd`) at B1 T16384 and B8 T4096 (H16, K=V=128, bf16), our ``chunk_gla`` forward + backward on the same tokens (g
-  broadcast over K), and one rank's local pass: ``zeco_gated_delta_rule`` on a one-device
+  whole: :func:`benchmarks._harness.live_fwd_bwd`) at B1 T16384 and B8 T4096 (H16,
+  K=V=128, bf16), our ``chunk_gla`` forward + backward on the same tokens (g broadcast
+  over K), and one rank's local pass: ``zeco_gated_delta_rule`` on a one-device
   mesh (the widened-state kernels and the fix-up; the scan over one rank is trivial)
   against ``chunk_gated_delta_rule`` on the same 2048 tokens (B1 H16, forward + backward).
 * ``--profile``: the local pass and the op on its tokens traced after their timing (3
@@ -159,19 +160,6 @@ def sweep(shape, stages, log, options=None):
   return rows
 
 
-def live_fwd_bwd(op, do):
-  """jit of the op's forward and its vjp of ``do``, o returned with the gradients: the
-  forward runs whole, as FLA's ``o.backward(do)`` does (the vjp alone needs only the
-  backward's residuals, the inputs, and XLA drops the forward's kernels as dead code)."""
-  import jax
-
-  def fwd_bwd(*a):
-    o, vjp = jax.vjp(lambda *x: op(*x)[0], *a)
-    return o, vjp(do)
-
-  return jax.jit(fwd_bwd)
-
-
 def op_times(shape, log):
   """The op (default kernels) forward, forward + backward, and our GLA's forward + backward."""
   import jax
@@ -181,9 +169,9 @@ def op_times(shape, log):
   q, k, v, g, beta, do = inputs(B, T, H, K, V, jnp.bfloat16)
   tl = lambda f: harness.time_loop(f, jax.block_until_ready, 10, 3, warmup=1)
   fwd = jax.jit(lambda *a: chunk_gated_delta_rule(*a)[0])
-  fb = live_fwd_bwd(chunk_gated_delta_rule, do)
+  fb = harness.live_fwd_bwd(chunk_gated_delta_rule, do)
   gk = jnp.broadcast_to(g[..., None], q.shape)
-  fbg = live_fwd_bwd(chunk_gla, do)
+  fbg = harness.live_fwd_bwd(chunk_gla, do)
   row = {"shape": f"B{B} T{T} H{H} K{K} V{V}",
          "gdn fwd ms": tl(lambda: fwd(q, k, v, g, beta)),
          "gdn fwd+bwd ms": tl(lambda: fb(q, k, v, g, beta)),
@@ -202,8 +190,8 @@ def local_pass_times(log, T=2048, profile=None):
   q, k, v, g, beta, do = inputs(1, T, 16, 128, 128, jnp.bfloat16)
   mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
   tl = lambda f: harness.time_loop(f, jax.block_until_ready, 10, 3, warmup=1)
-  fb_chunk = live_fwd_bwd(chunk_gated_delta_rule, do)
-  fb_local = live_fwd_bwd(lambda *a: zeco_gated_delta_rule(*a, mesh=mesh), do)
+  fb_chunk = harness.live_fwd_bwd(chunk_gated_delta_rule, do)
+  fb_local = harness.live_fwd_bwd(lambda *a: zeco_gated_delta_rule(*a, mesh=mesh), do)
   row = {"shape": f"local pass B1 T{T} H16 K128 V128",
          "chunk fwd+bwd ms": tl(lambda: fb_chunk(q, k, v, g, beta)),
          "local pass fwd+bwd ms": tl(lambda: fb_local(q, k, v, g, beta))}
