@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._launch import F32, block, call, dot, dot01, iota, tiles
+from pallas_kernels._launch import F32, block, call, dot, dot01, fast_exp, iota, tiles
 
 S = 16                       # rows of a sub-chunk (the pairwise decays, the UT inverse)
 
@@ -96,11 +96,11 @@ def _wu_kernel(t_ref, k_ref, v_ref, g_ref, beta_ref, *refs, C, K, V, BD, dt, sca
   beta = beta_ref[b, t, hd].astype(F32)
   for ks in tiles(K, BD):
     g = g_ref[b, t, hd, ks].astype(F32)
-    eb = jnp.exp(inclusive(g))
+    eb = fast_exp(inclusive(g))
     k = k_ref[b, t, hd, ks].astype(F32)
     w_ref[b, t, hd, ks] = dot(Tm, beta[:, None] * eb * k, dt).astype(w_ref.dtype)
-    kd_ref[b, t, hd, ks] = (jnp.exp(after(g)) * k).astype(kd_ref.dtype)
-    eg_ref[b, hd, n, ks] = jnp.exp(jnp.sum(g, axis=0))
+    kd_ref[b, t, hd, ks] = (fast_exp(after(g)) * k).astype(kd_ref.dtype)
+    eg_ref[b, hd, n, ks] = fast_exp(jnp.sum(g, axis=0))
     if scale is not None:
       qb_ref[b, t, hd, ks] = (scale * eb * q_ref[b, t, hd, ks].astype(F32)).astype(
           qb_ref.dtype)
@@ -132,7 +132,7 @@ def _out_kernel(q_ref, g_ref, p_ref, vn_ref, h_ref, o_ref, *, C, K, BK, BV, dt, 
   t, vs = pl.ds(n * C, C), pl.ds(iv * BV, BV)
   o = dot(p_ref[b, t, hd, :], vn_ref[b, t, hd, vs], dt)
   for ks in tiles(K, BK):
-    qe = q_ref[b, t, hd, ks].astype(F32) * jnp.exp(inclusive(g_ref[b, t, hd, ks].astype(F32)))
+    qe = q_ref[b, t, hd, ks].astype(F32) * fast_exp(inclusive(g_ref[b, t, hd, ks].astype(F32)))
     o = o + dot(qe, h_ref[b, hd, n, ks, vs], dt)
   o_ref[b, t, hd, vs] = (scale * o).astype(o_ref.dtype)
 
@@ -203,8 +203,8 @@ def _dqk_kernel(q_ref, k_ref, g_ref, vn_ref, dvn_ref, do_ref, h_ref, dh_ref, dq_
       dwa = dwa + dot(dvn, h, dt, tb=True)
       dgam = dgam + jnp.sum(h.astype(F32) * dh.astype(F32), axis=1)
     g = g_ref[b, t, hd, ks].astype(F32)
-    dq = (scale * jnp.exp(inclusive(g))) * dqs
-    dk = jnp.exp(after(g)) * dkd
+    dq = (scale * fast_exp(inclusive(g))) * dqs
+    dk = fast_exp(after(g)) * dkd
     dq_ref[b, t, hd, ks] = dq
     dk_ref[b, t, hd, ks] = dk
     dw_ref[b, t, hd, ks] = (-dwa).astype(dw_ref.dtype)
@@ -212,7 +212,7 @@ def _dqk_kernel(q_ref, k_ref, g_ref, vn_ref, dvn_ref, do_ref, h_ref, dh_ref, dq_
     # gamma's (e^{gamma} sum_v h dh') every token of the chunk.
     dg_ref[b, t, hd, ks] = (from_here(q_ref[b, t, hd, ks].astype(F32) * dq)
                             + before(k_ref[b, t, hd, ks].astype(F32) * dk)
-                            + (jnp.exp(jnp.sum(g, axis=0)) * dgam)[None, :])
+                            + (fast_exp(jnp.sum(g, axis=0)) * dgam)[None, :])
 
 
 def dqk(q, k, g, vn, dvn, do, h, dh, *, scale, chunk_size, config):
@@ -247,7 +247,7 @@ def _dwy_kernel(t_ref, k_ref, v_ref, g_ref, beta_ref, dw_ref, du_ref, dk_in_ref,
   r, c = iota((C, C), 0), iota((C, C), 1)
   dT = jnp.zeros((C, C), F32)
   for ks in ktiles:
-    eb = jnp.exp(inclusive(g_ref[b, t, hd, ks].astype(F32)))
+    eb = fast_exp(inclusive(g_ref[b, t, hd, ks].astype(F32)))
     rw = beta[:, None] * eb * k_ref[b, t, hd, ks].astype(F32)
     dT = dT + dot(dw_ref[b, t, hd, ks], rw, dt, tb=True)
   for vs in vtiles:
@@ -258,7 +258,7 @@ def _dwy_kernel(t_ref, k_ref, v_ref, g_ref, beta_ref, dw_ref, du_ref, dk_in_ref,
   da_ref[b, t, hd, :] = jnp.where(r > c, dA, 0.0)
   dbeta = jnp.zeros((C,), F32)
   for ks in ktiles:
-    eb = jnp.exp(inclusive(g_ref[b, t, hd, ks].astype(F32)))
+    eb = fast_exp(inclusive(g_ref[b, t, hd, ks].astype(F32)))
     k = k_ref[b, t, hd, ks].astype(F32)
     drw = dot(Tm, dw_ref[b, t, hd, ks], dt, ta=True)
     dk_ref[b, t, hd, ks] = dk_in_ref[b, t, hd, ks] + (beta[:, None] * eb) * drw

@@ -62,11 +62,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._launch import F32, block, call, dot, iota, masked_exp, unrolled
+from pallas_kernels._launch import F32, block, call, dot, fast_exp, iota, masked_fast_exp, unrolled
 from pallas_kernels._delta import block_inverse, stacked_through
 from pallas_kernels.kda.chunk import S, after, after_ieee, before, from_here, inclusive
 
-DIAG_UNROLL = 4              # steps per fori_loop iteration of kda_dpairs's diagonal loops
+# kda_dpairs's diagonal loops unrolled at trace time (16 steps of a sub-chunk; H100, the op's
+# forward + backward at B1 T16384 H16 K=V=128: 6.580 ms, against 6.826 / 7.115 / 7.072 /
+# 7.190 with 8 / 4 / 2 / 1 steps per fori_loop iteration on 2 warps, and 6.637 with 2 steps
+# on 4 warps: benchmarks/results/kda_h200.md).
+DIAG_UNROLL = S
 
 
 class SubChunks:
@@ -86,13 +90,13 @@ class SubChunks:
 
   def into(self, I):
     """``e^{into}`` ``[16, kd]``: g summed from the start of I to each row."""
-    return jnp.exp(inclusive(self.load("g", I)))
+    return fast_exp(inclusive(self.load("g", I)))
 
   def columns(self, J, I):
     """``k_J e^{after_J + between(J, I)}`` ``[16, kd]``: the column factor of block pair
     (I, J), J < I (a product of exps of sums of the tokens each spans, each <= 1; after_J
     as one IEEE float32 dot, :func:`pallas_kernels.kda.chunk.after_ieee`)."""
-    kc = self.load("k", J) * jnp.exp(after_ieee(self.load("g", J)))
+    kc = self.load("k", J) * fast_exp(after_ieee(self.load("g", J)))
     span = self.between(J, I)
     return kc if span is None else kc * span[None, :]
 
@@ -101,7 +105,7 @@ class SubChunks:
     acc = None
     for M in range(J + 1, I):
       acc = self.tot[M] if acc is None else acc + self.tot[M]
-    return None if acc is None else jnp.exp(acc)
+    return None if acc is None else fast_exp(acc)
 
 
 # --- forward: A, P and T ------------------------------------------------------------------
@@ -119,7 +123,7 @@ def _diag_kernel(q_ref, k_ref, g_ref, ad_ref, pd_ref, *, BH):
 
   def column(s, E):
     j = i - s
-    ke = k_ref[b, j, hs, :].astype(F32) * jnp.exp(E)
+    ke = k_ref[b, j, hs, :].astype(F32) * fast_exp(E)
     ad_ref[b, i, hs, j - start] = jnp.sum(ki * ke, axis=1)
     pd_ref[b, i, hs, j - start] = jnp.sum(qi * ke, axis=1)
     return E + g_ref[b, j, hs, :].astype(F32)
@@ -228,7 +232,7 @@ def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_in_ref, dk_
   rowv = lambda ref, t: ref[b, t, hd, ks].astype(F32)[None, :]      # token t's [1, kd]
   q, k, g = load(q_ref, M), load(k_ref, M), load(g_ref, M)
   beta = beta_ref[b, sub(M), hd].astype(F32)[:, None]
-  into = jnp.exp(inclusive(g))
+  into = fast_exp(inclusive(g))
   xq, xk = q * into, beta * k * into             # the rows' factors times their sums
   zero, zrow = jnp.zeros(q.shape, F32), jnp.zeros((KD,), F32)
 
@@ -238,7 +242,7 @@ def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_in_ref, dk_
     rp, ra, span = carry
     J = M - 1 - s
     gJ = load(g_ref, J)
-    kc = load(k_ref, J) * jnp.exp(after(gJ) + span[None, :])
+    kc = load(k_ref, J) * fast_exp(after(gJ) + span[None, :])
     cols = pl.ds(J * S, S)
     p = dot(dp_ref[b, sub(M), hd, cols], kc, dt)
     a = dot(da_ref[b, sub(M), hd, cols], kc, dt)
@@ -252,7 +256,7 @@ def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_in_ref, dk_
     col, span = carry
     I = M + 1 + s
     gI = load(g_ref, I)
-    ei = jnp.exp(inclusive(gI) + span[None, :])
+    ei = fast_exp(inclusive(gI) + span[None, :])
     bI = beta_ref[b, sub(I), hd].astype(F32)[:, None]
     col = (col + dot(dp_ref[b, sub(I), hd, mcols], load(q_ref, I) * ei, dt, ta=True)
            + dot(da_ref[b, sub(I), hd, mcols], bI * load(k_ref, I) * ei, dt, ta=True))
@@ -268,7 +272,7 @@ def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_in_ref, dk_
   def by_columns(i, carry):
     dq, dkr, E = carry
     j = S - 1 - i
-    e = masked_exp(row > j, E)
+    e = masked_fast_exp(row > j, E)
     ke = rowv(k_ref, first + j) * e
     dq = dq + dp_ref[b, sub(M), hd, M * S + j][:, None] * ke
     dkr = dkr + da_ref[b, sub(M), hd, M * S + j][:, None] * ke
@@ -280,7 +284,7 @@ def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_in_ref, dk_
   def by_rows(i, carry):
     dkc, E = carry
     E = jnp.where(row < i, E + rowv(g_ref, first + i), 0.0)
-    e = masked_exp(row < i, E)
+    e = masked_fast_exp(row < i, E)
     pr = dp_ref[b, first + i, hd, mcols][:, None]
     ar = (beta_ref[b, first + i, hd].astype(F32) * da_ref[b, first + i, hd, mcols])[:, None]
     dkc = dkc + (pr * rowv(q_ref, first + i) + ar * rowv(k_ref, first + i)) * e
@@ -292,7 +296,7 @@ def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_in_ref, dk_
   # summed from it on: the pairs after it cancel, each term computed alike both ways in
   # float32); the rows' pairs with earlier sub-chunks over the tokens from the row back
   # to M's start (into), the columns' with later ones over those after the column (after).
-  ecol = jnp.exp(after(g)) * col
+  ecol = fast_exp(after(g)) * col
   dg_ref[b, sub(M), hd, ks] = dg_in_ref[b, sub(M), hd, ks] + (
       from_here(q * dq + k * (beta * dkr - dkc) + xq * rp + xk * ra) + before(k * ecol))
   rv = iota((S,), 0)
