@@ -42,7 +42,7 @@ STAGE_DEFAULTS = {
     "dpairs": Launch(kd=32, warps=2, stages=1),  # backward: through A and P, per sub-chunk
                                                  # and K slice (kd)
 }
-FLAGS = ("interpret", "states_in_input_dtype", "save_states")
+FLAGS = ("interpret", "states_in_input_dtype", "save_states", "save_pairs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +61,12 @@ class KernelConfig:
   backward (K / C times v's size); off (the default) the backward recomputes them with a
   second forward walk (GPU; the TPU kernels keep them): on an H100 forward + backward 5.983
   against 6.848 ms at B1 T16384 H16 K=V=128, 11.373 against 13.064 at B8 T4096.
+  ``save_pairs``: the forward keeps T = (I + A)^{-1} and P ``[B, T, H, C]`` each, in k's
+  dtype (2 C values a token and head, as FLA keeps its Aqk and Akk), so that the backward
+  skips ``kda_diag`` and ``kda_intra``; off (the default) it forms them again, and the op
+  keeps only its inputs (and the chunk states with ``save_states``). GPU only. On an H100
+  (o live) forward + backward 6.005 against 6.583 ms at B1 T16384 H16 K=V=128 (FLA 6.029)
+  and 11.230 against 12.352 at B8 T4096 (FLA 10.863), for 67 MB kept at either shape.
   The walks' launches and their shared-memory check are Gated DeltaNet's (the same
   kernels).
   Change one with :meth:`replace` (``cfg.replace(walk_bv=32, dpairs_kd=64)``).
@@ -79,6 +85,7 @@ class KernelConfig:
   dpairs: Launch = STAGE_DEFAULTS["dpairs"]
   states_in_input_dtype: bool = True
   save_states: bool = False
+  save_pairs: bool = False
 
   def __post_init__(self):
     check_config(self, stage_defaults=STAGE_DEFAULTS, flags=FLAGS, label="kda KernelConfig")

@@ -9,7 +9,8 @@ configuration ``config`` (:class:`pallas_kernels.kda.KernelConfig`):
 
   fwd: A, P and T = (I + A)^{-1} per chunk (kda_diag, kda_intra)
        -> w, u, kd, e^{gamma} (kda_wu) -> state walk (h, v_new, final) -> output
-  bwd: T, P, w, u, kd, e^{gamma} (recomputed) and qb = scale e^{b} * q
+  bwd: T, P (recomputed, or kept: ``config.save_pairs``), w, u, kd, e^{gamma}
+       (recomputed) and qb = scale e^{b} * q
        -> the chunk states walked again (or kept: ``config.save_states``) -> v_new and its
        local cotangent -> state-gradient walk
        (dH, dv_new, dh0) -> dq, dk, dg through the state terms, dw, dP (kda_dqk)
@@ -18,8 +19,9 @@ configuration ``config`` (:class:`pallas_kernels.kda.KernelConfig`):
           writes the op's dq, dk in their dtype)
 
 With ``config.save_states`` the forward keeps the chunk states h ``[B, H, N, K, V]`` (one
-state per chunk, nothing per token) as its :class:`Residual` (by default nothing: the
-backward walks them again); the backward recomputes everything per token.
+state per chunk) and with ``config.save_pairs`` T and P ``[B, T, H, C]`` each (k's dtype)
+as its :class:`Residual`; by default nothing (the backward walks the states again and
+forms T and P again, as it forms everything per token).
 Exactness (:mod:`pallas_kernels.kda.chunk`, :mod:`pallas_kernels.kda.pairs`): every
 exponent is a sum of g over exactly the tokens it spans, and the decay gradient sums
 exactly the terms whose span holds each token, so g down to -5 per token and channel
@@ -27,6 +29,10 @@ and the documents' -1e4 sentinel are exact to float32 rounding (the diagonal 16 
 blocks' part of dg is summed by the tokens' roles: :func:`pallas_kernels.kda.pairs.dpairs`).
 """
 from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
 
 from pallas_kernels import _delta
 from pallas_kernels._config import state_store_dtype
@@ -36,7 +42,12 @@ from pallas_kernels.kda import pairs
 from pallas_kernels.kda import walk
 
 
-Residual = _delta.Residual
+class Residual(NamedTuple):
+  """What ``fwd_res`` keeps for ``bwd_res``: the state entering each chunk (``h``, with
+  ``config.save_states``) and T and P (``pairs``, with ``config.save_pairs``); None for
+  what the backward forms again."""
+  h: Optional[jax.Array]
+  pairs: Optional[tuple] = None
 
 
 def check_dims(K: int, V: int, C: int) -> None:
@@ -52,7 +63,8 @@ def fwd_res(q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
   h, vn, final = walk.state_walk(w, u, kd, eg, initial_state,
                                  store_dtype=state_store_dtype(config, k.dtype), **kw)
   o = chunk.output(q, g, P, vn, h, scale=scale, **kw)
-  return (o, final), Residual(h if config.save_states else None)
+  return (o, final), Residual(h if config.save_states else None,
+                              (Tinv, P) if config.save_pairs else None)
 
 
 def fwd(q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
@@ -68,7 +80,8 @@ def bwd_res(res, q, k, v, g, beta, do, dht, *, scale, initial_state, chunk_size,
   kw = dict(chunk_size=chunk_size, config=config)
   store = state_store_dtype(config, k.dtype)
   do = do.astype(v.dtype)
-  Tinv, P = pairs.intra(q, k, g, beta, **kw)
+  kept = None if res is None else res.pairs
+  Tinv, P = pairs.intra(q, k, g, beta, **kw) if kept is None else kept
   w, u, kd, eg, qb = chunk.wu(Tinv, k, v, g, beta, q=q, scale=scale, **kw)
   h = None if res is None else res.h
   if h is None:

@@ -154,7 +154,8 @@ def test_bf16():
 
 def test_forward_keeps_one_state_per_chunk_or_nothing():
   """The residual between forward and backward: nothing by default (the backward walks
-  the states again), with ``save_states`` the chunk states h, nothing per token."""
+  the states again), with ``save_states`` the chunk states h, nothing per token; with
+  ``save_pairs`` T and P, C values a token each."""
   (q, k, v, g, beta, h0), _ = _inputs(3, 1, 64, 2, 32, 16)
   config = kda.default_config("cpu", 1, 64, 2, 32, 16, jnp.float32)
   _, res = jax.eval_shape(functools.partial(gpu.fwd_res, scale=1.0, chunk_size=16,
@@ -165,6 +166,10 @@ def test_forward_keeps_one_state_per_chunk_or_nothing():
                                             config=config), q, k, v, g, beta,
                           initial_state=h0)
   assert jax.tree.leaves(res) == []
+  _, res = jax.eval_shape(functools.partial(gpu.fwd_res, scale=1.0, chunk_size=16,
+                                            config=config.replace(save_pairs=True)),
+                          q, k, v, g, beta, initial_state=h0)
+  assert [(x.shape, x.dtype) for x in jax.tree.leaves(res)] == [((1, 64, 2, 16), q.dtype)] * 2
 
 
 def test_save_states():
@@ -174,6 +179,14 @@ def test_save_states():
   ``test_gdn_kernels.py``, and timed on a GPU.)"""
   inputs, cot = _inputs(4, 1, 48, 2, 16, 16)
   config = kda.default_config("cpu", 1, 48, 2, 16, 16, jnp.float32).replace(save_states=True)
+  _check(inputs, cot, 16, 1e-5, 1e-4, config=config)
+
+
+def test_save_pairs():
+  """``save_pairs=True`` (the forward keeps T and P, the backward reads them instead of
+  forming them again): the reference's float32 bars, over several chunks with documents."""
+  inputs, cot = _inputs(6, 1, 64, 2, 32, 32, resets=(9, 40))
+  config = kda.default_config("cpu", 1, 64, 2, 32, 32, jnp.float32).replace(save_pairs=True)
   _check(inputs, cot, 16, 1e-5, 1e-4, config=config)
 
 
