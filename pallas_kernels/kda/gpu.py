@@ -27,6 +27,8 @@ exponent is a sum of g over exactly the tokens it spans, and the decay gradient 
 exactly the terms whose span holds each token, so g down to -5 per token and channel
 and the documents' -1e4 sentinel are exact to float32 rounding (the diagonal 16 x 16
 blocks' part of dg is summed by the tokens' roles: :func:`pallas_kernels.kda.pairs.dpairs`).
+The exponentials are 2^(x log2 e) on ``ex2.approx`` (:func:`pallas_kernels._launch.fast_exp`,
+about 2 ulp; the op within 4e-7 of the jnp path in float32 on an H100).
 """
 from __future__ import annotations
 
