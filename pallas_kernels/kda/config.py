@@ -64,7 +64,8 @@ class KernelConfig:
   ``save_pairs``: the forward keeps T = (I + A)^{-1} and P ``[B, T, H, C]`` each, in k's
   dtype (2 C values a token and head, as FLA keeps its Aqk and Akk), so that the backward
   skips ``kda_diag`` and ``kda_intra``; off (the default) it forms them again, and the op
-  keeps only its inputs (and the chunk states with ``save_states``). GPU only. On an H100
+  keeps only its inputs (and the chunk states with ``save_states``). GPU only; the
+  sequence-parallel local pass forms them again in its backward. On an H100
   (o live) forward + backward 6.005 against 6.583 ms at B1 T16384 H16 K=V=128 (FLA 6.029)
   and 11.230 against 12.352 at B8 T4096 (FLA 10.863), for 67 MB kept at either shape.
   The walks' launches and their shared-memory check are Gated DeltaNet's (the same
