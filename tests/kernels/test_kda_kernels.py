@@ -80,7 +80,7 @@ def test_head_128_one_chunk_pair():
   sub-chunk added after the kernel, the diagonal blocks' dg by the tokens' roles; decays
   down to -5 on every channel and a document starting mid-sub-chunk in each chunk (t = 37,
   100). (Documents starting on a chunk boundary: the next test and test_several_chunks;
-  the states kept: :func:`test_save_states`.)"""
+  the states kept: :func:`test_save_states_and_pairs`.)"""
   inputs, cot = _inputs(0, 1, 128, 1, 128, 128, resets=(37, 100))
   _check(inputs, cot, 64, 1e-5, 1e-4)
 
@@ -172,22 +172,34 @@ def test_forward_keeps_one_state_per_chunk_or_nothing():
   assert [(x.shape, x.dtype) for x in jax.tree.leaves(res)] == [((1, 64, 2, 16), q.dtype)] * 2
 
 
-def test_save_states():
-  """``save_states=True`` (the forward keeps the chunk states for the backward): the
-  reference's bars. (The walks' pipeline stages are a Triton launch option, not in the
-  interpreter's program: a stage count is checked against shared memory while tracing,
-  ``test_gdn_kernels.py``, and timed on a GPU.)"""
-  inputs, cot = _inputs(4, 1, 48, 2, 16, 16)
-  config = kda.default_config("cpu", 1, 48, 2, 16, 16, jnp.float32).replace(save_states=True)
+def test_save_states_and_pairs():
+  """``save_states=True`` and ``save_pairs=True`` (the forward keeps the chunk states, T
+  and P; the backward reads them instead of forming them again; each flag's residual:
+  :func:`test_forward_keeps_one_state_per_chunk_or_nothing`): the reference's float32
+  bars, with documents. (The walks' pipeline stages are a Triton launch option, not in
+  the interpreter's program: a stage count is checked against shared memory while
+  tracing, ``test_gdn_kernels.py``, and timed on a GPU.)"""
+  inputs, cot = _inputs(4, 1, 48, 2, 16, 16, resets=(9, 40))
+  config = kda.default_config("cpu", 1, 48, 2, 16, 16, jnp.float32).replace(
+      save_states=True, save_pairs=True)
   _check(inputs, cot, 16, 1e-5, 1e-4, config=config)
 
 
-def test_save_pairs():
-  """``save_pairs=True`` (the forward keeps T and P, the backward reads them instead of
-  forming them again): the reference's float32 bars, over several chunks with documents."""
-  inputs, cot = _inputs(6, 1, 64, 2, 32, 32, resets=(9, 40))
-  config = kda.default_config("cpu", 1, 64, 2, 32, 32, jnp.float32).replace(save_pairs=True)
-  _check(inputs, cot, 16, 1e-5, 1e-4, config=config)
+def test_backward_reads_the_kept_pairs():
+  """With ``save_pairs`` the backward takes T and P from the residual (it does not form
+  them again): zeroed kept pairs change dq and dk."""
+  (q, k, v, g, beta, h0), (do, dht) = _inputs(7, 1, 16, 1, 16, 16)
+  config = kda.default_config("cpu", 1, 16, 1, 16, 16, jnp.float32).replace(save_pairs=True)
+  kw = dict(scale=0.25, initial_state=h0, chunk_size=16, config=config)
+
+  @jax.jit
+  def both():
+    _, res = gpu.fwd_res(q, k, v, g, beta, **kw)
+    zeroed = res._replace(pairs=tuple(jnp.zeros_like(x) for x in res.pairs))
+    return [gpu.bwd_res(r, q, k, v, g, beta, do, dht, **kw)[:2] for r in (res, zeroed)]
+
+  kept, wrong = both()
+  assert rel_err(wrong[0], kept[0]) > 0.1 and rel_err(wrong[1], kept[1]) > 0.1
 
 
 def test_default_config_and_errors():
