@@ -9,7 +9,9 @@ two configurations are two programs and nothing else is read while tracing.
 (B1 T16384 H16 K=V=128, bf16; ``benchmarks/results/kda_h200.md``): ``kda_intra``'s K slice
 (128: 0.62 ms with ``kda_diag`` included, against 0.70 / 0.77 for 64 / 32), ``kda_diag``'s
 heads per program (8: 0.60 ms against 0.62 / 0.66 for 16 / 4), ``kda_dpairs``'s warps (2:
-2.65 ms against 3.33 with 4, 3.38 with 1; K slice 64 with 4 warps 2.80), and ``kda_dqk``'s
+2.65 ms against 3.33 with 4, 3.38 with 1; K slice 64 with 4 warps 2.80; on an H100 with its
+diagonal loops unrolled, 2026-12-06, the op's forward + backward 6.580 ms on 2 warps against
+6.637 on 4 with 2 steps per loop iteration, the best 4-warp form), and ``kda_dqk``'s
 K per program (32: the op's forward + backward 8.11 against 8.64 ms with 128), and
 ``kda_output``'s V tile (128, as Gated DeltaNet's: the op's forward 2.633 against 2.839 ms
 with 64, forward + backward 12.530 against 12.469, with the kernels of e58f40b). The other
