@@ -134,11 +134,6 @@ def iota(shape, axis):
   return lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
-def masked_exp(mask, x):
-  """exp(x) where mask, 0 elsewhere; the exponent is masked first, so no inf * 0."""
-  return jnp.exp(jnp.where(mask, x, -jnp.inf))
-
-
 LOG2E = 1.4426950408889634
 
 
@@ -151,9 +146,10 @@ def fast_exp(x):
   return jnp.exp2(x * LOG2E)
 
 
-def masked_fast_exp(mask, x):
-  """:func:`fast_exp` (x) where mask, 0 elsewhere (the exponent masked first)."""
-  return fast_exp(jnp.where(mask, x, -jnp.inf))
+def masked_exp(mask, x, exp=jnp.exp):
+  """exp(x) where mask, 0 elsewhere; the exponent is masked first, so no inf * 0.
+  ``exp``: ``jnp.exp``, or :func:`fast_exp` in the kernels that take it."""
+  return exp(jnp.where(mask, x, -jnp.inf))
 
 
 def unrolled(n, unroll, body, carry):

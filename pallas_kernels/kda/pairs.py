@@ -62,7 +62,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._launch import F32, block, call, dot, fast_exp, iota, masked_fast_exp, unrolled
+from pallas_kernels._launch import F32, block, call, dot, fast_exp, iota, masked_exp, unrolled
 from pallas_kernels._delta import block_inverse, stacked_through
 from pallas_kernels.kda.chunk import S, after, after_ieee, before, from_here, inclusive
 
@@ -272,7 +272,7 @@ def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_in_ref, dk_
   def by_columns(i, carry):
     dq, dkr, E = carry
     j = S - 1 - i
-    e = masked_fast_exp(row > j, E)
+    e = masked_exp(row > j, E, fast_exp)
     ke = rowv(k_ref, first + j) * e
     dq = dq + dp_ref[b, sub(M), hd, M * S + j][:, None] * ke
     dkr = dkr + da_ref[b, sub(M), hd, M * S + j][:, None] * ke
@@ -284,7 +284,7 @@ def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_in_ref, dk_
   def by_rows(i, carry):
     dkc, E = carry
     E = jnp.where(row < i, E + rowv(g_ref, first + i), 0.0)
-    e = masked_fast_exp(row < i, E)
+    e = masked_exp(row < i, E, fast_exp)
     pr = dp_ref[b, first + i, hd, mcols][:, None]
     ar = (beta_ref[b, first + i, hd].astype(F32) * da_ref[b, first + i, hd, mcols])[:, None]
     dkc = dkc + (pr * rowv(q_ref, first + i) + ar * rowv(k_ref, first + i)) * e
