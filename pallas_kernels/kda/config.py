@@ -14,7 +14,10 @@ diagonal loops unrolled, 2026-12-06, the op's forward + backward 6.580 ms on 2 w
 6.637 on 4 with 2 steps per loop iteration, the best 4-warp form), and ``kda_dqk``'s
 K per program (32: the op's forward + backward 8.11 against 8.64 ms with 128), and
 ``kda_output``'s V tile (128, as Gated DeltaNet's: the op's forward 2.633 against 2.839 ms
-with 64, forward + backward 12.530 against 12.469, with the kernels of e58f40b). The other
+with 64, forward + backward 12.530 against 12.469, with the kernels of e58f40b), and
+``kda_wu``'s K / V tile (128: on an H100 the kernel alone 0.240 ms against 0.244 / 0.273
+with 64 / 32, with q 0.297 against 0.334 / 0.363; 4 warps: 0.291 on 8, 0.266 on 2 but
+0.582 with q). The other
 stages follow Gated DeltaNet's measured defaults (``benchmarks/results/gdn_h200.md``),
 with smaller K slices where a kernel holds several per-channel ``[16, kd]`` decay tiles at
 once; not swept for KDA.
@@ -33,7 +36,7 @@ from pallas_kernels._config import (PLATFORMS, Launch, check_config, check_dot_t
 STAGE_DEFAULTS = {
     "intra": Launch(kd=128, warps=4, stages=1),  # A and P per chunk (kd: the K slice), T
     "diag": Launch(bh=8, warps=4, stages=2),     # A, P's diagonal blocks per token
-    "wu": Launch(bv=64, warps=4, stages=1),      # w, u, kd, e^gamma per chunk (K / V tile)
+    "wu": Launch(bv=128, warps=4, stages=1),     # w, u, kd, e^gamma per chunk (K / V tile)
     "walk": Launch(bv=16, warps=4, stages=3),    # forward walk (h, v_new); the launch by shape
     "out": Launch(bk=64, bv=128, warps=4, stages=2),  # the output per chunk and V tile
     "vnew": Launch(bv=128, warps=4, stages=2),   # backward: v_new and the local dv per V tile
