@@ -11,7 +11,10 @@ two configurations are two programs and nothing else is read while tracing.
 heads per program (8: 0.60 ms against 0.62 / 0.66 for 16 / 4), ``kda_dpairs``'s warps (2:
 2.65 ms against 3.33 with 4, 3.38 with 1; K slice 64 with 4 warps 2.80; on an H100 with its
 diagonal loops unrolled, 2026-12-06, the op's forward + backward 6.580 ms on 2 warps against
-6.637 on 4 with 2 steps per loop iteration, the best 4-warp form), and ``kda_dqk``'s
+6.637 on 4 with 2 steps per loop iteration, the best 4-warp form) and its pipeline stages
+(3, the loads of its loops over the earlier and later sub-chunks pipelined: on an H100,
+2026-12-06, the op's forward + backward 11.645 ms at B8 T4096 against 12.270 on 1 stage,
+11.803 on 2; 6.462 against 6.523 at B1 T16384), and ``kda_dqk``'s
 K per program (32: the op's forward + backward 8.11 against 8.64 ms with 128), and
 ``kda_output``'s V tile (128, as Gated DeltaNet's: the op's forward 2.633 against 2.839 ms
 with 64, forward + backward 12.530 against 12.469, with the kernels of e58f40b), and
@@ -44,7 +47,7 @@ STAGE_DEFAULTS = {
     "dqk": Launch(kd=32, bv=64, warps=4, stages=1),   # backward: state terms of dq, dk,
                                                  # dg; dw, dP (kd: K per program)
     "dwy": Launch(bv=64, warps=4, stages=1),     # backward: through w, u and T; dA
-    "dpairs": Launch(kd=32, warps=2, stages=1),  # backward: through A and P, per sub-chunk
+    "dpairs": Launch(kd=32, warps=2, stages=3),  # backward: through A and P, per sub-chunk
                                                  # and K slice (kd)
 }
 FLAGS = ("interpret", "states_in_input_dtype", "save_states", "save_pairs")
@@ -68,11 +71,16 @@ class KernelConfig:
   against 6.848 ms at B1 T16384 H16 K=V=128, 11.373 against 13.064 at B8 T4096.
   ``save_pairs``: the forward keeps T = (I + A)^{-1} and P ``[B, T, H, C]`` each, in k's
   dtype (2 C values a token and head, as FLA keeps its Aqk and Akk), so that the backward
-  skips ``kda_diag`` and ``kda_intra``; off (the default) it forms them again, and the op
-  keeps only its inputs (and the chunk states with ``save_states``). GPU only; the
-  sequence-parallel local pass forms them again in its backward. On an H100
-  (o live) forward + backward 6.005 against 6.583 ms at B1 T16384 H16 K=V=128 (FLA 6.029)
-  and 11.230 against 12.352 at B8 T4096 (FLA 10.863), for 67 MB kept at either shape.
+  skips ``kda_diag`` and ``kda_intra``; off, it forms them again and the op keeps only its
+  inputs (and the chunk states with ``save_states``). :func:`default_config` turns it on
+  for ``"gpu"`` where the pairs take no more memory than one float32 K x V state per chunk
+  (``2 C^2`` values of k's dtype against ``4 K V`` bytes a chunk and head; the issue that
+  specified the op allowed the inputs and one state per chunk): at C = 64 in bf16 a quarter
+  of it at K = V = 128, all of it at K = V = 64. GPU only; the sequence-parallel local
+  pass forms them again in its backward. On an H100 (2026-12-06, o live, FLA 0.6.0 in the
+  same process) forward + backward 5.891 against 6.462 ms at B1 T16384 H16 K=V=128 (FLA
+  6.037) and 10.534 against 11.645 at B8 T4096 (FLA 10.929), for 67 MB kept at either
+  shape.
   The walks' launches and their shared-memory check are Gated DeltaNet's (the same
   kernels).
   Change one with :meth:`replace` (``cfg.replace(walk_bv=32, dpairs_kd=64)``).
@@ -108,12 +116,16 @@ def default_config(platform: str, B: int, T: int, H: int, K: int, V: int, dtype,
   """The default :class:`KernelConfig` for a target (:data:`STAGE_DEFAULTS`, module docstring;
   on ``"tpu"`` the stages are unused: the Mosaic kernels take whole-chunk blocks), with the
   walks' launch by shape, dtype and ``chunk_size``, the walks being Gated DeltaNet's
-  (:func:`pallas_kernels._config.delta_walk_launch`; ``sm_count`` None: 132). T changes no
-  default yet."""
+  (:func:`pallas_kernels._config.delta_walk_launch`; ``sm_count`` None: 132), and on
+  ``"gpu"`` ``save_pairs`` on where T and P fit in one float32 state's bytes per chunk
+  (:class:`KernelConfig`). T changes no default yet."""
   del T
   if platform not in PLATFORMS:
     raise ValueError(f"kda default_config: unknown `platform` {platform!r}; choose one of "
                      f"{', '.join(map(repr, PLATFORMS))}.")
-  return with_delta_walks(KernelConfig(platform=platform, interpret=platform == "cpu"),
+  pairs_bytes = 2 * chunk_size * chunk_size * jnp.dtype(dtype).itemsize
+  keep_pairs = platform == "gpu" and pairs_bytes <= 4 * K * V
+  return with_delta_walks(KernelConfig(platform=platform, interpret=platform == "cpu",
+                                       save_pairs=keep_pairs),
                           B, H, K, V, sm_count=sm_count, itemsize=jnp.dtype(dtype).itemsize,
                           chunk_size=chunk_size)

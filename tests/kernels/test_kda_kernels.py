@@ -205,6 +205,13 @@ def test_backward_reads_the_kept_pairs():
 def test_default_config_and_errors():
   cfg = kda.default_config("gpu", 1, 16384, 16, 128, 128, jnp.bfloat16)
   assert cfg.platform == "gpu" and not cfg.interpret
+  # The GPU forward keeps T and P for the backward where they fit in one float32 state's
+  # bytes per chunk (2 C^2 values against 4 K V bytes); the interpreter's default forms
+  # them again, so the tests here run both paths (test_save_states_and_pairs: kept).
+  assert cfg.save_pairs and not kda.default_config("cpu", 1, 16, 1, 16, 16, jnp.float32).save_pairs
+  assert kda.default_config("gpu", 1, 64, 1, 64, 64, jnp.bfloat16).save_pairs
+  assert not kda.default_config("gpu", 1, 64, 1, 64, 64, jnp.float32).save_pairs
+  assert not kda.default_config("gpu", 1, 64, 1, 32, 32, jnp.bfloat16).save_pairs
   # Gated DeltaNet's walks and launches (pallas_kernels._config.delta_walk_launch).
   assert (cfg.walk.bv, cfg.walk.stages) == (16, 3) and cfg.dwalk == cfg.walk
   big = kda.default_config("gpu", 8, 4096, 16, 128, 128, jnp.bfloat16)
