@@ -3,7 +3,7 @@
 
     python -m benchmarks.delta_h200 [--family gdn|kda] [--backend jax|pallas|auto]
         [--shapes 1,16384,16,128,128 8,4096,16,128,128] [--iters 100 --reps 5] [--no-fla]
-        [--json out.json] [--profile TRACE_DIR]
+        [--json out.json] [--profile TRACE_DIR] [--check B,T,H,K,V]
 
 Results: benchmarks/results/gdn_h200.md and kda_h200.md. With --json, the environment
 record goes beside it (``<json>.env.json``).
@@ -28,7 +28,9 @@ GPU time per kernel is printed and kept in the JSON
 the timing needed; FLA's forward and forward +
 backward likewise (``torch.profiler``, CUDA activity, :func:`torch_kernel_profile`). JAX
 and torch share the GPU in one process: XLA_PYTHON_CLIENT_PREALLOCATE=false is set before
-jax starts.
+jax starts. With ``--check``, first the op on ``--backend`` against the jnp path in float32
+on the same device (:func:`float32_check`): the kernels' parity on the GPU, which the CPU
+tests hold in the interpreter only (a launch's stages and warps are not in its program).
 """
 from __future__ import annotations
 
@@ -58,6 +60,9 @@ def main():
   ap.add_argument("--backend", choices=("jax", "pallas", "auto"), default="jax")
   ap.add_argument("--json", default=None)
   ap.add_argument("--profile", default=None, metavar="TRACE_DIR")
+  ap.add_argument("--check", default=None, metavar="B,T,H,K,V",
+                  help="first, --backend against the jnp path in float32 on this device at "
+                       "that shape (packed documents, an initial state, the final state)")
   args = ap.parse_args()
 
   import jax
@@ -82,6 +87,8 @@ def main():
     log(f"torch {torch.__version__}, fla {getattr(fla_pkg, '__version__', '?')}, "
         f"{torch.cuda.get_device_name()}")
   rows = []
+  if args.check:
+    rows.append(float32_check(args.family, args.backend, args.check, log))
   for shape in args.shapes:
     B, T, H, K, V = map(int, shape.split(","))
     qn, kn, vn, gn, bn, don = harness.gdn_inputs(0, B, T, H, K, V)
@@ -161,6 +168,45 @@ def main():
       json.dump(rows, fh, indent=1)
     harness.write_environment(os.path.dirname(os.path.abspath(args.json)),
                               os.path.basename(args.json).rsplit(".", 1)[0])
+
+
+def float32_check(family, backend, shape, log):
+  """The op on ``backend`` against the jnp path, both in float32 on this device: o, the
+  final state and every gradient (of q, k, v, g, beta and the initial state, for random
+  cotangents of o and the final state), with packed documents (segment starts at 0, T/3,
+  T/3 + 1, 2T/3) and a random initial state; their relative differences (a row)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from zeco_jax import chunk_gated_delta_rule, chunk_kda
+  op = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}[family]
+  B, T, H, K, V = map(int, shape.split(","))
+  qn, kn, vn, gn, bn, don = harness.gdn_inputs(5, B, T, H, K, V)
+  if family == "kda":
+    z = np.random.default_rng(6).standard_normal((B, T, H, K))
+    gn = np.maximum(-np.logaddexp(0.0, -z), -5.0).astype(np.float32)
+  rng = np.random.default_rng(7)
+  h0 = jnp.asarray(0.1 * rng.standard_normal((B, H, K, V)), jnp.float32)
+  dht = jnp.asarray(rng.standard_normal((B, H, K, V)), jnp.float32)
+  starts = np.isin(np.arange(T), [0, T // 3, T // 3 + 1, 2 * T // 3])
+  seg = jnp.asarray(np.broadcast_to(np.cumsum(starts), (B, T)).astype(np.int32))
+  arrays = [jnp.asarray(x, jnp.float32) for x in (qn, kn, vn, gn, bn)] + [h0]
+  do = jnp.asarray(don, jnp.float32)
+
+  def run(which):
+    def f(q, k, v, g, beta, h):
+      return op(q, k, v, g, beta, initial_state=h, output_final_state=True, segment_ids=seg,
+                backend=which)
+    (o, ht), vjp = jax.vjp(f, *arrays)
+    return [o, ht, *vjp((do, dht))]
+
+  names = ["o", "final state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
+  got, ref = jax.jit(lambda: run(backend))(), jax.jit(lambda: run("jax"))()
+  row = {"check": f"{family} {backend} against jnp, float32, B{B} T{T} H{H} K{K} V{V}, "
+                  "documents, initial state",
+         **{f"rel {n}": rel(np.asarray(a), np.asarray(b)) for n, a, b in zip(names, got, ref)}}
+  log(json.dumps(row))
+  return row
 
 
 def kernel_profile(fn, args, trace_dir, log, calls=3):
