@@ -576,11 +576,24 @@ def tiny_model_config(**overrides):
   return GLAConfig(**{**TINY["model"], **overrides})
 
 
+# The trainer's tests (resume, faults, checkpoints, multi-process runs, seq-split
+# independence) train TINY with one block: what they check (bit-exact resume, checkpoint
+# handling, equal losses across meshes and processes) does not depend on the number of
+# blocks, and the blocks are unrolled, so each one more is compiled again in every program.
+# (TINY itself, with its 2 blocks, is what tests/models use.)
+TRAINER_MODEL = dict(num_layers=1)
+
+
+def _trainer_tiny():
+  return {**TINY, "model": {**TINY["model"], **TRAINER_MODEL}}
+
+
 def tiny_cfg(**train_overrides):
-  """The TINY config as train.py builds it from configs/tiny_mqar.py and its overrides."""
+  """The TINY config (one block: ``TRAINER_MODEL``) as train.py builds it from
+  configs/tiny_mqar.py and its overrides."""
   import configs.tiny_mqar
   config = configs.tiny_mqar.get_config()
-  for section, fields in TINY.items():
+  for section, fields in _trainer_tiny().items():
     config[section].update(fields)
   config.train.update(train_overrides)
   return config
@@ -603,7 +616,7 @@ def tiny_text_cfg(corpus_dir, **train_overrides):
 
 def tiny_flags(**train_overrides) -> list:
   """The same config as train.py command-line overrides (--config.SECTION.FIELD=VALUE)."""
-  fields = {**{f"{s}.{k}": v for s, kv in TINY.items() for k, v in kv.items()},
+  fields = {**{f"{s}.{k}": v for s, kv in _trainer_tiny().items() for k, v in kv.items()},
             **{f"train.{k}": v for k, v in train_overrides.items()}}
   return [f"--config.{name}={value}" for name, value in fields.items()]
 

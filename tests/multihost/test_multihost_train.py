@@ -21,7 +21,8 @@ from helpers import ROOT, tiny_flags
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESTORE = os.path.join(HERE, "multihost_worker_train.py")
 
-# The small model of helpers.TINY, 5 steps, one checkpoint at the end.
+# The small model of helpers.TINY (one block: helpers.TRAINER_MODEL), 5 steps, one
+# checkpoint at the end.
 CONFIG = [*tiny_flags(steps=5, log_every=1, eval_batches=0, checkpoint_every=5,
                       async_checkpointing=False), "--config.mesh=data=1,seq=8"]
 

@@ -55,8 +55,11 @@ def expected(S, lam_dim, lam_head, h0):
   return tuple(outs)
 
 
+# (4, "all_scan", 2) is not listed: the All-Scan is one _chains_scan over a chain of P
+# ranks, whose Python branches (a send at every step but the last, nb blocks through the
+# pipeline) are the same at P = 4 and P = 8, so (8, "all_scan", 2) runs its paths.
 @pytest.mark.parametrize("n,method,num_blocks", [
-    (1, "all_scan", 2), (2, "all_scan", 1), (4, "all_scan", 2), (8, "all_scan", V),
+    (1, "all_scan", 2), (2, "all_scan", 1), (8, "all_scan", V),
     (8, "all_scan", 2), (3, "tree", 1), (8, "tree", 1), (4, "all_gather", 1),
     (8, "all_gather", 1), (8, "ring", 1),
 ])
@@ -230,9 +233,11 @@ def test_bad_arguments():
 # --- the two-level All-Scan --------------------------------------------------------------
 # (P, group size, num_blocks): groups of 1 (level 2 is the whole chain), of P (level 1 is),
 # equal groups, a shorter last group (of 3 ranks: 5 + 3; of one rank: 3 + 3 + 1, P not a
-# power of two).
+# power of two). Groups of 1 at P = 2 are not listed: _two_level_scan then takes the same
+# branches as at P = 8 (no level 1, no transition products, no spread: every group has one
+# rank) and level 2's _chains_scan the same ones over a chain of 2 as of 8.
 @pytest.mark.parametrize("n,G,num_blocks", [
-    (8, 2, 4), (8, 4, 1), (7, 3, 2), (8, 5, 2), (8, 1, 2), (4, 4, 2), (2, 1, 2),
+    (8, 2, 4), (8, 4, 1), (7, 3, 2), (8, 5, 2), (8, 1, 2), (4, 4, 2),
 ])
 def test_two_level_matches_python_scan(n, G, num_blocks):
   """Forward and reverse, from an initial state, for a per-dimension, a per-head, a dense

@@ -3,7 +3,7 @@ checkpoint, and with packed text documents), and a SIGKILL during an async save.
 
 Every test runs with a persistent compilation cache (the ``compile_cache`` fixture, shared
 with the training subprocess it starts): each run here builds a new Experiment, whose
-jitted steps would compile again (about 12 s each); a run of a program an earlier run
+jitted steps would compile again (several seconds each); a run of a program an earlier run
 compiled (the same config, so the same HLO) loads it instead. Every run still traces and
 lowers its own programs."""
 import json
