@@ -3,7 +3,7 @@
 
     python -m benchmarks.delta_h200 [--family gdn|kda] [--backend jax|pallas|auto]
         [--shapes 1,16384,16,128,128 8,4096,16,128,128] [--iters 100 --reps 5] [--no-fla]
-        [--json out.json] [--profile TRACE_DIR] [--check B,T,H,K,V]
+        [--json out.json] [--profile TRACE_DIR] [--check B,T,H,K,V] [--set NAME=VALUE ...]
 
 Results: benchmarks/results/gdn_h200.md and kda_h200.md. With --json, the environment
 record goes beside it (``<json>.env.json``).
@@ -31,6 +31,8 @@ and torch share the GPU in one process: XLA_PYTHON_CLIENT_PREALLOCATE=false is s
 jax starts. With ``--check``, first the op on ``--backend`` against the jnp path in float32
 on the same device (:func:`float32_check`): the kernels' parity on the GPU, which the CPU
 tests hold in the interpreter only (a launch's stages and warps are not in its program).
+With ``--set``, the kernels run on the family's default launch with those changes (an A/B
+of a launch or flag is two runs, each with its own FLA beside it).
 """
 from __future__ import annotations
 
@@ -60,10 +62,17 @@ def main():
   ap.add_argument("--backend", choices=("jax", "pallas", "auto"), default="jax")
   ap.add_argument("--json", default=None)
   ap.add_argument("--profile", default=None, metavar="TRACE_DIR")
+  ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
+                  help="with --backend pallas: changes to the family's default KernelConfig "
+                       "for each shape (KernelConfig.replace), e.g. dpairs_stages=1 "
+                       "save_pairs=False")
   ap.add_argument("--check", default=None, metavar="B,T,H,K,V",
                   help="first, --backend against the jnp path in float32 on this device at "
                        "that shape (packed documents, an initial state, the final state)")
   args = ap.parse_args()
+  changes = config_changes(args.set)
+  if changes and args.backend != "pallas":
+    ap.error("--set changes the kernels' launch: it needs --backend pallas")
 
   import jax
   import jax.numpy as jnp
@@ -100,6 +109,9 @@ def main():
     g = jnp.asarray(gn)
     name = f"{args.family} B{B} T{T} H{H} K{K} V{V}"
     row = {"shape": name}
+    if changes:
+      row["kernel_config changes"] = changes
+      ours = functools.partial(ours, kernel_config=kernel_config(args.family, shape, changes))
     fwd = jax.jit(lambda *a: ours(*a)[0])
 
     fb = harness.live_fwd_bwd(ours, do)          # o returned: the forward runs whole
@@ -168,6 +180,30 @@ def main():
       json.dump(rows, fh, indent=1)
     harness.write_environment(os.path.dirname(os.path.abspath(args.json)),
                               os.path.basename(args.json).rsplit(".", 1)[0])
+
+
+def config_changes(items):
+  """``["name=value", ...]`` -> KernelConfig.replace arguments (True / False, else int)."""
+  flags = {"True": True, "False": False}
+  out = {}
+  for item in items:
+    name, value = item.split("=", 1)
+    out[name] = flags[value] if value in flags else int(value)
+  return out
+
+
+def kernel_config(family, shape, changes):
+  """The family's default KernelConfig for this device and a bf16 ``shape`` (what
+  ``backend="pallas"`` would pick), with ``changes``."""
+  import jax
+  import jax.numpy as jnp
+  import pallas_kernels
+  B, T, H, K, V = map(int, shape.split(","))
+  dev = jax.devices()[0]
+  config = pallas_kernels.family_default_config(
+      {"gdn": "gated_delta", "kda": "kda"}[family], dev.platform, B, T, H, K, V,
+      jnp.bfloat16, sm_count=getattr(dev, "core_count", None))
+  return config.replace(**changes)
 
 
 def float32_check(family, backend, shape, log):
