@@ -11,10 +11,12 @@ two configurations are two programs and nothing else is read while tracing.
 heads per program (8: 0.60 ms against 0.62 / 0.66 for 16 / 4), ``kda_dpairs``'s warps (2:
 2.65 ms against 3.33 with 4, 3.38 with 1; K slice 64 with 4 warps 2.80; on an H100 with its
 diagonal loops unrolled, 2026-12-06, the op's forward + backward 6.580 ms on 2 warps against
-6.637 on 4 with 2 steps per loop iteration, the best 4-warp form) and its pipeline stages
-(3, the loads of its loops over the earlier and later sub-chunks pipelined: on an H100,
-2026-12-06, the op's forward + backward 11.645 ms at B8 T4096 against 12.270 on 1 stage,
-11.803 on 2; 6.462 against 6.523 at B1 T16384), and ``kda_dqk``'s
+6.637 on 4 with 2 steps per loop iteration, the best 4-warp form; 3 pipeline stages, the
+loads of its loops over the earlier and later sub-chunks pipelined, measured faster on an
+H100, 2026-12-06: the op's forward + backward 11.645 ms at B8 T4096 against 12.270 on 1
+stage, 11.803 on 2, 6.462 against 6.523 at B1 T16384; 1 stays the default until the
+gradients on 3 stages are checked on a GPU, ``benchmarks.delta_h200 --check``), and
+``kda_dqk``'s
 K per program (32: the op's forward + backward 8.11 against 8.64 ms with 128), and
 ``kda_output``'s V tile (128, as Gated DeltaNet's: the op's forward 2.633 against 2.839 ms
 with 64, forward + backward 12.530 against 12.469, with the kernels of e58f40b), and
@@ -47,7 +49,7 @@ STAGE_DEFAULTS = {
     "dqk": Launch(kd=32, bv=64, warps=4, stages=1),   # backward: state terms of dq, dk,
                                                  # dg; dw, dP (kd: K per program)
     "dwy": Launch(bv=64, warps=4, stages=1),     # backward: through w, u and T; dA
-    "dpairs": Launch(kd=32, warps=2, stages=3),  # backward: through A and P, per sub-chunk
+    "dpairs": Launch(kd=32, warps=2, stages=1),  # backward: through A and P, per sub-chunk
                                                  # and K slice (kd)
 }
 FLAGS = ("interpret", "states_in_input_dtype", "save_states", "save_pairs")
@@ -78,8 +80,8 @@ class KernelConfig:
   specified the op allowed the inputs and one state per chunk): at C = 64 in bf16 a quarter
   of it at K = V = 128, all of it at K = V = 64. GPU only; the sequence-parallel local
   pass forms them again in its backward. On an H100 (2026-12-06, o live, FLA 0.6.0 in the
-  same process) forward + backward 5.891 against 6.462 ms at B1 T16384 H16 K=V=128 (FLA
-  6.037) and 10.534 against 11.645 at B8 T4096 (FLA 10.929), for 67 MB kept at either
+  same process) forward + backward 5.961 against 6.523 ms at B1 T16384 H16 K=V=128 (FLA
+  6.037) and 11.163 against 12.269 at B8 T4096 (FLA 10.929), for 67 MB kept at either
   shape.
   The walks' launches and their shared-memory check are Gated DeltaNet's (the same
   kernels).
