@@ -97,7 +97,7 @@ def main():
         f"{torch.cuda.get_device_name()}")
   rows = []
   if args.check:
-    rows.append(float32_check(args.family, args.backend, args.check, log))
+    rows.append(float32_check(args.family, args.backend, args.check, log, changes))
   for shape in args.shapes:
     B, T, H, K, V = map(int, shape.split(","))
     qn, kn, vn, gn, bn, don = harness.gdn_inputs(0, B, T, H, K, V)
@@ -192,8 +192,8 @@ def config_changes(items):
   return out
 
 
-def kernel_config(family, shape, changes):
-  """The family's default KernelConfig for this device and a bf16 ``shape`` (what
+def kernel_config(family, shape, changes, dtype="bfloat16"):
+  """The family's default KernelConfig for this device, ``shape`` and ``dtype`` (what
   ``backend="pallas"`` would pick), with ``changes``."""
   import jax
   import jax.numpy as jnp
@@ -202,12 +202,13 @@ def kernel_config(family, shape, changes):
   dev = jax.devices()[0]
   config = pallas_kernels.family_default_config(
       {"gdn": "gated_delta", "kda": "kda"}[family], dev.platform, B, T, H, K, V,
-      jnp.bfloat16, sm_count=getattr(dev, "core_count", None))
+      jnp.dtype(dtype), sm_count=getattr(dev, "core_count", None))
   return config.replace(**changes)
 
 
-def float32_check(family, backend, shape, log):
-  """The op on ``backend`` against the jnp path, both in float32 on this device: o, the
+def float32_check(family, backend, shape, log, changes=None):
+  """The op on ``backend`` (its kernels' launch with ``changes``, as ``--set``) against the
+  jnp path, both in float32 on this device: o, the
   final state and every gradient (of q, k, v, g, beta and the initial state, for random
   cotangents of o and the final state), with packed documents (segment starts at 0, T/3,
   T/3 + 1, 2T/3) and a random initial state; their relative differences (a row)."""
@@ -229,17 +230,21 @@ def float32_check(family, backend, shape, log):
   arrays = [jnp.asarray(x, jnp.float32) for x in (qn, kn, vn, gn, bn)] + [h0]
   do = jnp.asarray(don, jnp.float32)
 
+  kw = {}
+  if changes:
+    kw["kernel_config"] = kernel_config(family, shape, changes, "float32")
+
   def run(which):
     def f(q, k, v, g, beta, h):
       return op(q, k, v, g, beta, initial_state=h, output_final_state=True, segment_ids=seg,
-                backend=which)
+                backend=which, **(kw if which != "jax" else {}))
     (o, ht), vjp = jax.vjp(f, *arrays)
     return [o, ht, *vjp((do, dht))]
 
   names = ["o", "final state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
   got, ref = jax.jit(lambda: run(backend))(), jax.jit(lambda: run("jax"))()
   row = {"check": f"{family} {backend} against jnp, float32, B{B} T{T} H{H} K{K} V{V}, "
-                  "documents, initial state",
+                  "documents, initial state", "kernel_config changes": changes or {},
          **{f"rel {n}": rel(np.asarray(a), np.asarray(b)) for n, a, b in zip(names, got, ref)}}
   log(json.dumps(row))
   return row
