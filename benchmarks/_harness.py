@@ -151,6 +151,17 @@ def gdn_inputs(seed: int, B: int, T: int, H: int, K: int, V: int):
   return q, k, v, g, beta, do
 
 
+def config_changes(items) -> dict:
+  """``--set`` items ``["name=value", ...]`` -> ``KernelConfig.replace`` arguments (True /
+  False, else int)."""
+  flags = {"True": True, "False": False}
+  out = {}
+  for item in items:
+    name, value = item.split("=", 1)
+    out[name] = flags[value] if value in flags else int(value)
+  return out
+
+
 # -- environment ------------------------------------------------------------------------------
 
 PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "libtpu", "torch",

@@ -70,16 +70,13 @@ def main():
                   help="first, --backend against the jnp path in float32 on this device at "
                        "that shape (packed documents, an initial state, the final state)")
   args = ap.parse_args()
-  changes = config_changes(args.set)
+  changes = harness.config_changes(args.set)
   if changes and args.backend != "pallas":
     ap.error("--set changes the kernels' launch: it needs --backend pallas")
 
   import jax
   import jax.numpy as jnp
-  import numpy as np
-  from zeco_jax import chunk_gated_delta_rule, chunk_kda
-  ours = functools.partial({"gdn": chunk_gated_delta_rule, "kda": chunk_kda}[args.family],
-                           backend=args.backend)
+  ours = functools.partial(op_of(args.family), backend=args.backend)
   tag = "jnp" if args.backend == "jax" else args.backend
 
   log = lambda *a: print(*a, flush=True)
@@ -100,10 +97,7 @@ def main():
     rows.append(float32_check(args.family, args.backend, args.check, log, changes))
   for shape in args.shapes:
     B, T, H, K, V = map(int, shape.split(","))
-    qn, kn, vn, gn, bn, don = harness.gdn_inputs(0, B, T, H, K, V)
-    if args.family == "kda":     # a decay per key channel, down to -5 per token
-      z = np.random.default_rng(1).standard_normal((B, T, H, K))
-      gn = np.maximum(-np.logaddexp(0.0, -z), -5.0).astype(np.float32)
+    qn, kn, vn, gn, bn, don = inputs(args.family, 0, B, T, H, K, V)
     bf = jnp.bfloat16
     q, k, v, beta, do = (jnp.asarray(x, bf) for x in (qn, kn, vn, bn, don))
     g = jnp.asarray(gn)
@@ -182,14 +176,21 @@ def main():
                               os.path.basename(args.json).rsplit(".", 1)[0])
 
 
-def config_changes(items):
-  """``["name=value", ...]`` -> KernelConfig.replace arguments (True / False, else int)."""
-  flags = {"True": True, "False": False}
-  out = {}
-  for item in items:
-    name, value = item.split("=", 1)
-    out[name] = flags[value] if value in flags else int(value)
-  return out
+def op_of(family):
+  """Our op for ``--family``."""
+  from zeco_jax import chunk_gated_delta_rule, chunk_kda
+  return {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}[family]
+
+
+def inputs(family, seed, B, T, H, K, V):
+  """float32 numpy ``q, k, v, g, beta, do`` (:func:`benchmarks._harness.gdn_inputs`); for
+  kda g per key channel, ``logsigmoid(N(0, 1))`` clipped at -5 (generator ``seed + 1``)."""
+  import numpy as np
+  qn, kn, vn, gn, bn, don = harness.gdn_inputs(seed, B, T, H, K, V)
+  if family == "kda":
+    z = np.random.default_rng(seed + 1).standard_normal((B, T, H, K))
+    gn = np.maximum(-np.logaddexp(0.0, -z), -5.0).astype(np.float32)
+  return qn, kn, vn, gn, bn, don
 
 
 def kernel_config(family, shape, changes, dtype="bfloat16"):
@@ -215,13 +216,9 @@ def float32_check(family, backend, shape, log, changes=None):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from zeco_jax import chunk_gated_delta_rule, chunk_kda
-  op = {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}[family]
+  op = op_of(family)
   B, T, H, K, V = map(int, shape.split(","))
-  qn, kn, vn, gn, bn, don = harness.gdn_inputs(5, B, T, H, K, V)
-  if family == "kda":
-    z = np.random.default_rng(6).standard_normal((B, T, H, K))
-    gn = np.maximum(-np.logaddexp(0.0, -z), -5.0).astype(np.float32)
+  qn, kn, vn, gn, bn, don = inputs(family, 5, B, T, H, K, V)
   rng = np.random.default_rng(7)
   h0 = jnp.asarray(0.1 * rng.standard_normal((B, H, K, V)), jnp.float32)
   dht = jnp.asarray(rng.standard_normal((B, H, K, V)), jnp.float32)
@@ -234,7 +231,8 @@ def float32_check(family, backend, shape, log, changes=None):
   if changes:
     kw["kernel_config"] = kernel_config(family, shape, changes, "float32")
 
-  def run(which):
+  @functools.partial(jax.jit, static_argnums=0)
+  def run(which, arrays, seg, do, dht):
     def f(q, k, v, g, beta, h):
       return op(q, k, v, g, beta, initial_state=h, output_final_state=True, segment_ids=seg,
                 backend=which, **(kw if which != "jax" else {}))
@@ -242,7 +240,7 @@ def float32_check(family, backend, shape, log, changes=None):
     return [o, ht, *vjp((do, dht))]
 
   names = ["o", "final state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
-  got, ref = jax.jit(lambda: run(backend))(), jax.jit(lambda: run("jax"))()
+  got, ref = (run(which, arrays, seg, do, dht) for which in (backend, "jax"))
   row = {"check": f"{family} {backend} against jnp, float32, B{B} T{T} H{H} K{K} V{V}, "
                   "documents, initial state", "kernel_config changes": changes or {},
          **{f"rel {n}": rel(np.asarray(a), np.asarray(b)) for n, a, b in zip(names, got, ref)}}

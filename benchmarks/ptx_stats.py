@@ -34,6 +34,8 @@ import re
 import subprocess
 import sys
 
+from benchmarks import _harness as harness
+
 
 def dump(family: str, shape, changes: dict, out: str) -> list:
   """Write each kernel's Triton IR of ``family``'s op, forward + backward, to ``out``."""
@@ -177,11 +179,7 @@ def main(argv=None):
       print(json.dumps(row), flush=True)
     print(table(rows, compile_all(args.against) if args.against else None))
     return
-  changes = {}
-  for item in args.set:
-    name, value = item.split("=", 1)
-    flags = {"True": True, "False": False}
-    changes[name] = flags[value] if value in flags else int(value)
+  changes = harness.config_changes(args.set)
   out = args.out or f"/tmp/ptx_{args.family}"
   kernels = dump(args.family, tuple(int(x) for x in args.shape.split(",")), changes, out)
   print(f"{len(kernels)} kernels in {out}; next: python -m benchmarks.ptx_stats --compile {out}",
