@@ -125,9 +125,9 @@ def default_config(platform: str, B: int, T: int, H: int, K: int, V: int, dtype,
   if platform not in PLATFORMS:
     raise ValueError(f"kda default_config: unknown `platform` {platform!r}; choose one of "
                      f"{', '.join(map(repr, PLATFORMS))}.")
-  pairs_bytes = 2 * chunk_size * chunk_size * jnp.dtype(dtype).itemsize
-  keep_pairs = platform == "gpu" and pairs_bytes <= 4 * K * V
+  itemsize = jnp.dtype(dtype).itemsize
+  keep_pairs = platform == "gpu" and 2 * chunk_size * chunk_size * itemsize <= 4 * K * V
   return with_delta_walks(KernelConfig(platform=platform, interpret=platform == "cpu",
                                        save_pairs=keep_pairs),
-                          B, H, K, V, sm_count=sm_count, itemsize=jnp.dtype(dtype).itemsize,
+                          B, H, K, V, sm_count=sm_count, itemsize=itemsize,
                           chunk_size=chunk_size)
