@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._config import SHARED_MEMORY_BYTES, walk_stage_bytes
-from pallas_kernels._launch import F32, block, call, dot, iota, program_barrier
+from pallas_kernels._launch import (F32, block, call, dot, iota, program_barrier, unroll_for,
+                                    unrolled)
 
 S = 16                       # rows of a block of the UT inverse
 
@@ -46,7 +47,7 @@ def check_dims(K: int, V: int, C: int, *, family: str) -> None:
                      f"kernels, got {V}; use backend='jax' for other sizes.")
 
 
-def _substitute_stacked(L, gather, roundtrip):
+def _substitute_stacked(L, gather, roundtrip, unroll):
   """``(I + a)^{-1}`` of all L strictly lower diagonal ``[S, S]`` blocks at once, through
   memory: the blocks' inverses formed transposed and stacked, ``y [L * S, S]`` (block
   I's rows at I * S), column by column: ``y[:, i] = e_i - y a_i^T``, ``gather(i)`` giving
@@ -55,14 +56,16 @@ def _substitute_stacked(L, gather, roundtrip):
   row (inside one warp in Triton's layout; the row-by-row form, one block at a time from
   register tiles, summed down the columns, across the warps, and measured slower:
   ``benchmarks/results/gdn_h200.md``). ``roundtrip(y)`` stores y, and after a barrier
-  returns the blocks ``y_I^T``."""
+  returns the blocks ``y_I^T``; ``unroll`` steps per loop iteration (``unrolled``: all 16
+  under Triton, one in the interpreter)."""
   C = L * S
   pos, c = iota((C,), 0) % S, iota((C, S), 1)
-  y = jnp.zeros((C, S), F32)
-  for i in range(S):
+
+  def column(i, y):
     new = jnp.where(pos == i, 1.0, 0.0) - jnp.sum(y * gather(i), axis=1)
-    y = jnp.where(c == i, new[:, None], y)
-  return roundtrip(y)
+    return jnp.where(c == i, new[:, None], y)
+
+  return roundtrip(unrolled(S, unroll, column, jnp.zeros((C, S), F32)))
 
 
 # The merges' products for inputs narrower than float32: three bfloat16 products of each
@@ -87,7 +90,7 @@ def merge_dot(a, b, input_dtype):
 
 def block_inverse(A, L, stacked, input_dtype):
   """The blocks ``X[I, J]`` (J <= I) of ``(I + A)^{-1}``, float32, from A's blocks below
-  the diagonal (``A[I, J]``, J < I) and ``stacked = (gather, roundtrip)``
+  the diagonal (``A[I, J]``, J < I) and ``stacked = (gather, roundtrip, unroll)``
   (:func:`stacked_through`): the diagonal blocks all at once through memory
   (:func:`_substitute_stacked`), the blocks below by ``X_IJ = -X_II sum_{J <= M < I} A_IM
   X_MJ`` with the products of :func:`merge_dot` for the op's ``input_dtype``."""
@@ -104,10 +107,11 @@ def block_inverse(A, L, stacked, input_dtype):
 
 
 def stacked_through(scratch_ref, b, hd, n, C, config, row_of):
-  """``block_inverse``'s ``stacked`` pair for one chunk: ``gather(i)`` is ``row_of(i,
+  """``block_inverse``'s ``stacked`` for one chunk: ``gather(i)`` is ``row_of(i,
   first)`` with ``first`` ``[C]`` each row's block start in the chunk; ``roundtrip`` stores
   the stacked transposed inverses to ``scratch_ref`` (``[B, T, H, 16]`` float32, free once
-  the gathers are done) and reads the blocks back transposed."""
+  the gathers are done) and reads the blocks back transposed; the substitution's steps
+  per loop iteration (:func:`pallas_kernels._launch.unroll_for`)."""
   first = (iota((C,), 0) // S) * S
   rows = [pl.ds(n * C + I * S, S) for I in range(C // S)]
 
@@ -117,7 +121,7 @@ def stacked_through(scratch_ref, b, hd, n, C, config, row_of):
     program_barrier(config)
     return [scratch_ref[b, r, hd, :].T for r in rows]
 
-  return (lambda i: row_of(i, first)), roundtrip
+  return (lambda i: row_of(i, first)), roundtrip, unroll_for(config, S)
 
 
 class Residual(NamedTuple):

@@ -155,7 +155,8 @@ def masked_exp(mask, x, exp=jnp.exp):
 def unrolled(n, unroll, body, carry):
   """``carry = body(i, carry)`` for i in range(n), ``unroll`` steps per iteration of a
   fori_loop; ``unroll >= n``: a plain Python loop (i a Python int, unrolled at trace
-  time, so Triton can issue loads that do not depend on the carry ahead of the chain)."""
+  time, so Triton can issue loads that do not depend on the carry ahead of the chain).
+  Kernels take ``unroll`` from :func:`unroll_for`."""
   if unroll >= n:
     for i in range(n):
       carry = body(i, carry)
@@ -167,6 +168,15 @@ def unrolled(n, unroll, body, carry):
     return c
 
   return jax.lax.fori_loop(0, n // unroll, outer, carry)
+
+
+def unroll_for(config, unroll: int) -> int:
+  """The steps per loop iteration a kernel is traced with (:func:`unrolled`): ``unroll``
+  for Triton, whose load scheduling is why a loop is unrolled; 1 in the interpreter,
+  which runs the same body in order either way and would otherwise lower and compile
+  ``unroll`` copies of it (on the 2-core CPU machine, KDA's three slowest kernel tests
+  took 22 s instead of 34)."""
+  return 1 if config.interpret else unroll
 
 
 def tiles(D: int, cap: int) -> list:

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 # The launch helpers, re-exported so that the GLA kernels read everything as ``cm.``.
 from pallas_kernels._config import state_store_dtype  # noqa: F401
 from pallas_kernels._launch import (F32, HI, block, call, compiler_params, dot,  # noqa: F401
-                                    from_head_major, head_major, iota, masked_exp, unrolled)
+                                    from_head_major, head_major, iota, masked_exp, unroll_for,
+                                    unrolled)
 
 SUB = 16                     # sub-chunk rows: the unit of the exact log-space diagonal
 

@@ -76,7 +76,7 @@ def dv(k, p, s, do, A, dH, *, scale, chunk_size, config):
 
 
 def _diag_grad_kernel(q_ref, k_ref, g_ref, do_ref, v_ref, p_ref, dqd_ref, dkd_ref, *, C, BK,
-                      dt, scale):
+                      dt, scale, unroll):
   """Diagonal-block terms of dq and dk of sub-chunk s's K tile, exact in log space, for a
   tile of a chunk with a column that ``_common.totals_fit`` rejects (``gla_dqdk``
   computes them as dots on the others, and reads these only for the rejected columns):
@@ -116,8 +116,8 @@ def _diag_grad_kernel(q_ref, k_ref, g_ref, do_ref, v_ref, p_ref, dqd_ref, dkd_re
       return dk + da_row(i) * qi * cm.masked_exp(row <= i, f), f       # dA[i, r]
 
     zero = jnp.zeros((S, BK), cm.F32)
-    dqd_ref[b, rows, hd, ks] = cm.unrolled(S, DIAG_UNROLL, dq_step, (zero, zero))[0]
-    dkd_ref[b, rows, hd, ks] = cm.unrolled(S, DIAG_UNROLL, dk_step, (zero, zero))[0]
+    dqd_ref[b, rows, hd, ks] = cm.unrolled(S, unroll, dq_step, (zero, zero))[0]
+    dkd_ref[b, rows, hd, ks] = cm.unrolled(S, unroll, dk_step, (zero, zero))[0]
 
   _, all_fit = cm.totals_fit(cm.sub_totals(p_ref, b, n * C, hd, ks, C // S))
   pl.when(jnp.logical_not(all_fit))(loops)
@@ -270,7 +270,8 @@ def diag_grads(q, k, g, do, v, p, *, scale, chunk_size, config):
   C = chunk_size
   BK = cm.block(K, config.dqdk_diag.bk)      # any tile: gla_dqdk reads rejected columns only
   part = jax.ShapeDtypeStruct(q.shape, cm.F32)
-  kern = functools.partial(_diag_grad_kernel, C=C, BK=BK, dt=q.dtype, scale=scale)
+  kern = functools.partial(_diag_grad_kernel, C=C, BK=BK, dt=q.dtype, scale=scale,
+                           unroll=cm.unroll_for(config, DIAG_UNROLL))
   return cm.call(kern, (part, part), (B, H, T // C, C // S, K // BK), config=config,
                  num_warps=config.dqdk_diag.warps, num_stages=config.dqdk_diag.stages,
                  name="gla_dqdk_diag")(q, k, g, do, v, p)

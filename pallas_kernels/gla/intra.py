@@ -66,7 +66,7 @@ def _prefix_scale(tot, blk):
   return out
 
 
-def _scores_off_kernel(*refs, C, K, KD, dt, diag):
+def _scores_off_kernel(*refs, C, K, KD, dt, diag, unroll):
   """A for one chunk from :func:`pallas_kernels.state.chunk_decays`' operands (``qp = q
   e^{p}``, ``ks = k e^{s}``, ``kn = k e^{-p}``, ``kd = k e^{b_last - bc}``, the totals).
   Per K slice, where ``_common.chunk_fits``: one dot of ``qp e^{bc - p - b_last}`` and
@@ -100,7 +100,7 @@ def _scores_off_kernel(*refs, C, K, KD, dt, diag):
       e = jnp.where(rin >= j, e + cm.sub_rows(g_ref, b, t0, hd, ks, j, blk, L), 0.0)
       return acc, e
 
-    return cm.unrolled(S, 4, column, (acc, jnp.zeros((C, KD), cm.F32)))[0]
+    return cm.unrolled(S, unroll, column, (acc, jnp.zeros((C, KD), cm.F32)))[0]
 
   # The whole chunk's mask: the lower triangle, or (diagonal blocks left to
   # gla_scores_diag) the blocks below the diagonal blocks.
@@ -138,7 +138,7 @@ def _scores_off_kernel(*refs, C, K, KD, dt, diag):
   a_ref[b, hd, n] = jax.lax.fori_loop(0, K // KD, k_slice, jnp.zeros((C, C), cm.F32))
 
 
-def _diag_kernel(q_ref, k_ref, g_ref, a_in_ref, a_ref, *, C, K, KD):
+def _diag_kernel(q_ref, k_ref, g_ref, a_in_ref, a_ref, *, C, K, KD, unroll):
   """The 16 x 16 diagonal block of sub-chunk s, exact in log space, one column j at a
   time from the last (written in place into A from ``_scores_off_kernel``)."""
   del a_in_ref                      # aliased to a_ref: the off-diagonal part is kept
@@ -165,7 +165,7 @@ def _diag_kernel(q_ref, k_ref, g_ref, a_in_ref, a_ref, *, C, K, KD):
     # All 16 columns unrolled at trace time (not a fori_loop): the row loads do not depend
     # on the carried exponent, so Triton issues them ahead of the exp / reduce chain
     # (H200: gla_scores 0.62 -> 0.51 ms at B1 T16384 H16 K128; 68 registers, no spills).
-    return cm.unrolled(S, S, column, (diag, jnp.zeros((S, KD), cm.F32)))[0]
+    return cm.unrolled(S, unroll, column, (diag, jnp.zeros((S, KD), cm.F32)))[0]
 
   a_ref[b, hd, n, pl.ds(s * S, S), pl.ds(s * S, S)] = jax.lax.fori_loop(
       0, K // KD, k_slice, jnp.zeros((S, S), cm.F32))
@@ -178,7 +178,8 @@ def _scores_call(d, loop_operands, *, chunk_size, config):
   B, T, H, K = d.qp.shape
   C = chunk_size
   kern = functools.partial(_scores_off_kernel, C=C, K=K, KD=cm.block(K, config.scores.kd),
-                           dt=d.qp.dtype, diag=bool(loop_operands))
+                           dt=d.qp.dtype, diag=bool(loop_operands),
+                           unroll=cm.unroll_for(config, 4))
   return cm.call(kern, jax.ShapeDtypeStruct((B, H, T // C, C, C), cm.F32), (B, H, T // C),
                  config=config, num_warps=config.scores.warps,
                  num_stages=config.scores.stages, name="gla_scores")(
@@ -196,7 +197,8 @@ def scores_diag(q, k, g, A, *, chunk_size, config):
   """``A`` with its 16 x 16 diagonal blocks written in place (``gla_scores_diag``)."""
   B, T, H, K = q.shape
   C = chunk_size
-  diag = functools.partial(_diag_kernel, C=C, K=K, KD=cm.block(K, config.diag.kd))
+  diag = functools.partial(_diag_kernel, C=C, K=K, KD=cm.block(K, config.diag.kd),
+                           unroll=cm.unroll_for(config, S))
   return cm.call(diag, jax.ShapeDtypeStruct(A.shape, cm.F32), (B, H, T // C, C // S),
                  config=config, num_warps=config.diag.warps, num_stages=config.diag.stages,
                  name="gla_scores_diag", aliases={3: 0})(q, k, g, A)

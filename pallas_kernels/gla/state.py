@@ -70,7 +70,7 @@ class Decays(NamedTuple):
   tots: jax.Array   # [B, H, N, C / 16, K] float32: the sub-chunk totals T_u
 
 
-def _cumsum_kernel(*refs, C, KD, fold, grad_fold=False, scale=None):
+def _cumsum_kernel(*refs, C, KD, fold, grad_fold=False, scale=None, unroll=1):
   """p and s of one chunk's [C, KD] tile (``chunk_cumsum``); with ``grad_fold``
   (``chunk_cumsum_folded``) also qd and dl; with ``fold`` (``chunk_decays``) instead qp,
   ks, kn, kd, dl and the totals."""
@@ -133,7 +133,7 @@ def _cumsum_kernel(*refs, C, KD, fold, grad_fold=False, scale=None):
       s_ref[b, rows, hd, ks] = acc
     return acc + g_ref[b, rows, hd, ks].astype(cm.F32)
 
-  cm.unrolled(S, S if fold else 1, row, jnp.zeros((L, KD), cm.F32))
+  cm.unrolled(S, unroll, row, jnp.zeros((L, KD), cm.F32))
 
 
 def chunk_cumsum(g, *, chunk_size, config):
@@ -158,7 +158,8 @@ def chunk_decays(g, q, k, *, chunk_size, config):
   C = chunk_size
   N = T // C
   KD = cm.block(K, config.decays.kd)
-  kern = functools.partial(_cumsum_kernel, C=C, KD=KD, fold=True)
+  kern = functools.partial(_cumsum_kernel, C=C, KD=KD, fold=True,
+                           unroll=cm.unroll_for(config, cm.SUB))
   qs, kss = jax.ShapeDtypeStruct(g.shape, q.dtype), jax.ShapeDtypeStruct(g.shape, k.dtype)
   out = (qs, kss, kss, kss, jax.ShapeDtypeStruct((B, H, N, K), cm.F32),
          jax.ShapeDtypeStruct((B, H, N, C // cm.SUB, K), cm.F32))

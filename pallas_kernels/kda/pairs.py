@@ -62,7 +62,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._launch import F32, block, call, dot, fast_exp, iota, masked_exp, unrolled
+from pallas_kernels._launch import (F32, block, call, dot, fast_exp, iota, masked_exp, unroll_for,
+                                    unrolled)
 from pallas_kernels._delta import block_inverse, stacked_through
 from pallas_kernels.kda.chunk import S, after, after_ieee, before, from_here, inclusive
 
@@ -213,7 +214,8 @@ def intra(q, k, g, beta, *, chunk_size, config):
 # --- backward: through A and P ------------------------------------------------------------
 
 def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_in_ref, dk_in_ref,
-                   dg_in_ref, dq_ref, dk_ref, dg_ref, dbeta_ref, tot_ref, *, C, NK, KD, dt):
+                   dg_in_ref, dq_ref, dk_ref, dg_ref, dbeta_ref, tot_ref, *, C, NK, KD, dt,
+                   unroll):
   """One sub-chunk M and K slice of one chunk: M's rows against the columns before them,
   M's columns against the rows after them, and M's diagonal block twice, once by its
   columns (the rows' sums) and once by its rows (the columns' sums), so no loop sums
@@ -278,7 +280,7 @@ def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_in_ref, dk_
     dkr = dkr + da_ref[b, sub(M), hd, M * S + j][:, None] * ke
     return dq, dkr, jnp.where(row >= j, E + rowv(g_ref, first + j), 0.0)
 
-  dq, dkr, _ = unrolled(S, DIAG_UNROLL, by_columns, (zero, zero, zero))
+  dq, dkr, _ = unrolled(S, unroll, by_columns, (zero, zero, zero))
 
   # ... and by rows i from the first, E[c] = sum_{c < m <= i} g_m, for the columns' sums.
   def by_rows(i, carry):
@@ -290,7 +292,7 @@ def _dpairs_kernel(q_ref, k_ref, g_ref, beta_ref, dp_ref, da_ref, dq_in_ref, dk_
     dkc = dkc + (pr * rowv(q_ref, first + i) + ar * rowv(k_ref, first + i)) * e
     return dkc, E
 
-  dkc, _ = unrolled(S, DIAG_UNROLL, by_rows, (zero, zero))
+  dkc, _ = unrolled(S, unroll, by_rows, (zero, zero))
 
   # dg: the diagonal block's pairs by the roles (a token's row sum minus its column sum,
   # summed from it on: the pairs after it cancel, each term computed alike both ways in
@@ -332,7 +334,8 @@ def dpairs(q, k, g, beta, dP, dA, dq_in, dk_in, dg_in, dbeta_in, *, chunk_size, 
   L, N = C // S, T // C
   KD = block(K, config.dpairs.kd)
   NK = K // KD
-  kern = functools.partial(_dpairs_kernel, C=C, NK=NK, KD=KD, dt=q.dtype)
+  kern = functools.partial(_dpairs_kernel, C=C, NK=NK, KD=KD, dt=q.dtype,
+                           unroll=unroll_for(config, DIAG_UNROLL))
   out = (jax.ShapeDtypeStruct((B, T, H, K), q.dtype), jax.ShapeDtypeStruct((B, T, H, K), k.dtype),
          jax.ShapeDtypeStruct((B, T, H, K), F32), jax.ShapeDtypeStruct((B, T, H, NK), F32),
          jax.ShapeDtypeStruct((B, H, N, L, L, K), F32))
