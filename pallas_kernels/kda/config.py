@@ -11,15 +11,17 @@ two configurations are two programs and nothing else is read while tracing.
 heads per program (8: 0.60 ms against 0.62 / 0.66 for 16 / 4), ``kda_dpairs``'s warps (2:
 2.65 ms against 3.33 with 4, 3.38 with 1; K slice 64 with 4 warps 2.80; on an H100 with its
 diagonal loops unrolled, 2026-12-06, the op's forward + backward 6.580 ms on 2 warps against
-6.637 on 4 with 2 steps per loop iteration, the best 4-warp form; 3 pipeline stages, the
-loads of its loops over the earlier and later sub-chunks pipelined, measured faster on an
-H100, 2026-12-06: the op's forward + backward 11.645 ms at B8 T4096 against 12.270 on 1
-stage, 11.803 on 2, 6.462 against 6.523 at B1 T16384; 1 stays the default until the
-gradients on 3 stages are checked on a GPU, ``benchmarks.delta_h200 --check``), and
+6.637 on 4 with 2 steps per loop iteration, the best 4-warp form; and 3 pipeline stages,
+the loads of its loops over the earlier and later sub-chunks pipelined: on an H100,
+2026-12-06, the op's forward + backward 11.645 ms at B8 T4096 against 12.270 on 1 stage,
+11.803 on 2, 6.462 against 6.523 at B1 T16384; its gradients on 3 stages within 4.3e-7 of
+the jnp path's in float32 on the GPU, ``benchmarks.delta_h200 --check``), and
 ``kda_dqk``'s
 K per program (32: the op's forward + backward 8.11 against 8.64 ms with 128), and
 ``kda_output``'s V tile (128, as Gated DeltaNet's: the op's forward 2.633 against 2.839 ms
-with 64, forward + backward 12.530 against 12.469, with the kernels of e58f40b), and
+with 64, forward + backward 12.530 against 12.469, with the kernels of e58f40b) and K tile
+(128, the whole key: on an H100, 2026-12-06, the op's forward 2.296 against 2.307 ms with
+64 at B8 T4096, 1.322 against 1.326 at B1 T16384, three rounds each), and
 ``kda_wu``'s K / V tile (128: on an H100 the kernel alone 0.240 ms against 0.244 / 0.273
 with 64 / 32, with q 0.297 against 0.334 / 0.363; 4 warps: 0.291 on 8, 0.266 on 2 but
 0.582 with q). The other
@@ -43,13 +45,13 @@ STAGE_DEFAULTS = {
     "diag": Launch(bh=8, warps=4, stages=2),     # A, P's diagonal blocks per token
     "wu": Launch(bv=128, warps=4, stages=1),     # w, u, kd, e^gamma per chunk (K / V tile)
     "walk": Launch(bv=16, warps=4, stages=3),    # forward walk (h, v_new); the launch by shape
-    "out": Launch(bk=64, bv=128, warps=4, stages=2),  # the output per chunk and V tile
+    "out": Launch(bk=128, bv=128, warps=4, stages=2),  # the output per chunk and V tile
     "vnew": Launch(bv=128, warps=4, stages=2),   # backward: v_new and the local dv per V tile
     "dwalk": Launch(bv=16, warps=4, stages=3),   # backward walk; the launch by shape
     "dqk": Launch(kd=32, bv=64, warps=4, stages=1),   # backward: state terms of dq, dk,
                                                  # dg; dw, dP (kd: K per program)
     "dwy": Launch(bv=64, warps=4, stages=1),     # backward: through w, u and T; dA
-    "dpairs": Launch(kd=32, warps=2, stages=1),  # backward: through A and P, per sub-chunk
+    "dpairs": Launch(kd=32, warps=2, stages=3),  # backward: through A and P, per sub-chunk
                                                  # and K slice (kd)
 }
 FLAGS = ("interpret", "states_in_input_dtype", "save_states", "save_pairs")
