@@ -175,7 +175,8 @@ def unroll_for(config, unroll: int) -> int:
   for Triton, whose load scheduling is why a loop is unrolled; 1 in the interpreter,
   which runs the same body in order either way and would otherwise lower and compile
   ``unroll`` copies of it (on the 2-core CPU machine, KDA's three slowest kernel tests
-  took 22 s instead of 34)."""
+  took 22 s instead of 34). ``tests/kernels/test_unrolled_loops.py`` runs each family's
+  kernels in the interpreter with the Triton unroll too, against the one-step form."""
   return 1 if config.interpret else unroll
 
 
