@@ -8,6 +8,8 @@ launch's steps per iteration. The two must agree to float32 rounding (relative n
 1e-6 for every output and gradient; the same operations in the same order, so only XLA's
 fusion of them may differ). Decays are strong and mixed (uniform in [-5, 0] per token,
 some tokens at -1e4), so that GLA's exact diagonal loops run beside its dots."""
+import sys
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -16,12 +18,7 @@ from helpers import rel_err
 from zeco_jax import chunk_gated_delta_rule, chunk_gla, chunk_kda
 
 pallas_kernels = pytest.importorskip("pallas_kernels")
-import pallas_kernels._delta  # noqa: E402
-import pallas_kernels.gla._common  # noqa: E402
-import pallas_kernels.kda.pairs  # noqa: E402
-
-# Every module whose kernels call ``unroll_for`` (imported by name there).
-UNROLLING_MODULES = (pallas_kernels._delta, pallas_kernels.gla._common, pallas_kernels.kda.pairs)
+from pallas_kernels import _launch  # noqa: E402
 
 B, T, H, K, V, C = 1, 64, 2, 16, 16, 32
 
@@ -63,8 +60,11 @@ def _run(family, config_changes):
     ids=["gla", "gla-diag-loops", "gdn", "kda"])
 def test_triton_unrolled_loops_match_the_interpreters(family, config_changes, monkeypatch):
   stepped = _run(family, config_changes)
-  for module in UNROLLING_MODULES:
-    monkeypatch.setattr(module, "unroll_for", lambda config, unroll: unroll)
+  # Every kernel module imported by that run that holds the helper (imported by name).
+  helper = _launch.unroll_for
+  for name, module in list(sys.modules.items()):
+    if name.startswith("pallas_kernels") and getattr(module, "unroll_for", None) is helper:
+      monkeypatch.setattr(module, "unroll_for", lambda config, unroll: unroll)
   jax.clear_caches()                 # trace the kernels again, through the patched helper
   unrolled = _run(family, config_changes)
   errs = [rel_err(a, b) for a, b in zip(unrolled, stepped)]
