@@ -9,11 +9,9 @@ On:    GPUs/TPUs; sequence length 16384 split over ``seq`` (zeco_kda's All-Scan)
        batch 8 over ``data``; bf16 compute, float32 params.
 Size:  354.2M parameters (the benchmark's count; FLA would add an untied 32.8M head).
 Op:    the KDA Pallas kernels on GPU and TPU (``model.backend="auto"``), the jnp chunked
-       path on CPU: one H100 trains 1 x 16384 tokens at 84,223 tokens/s in 26.5 GiB,
-       against GLA-340M's 146,497 in 22.2 GiB (2026-12-06, T and P kept from the forward,
-       ``kda_dpairs`` on 1 stage and the output's K tile 64: the defaults of that
-       morning); one H200 84,083 in 28.8
-       GiB with the kernels of that morning (the jnp path: 15,188;
+       path on CPU: one H200 trains 1 x 16384 tokens at 92,338 tokens/s in 26.5 GiB,
+       against GLA-340M's 162,280 in 22.2 GiB (2026-12-06, 3e1e428's defaults); one H100
+       84,223 against 146,497 the same day (the jnp path: 15,188;
        benchmarks/results/kda_h200.md).
 Reach: not measured (no corpus or long GPU run here).
 """

@@ -17,7 +17,9 @@ the loads of its loops over the earlier and later sub-chunks pipelined: on an H1
 11.803 on 2, 6.462 against 6.523 at B1 T16384; its gradients on 3 stages within 4.3e-7 of
 the jnp path's in float32 on the GPU, ``benchmarks.delta_h200 --check``), and
 ``kda_dqk``'s
-K per program (32: the op's forward + backward 8.11 against 8.64 ms with 128), and
+K per program (64: on an H200, 2026-12-06, the op's forward + backward 5.639 against
+5.673 ms with 32 at B1 T16384, 9.659 against 9.704 / 9.744 at B8 T4096, one process; 32
+had measured 8.11 against 8.64 ms with 128 on 2026-12-05's kernels), and
 ``kda_output``'s V tile (128, as Gated DeltaNet's: the op's forward 2.633 against 2.839 ms
 with 64, forward + backward 12.530 against 12.469, with the kernels of e58f40b) and K tile
 (128, the whole key: on an H100, 2026-12-06, the op's forward 2.296 against 2.307 ms with
@@ -48,7 +50,7 @@ STAGE_DEFAULTS = {
     "out": Launch(bk=128, bv=128, warps=4, stages=2),  # the output per chunk and V tile
     "vnew": Launch(bv=128, warps=4, stages=2),   # backward: v_new and the local dv per V tile
     "dwalk": Launch(bv=16, warps=4, stages=3),   # backward walk; the launch by shape
-    "dqk": Launch(kd=32, bv=64, warps=4, stages=1),   # backward: state terms of dq, dk,
+    "dqk": Launch(kd=64, bv=64, warps=4, stages=1),   # backward: state terms of dq, dk,
                                                  # dg; dw, dP (kd: K per program)
     "dwy": Launch(bv=64, warps=4, stages=1),     # backward: through w, u and T; dA
     "dpairs": Launch(kd=32, warps=2, stages=3),  # backward: through A and P, per sub-chunk

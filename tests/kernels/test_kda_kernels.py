@@ -317,14 +317,14 @@ def test_ptx_stats_dumps_each_kernels_triton_ir(tmp_path):
   from benchmarks import ptx_stats
   from jax._src.pallas.triton import lowering
   hook = lowering.lower_jaxpr_to_triton_module
-  kernels = ptx_stats.dump("kda", (1, 128, 1, 128, 128), {"dqk_kd": 64}, str(tmp_path))
+  kernels = ptx_stats.dump("kda", (1, 128, 1, 128, 128), {"dqk_kd": 32}, str(tmp_path))
   assert lowering.lower_jaxpr_to_triton_module is hook
   names = [k["name"] for k in kernels]
   # kda_diag once: the GPU default keeps T and P, so the backward does not form them again.
   assert names.count("kda_diag") == 1 and "kda_dpairs" in names, names
   assert all(open(k["path"]).read().startswith("module") for k in kernels)
   meta = json.load(open(tmp_path / "kernels.json"))
-  assert meta["changes"] == {"dqk_kd": 64} and len(meta["kernels"]) == len(names)
+  assert meta["changes"] == {"dqk_kd": 32} and len(meta["kernels"]) == len(names)
   # The table: each kernel once, another build's figures as "theirs -> ours" where they differ.
   row = dict(kernel="kda_intra", warps=4, registers=255, spill_stores=8, spill_loads=8,
              instructions=100, barriers=9, mmas=2, exps=3)
