@@ -93,8 +93,12 @@ def _errors(case):
                          chunk_size=C, backend="pallas", kernel_config=config)
     return (o, final) if with_state else o
 
-  out, vjp = jax.vjp(f, q, k, v, g, h0)
-  grads = vjp((do, dfinal) if with_state else do)
+  @jax.jit                  # one program (eagerly, each pallas_call is compiled on its own)
+  def run(q, k, v, g, h0):
+    out, vjp = jax.vjp(f, q, k, v, g, h0)
+    return out, vjp((do, dfinal) if with_state else do)
+
+  out, grads = run(q, k, v, g, h0)
   o_r, final_r, grads_r = gla_float64(q, k, v, g, h0 if with_state else jnp.zeros(dfinal.shape),
                                       do, dfinal if with_state else None, scale)
   grads_r = [grads_r[n] for n in ("q", "k", "v", "g", "h0")]
