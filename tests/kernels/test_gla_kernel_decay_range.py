@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import check_decay_range, rel_err
+from helpers import check_decay_range, jitted_vjp, rel_err
 from zeco_jax import chunk_gla
 from zeco_jax.ops.gla.reference import gla_float64
 
@@ -88,21 +88,12 @@ def _errors(case):
   scale = K ** -0.5
   config = pallas_kernels.default_config("cpu", B, T, H, K, V, jnp.float32)
 
-  def f(q, k, v, g, h0):
-    o, final = chunk_gla(q, k, v, g, initial_state=h0, output_final_state=with_state,
-                         chunk_size=C, backend="pallas", kernel_config=config)
-    return (o, final) if with_state else o
-
-  @jax.jit                  # one program (eagerly, each pallas_call is compiled on its own)
-  def run(q, k, v, g, h0):
-    out, vjp = jax.vjp(f, q, k, v, g, h0)
-    return out, vjp((do, dfinal) if with_state else do)
-
-  out, grads = run(q, k, v, g, h0)
+  # One jitted program (eagerly, each pallas_call would be compiled on its own).
+  o, final, grads = jitted_vjp(chunk_gla, with_state, chunk_size=C, backend="pallas",
+                               kernel_config=config)(q, k, v, g, h0, do, dfinal)
   o_r, final_r, grads_r = gla_float64(q, k, v, g, h0 if with_state else jnp.zeros(dfinal.shape),
                                       do, dfinal if with_state else None, scale)
   grads_r = [grads_r[n] for n in ("q", "k", "v", "g", "h0")]
-  o, final = out if with_state else (out, None)
   named = [("o", o, o_r, 2), ("final", final, final_r, 1)]
   named += list(zip(("dq", "dk", "dv", "dg", "dh0"), grads, grads_r, (2, 2, 2, 2, 1)))
   errs = {}
