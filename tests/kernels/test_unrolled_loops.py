@@ -4,12 +4,12 @@ interpreter takes one step per loop iteration, so the other kernel tests run tha
 
 Each family's op runs forward and backward in the Pallas interpreter twice on the same
 inputs, jitted (one program each; eagerly every pallas_call and glue op is compiled on
-its own: on the 2-core machine the file took 27 to 40 s jitted, 33 to 52 s eagerly,
-2026-12-07): as every other CPU test runs it, then with ``unroll_for`` giving the Triton
-launch's steps per iteration. The two must agree to float32 rounding (relative norm <=
-1e-6 for every output and gradient; the same operations in the same order, so only XLA's
-fusion of them may differ). Decays are strong and mixed (uniform in [-5, 0] per token,
-some tokens at -1e4), so that GLA's exact diagonal loops run beside its dots."""
+its own, slower here: ``benchmarks/results/test_suite_cpu.md``): as every other CPU test
+runs it, then with ``unroll_for`` giving the Triton launch's steps per iteration. The two
+must agree to float32 rounding (relative norm <= 1e-6 for every output and gradient; the
+same operations in the same order, so only XLA's fusion of them may differ). Decays are
+strong and mixed (uniform in [-5, 0] per token, some tokens at -1e4), so that GLA's exact
+diagonal loops run beside its dots."""
 import sys
 
 import jax
