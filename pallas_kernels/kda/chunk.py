@@ -82,8 +82,11 @@ def to_end_reversed(g_ref, b, hd, n, ks, C):
   each shifted by one token. :func:`after` on the tile in token order is a dot with a 0 / 1
   triangle in three bfloat16 parts; on an H100 ``kda_wu`` took 0.244 against 0.272 ms with
   it (B1 T16384 H16 K=V=128; 0.478 against 0.538 at B8 T4096,
-  ``benchmarks/results/kda_h200.md``). For a kernel whose operands are loaded from memory,
-  which it can read and write in that order."""
+  ``benchmarks/results/kda_h200.md``). ``kda_wu`` by 16-token sub-chunks in token order
+  instead (each sub-chunk's :func:`after` or :func:`after_ieee` plus the totals after it)
+  measured slower: the op's forward 2.364 / 2.315 against 2.272 ms at B8 T4096 on an H100
+  (2026-12-07). For a kernel whose operands are loaded from memory, which it can read and
+  write in that order."""
   r = iota((C,), 0)
   rows = n * C + (C - 1) - r
   nxt = n * C + jnp.where(r == 0, C - 1, C - r)      # the token after each (none for the last)
