@@ -127,18 +127,7 @@ def main():
         row[f"{tag} {label} kernels"] = kernel_profile(fn, (q, k, v, g, beta), folder, log)
     if fla is not None:
       torch, fla_fn = fla
-      dev = "cuda"
-      tq, tk, tv, tb, tdo = (torch.tensor(x, device=dev).to(torch.bfloat16)
-                             for x in (qn, kn, vn, bn, don))
-      tg = torch.tensor(gn, device=dev)
-      for x in (tq, tk, tv, tg, tb):
-        x.requires_grad_(True)
-      ffwd = lambda: fla_fn(tq, tk, tv, tg, tb)[0]
-
-      def ffb():
-        o = fla_fn(tq, tk, tv, tg, tb)[0]
-        return torch.autograd.grad(o, (tq, tk, tv, tg, tb), tdo)
-
+      ffwd, ffb = fla_calls(torch, fla_fn, qn, kn, vn, gn, bn, don)
       t0 = time.perf_counter()
       with torch.no_grad():
         o_f = ffwd()
@@ -175,6 +164,25 @@ def main():
       json.dump(rows, fh, indent=1)
     harness.write_environment(os.path.dirname(os.path.abspath(args.json)),
                               os.path.basename(args.json).rsplit(".", 1)[0])
+
+
+def fla_calls(torch, fla_fn, qn, kn, vn, gn, bn, don):
+  """``(forward, forward_backward)``: FLA's op on the GPU on :func:`inputs`' numpy arrays
+  (q, k, v, beta and do in bf16, g float32, each a leaf needing its gradient); the first
+  returns o, the second the gradients of q, k, v, g, beta for the cotangent do."""
+  tq, tk, tv, tb, tdo = (torch.tensor(x, device="cuda").to(torch.bfloat16)
+                         for x in (qn, kn, vn, bn, don))
+  tg = torch.tensor(gn, device="cuda")
+  for x in (tq, tk, tv, tg, tb):
+    x.requires_grad_(True)
+
+  def forward():
+    return fla_fn(tq, tk, tv, tg, tb)[0]
+
+  def forward_backward():
+    return torch.autograd.grad(forward(), (tq, tk, tv, tg, tb), tdo)
+
+  return forward, forward_backward
 
 
 def op_of(family):
