@@ -162,7 +162,13 @@ def _out_kernel(q_ref, g_ref, p_ref, vn_ref, h_ref, o_ref, *, C, K, BK, BV, dt, 
 
 def output(q, g, P, vn, h, *, scale, chunk_size, config):
   """o [B, T, H, V] in v_new's dtype, from the states entering each chunk and the
-  intra-chunk scores P (``[B, T, H, C]``, :func:`pallas_kernels.kda.pairs.intra`)."""
+  intra-chunk scores P (``[B, T, H, C]``, :func:`pallas_kernels.kda.pairs.intra`).
+
+  ``e^{b} q`` is formed here from q and g. Reading ``qb = scale e^{b} q`` written by
+  :func:`wu` instead (as the backward has it) measured neutral at B1 T16384 and slower at
+  B8 T4096 (H16 K=V=128, H100, 2026-12-06 and again 2026-12-07: the op's forward 2.301 /
+  2.303 against 2.283 / 2.276 ms, ``benchmarks/results/kda_h200.md``): at V = 128 this
+  kernel forms it once per chunk, and ``kda_wu`` pays the bytes the output saves."""
   B, T, H, K = q.shape
   V = vn.shape[-1]
   BV = block(V, config.out.bv)
