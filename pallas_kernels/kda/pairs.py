@@ -96,7 +96,10 @@ class SubChunks:
   def columns(self, J, I):
     """``k_J e^{after_J + between(J, I)}`` ``[16, kd]``: the column factor of block pair
     (I, J), J < I (a product of exps of sums of the tokens each spans, each <= 1; after_J
-    as one IEEE float32 dot, :func:`pallas_kernels.kda.chunk.after_ieee`)."""
+    as one IEEE float32 dot, :func:`pallas_kernels.kda.chunk.after_ieee`). For bf16 inputs
+    a scan of g and k loaded last token first, put back in order by a bf16 exchange-matrix
+    dot, measured slower (the op's forward 2.304 / 2.294 against 2.283 / 2.283 ms at B8
+    T4096 H16 K=V=128 on an H100, 2026-12-07, ``benchmarks/results/kda_h200.md``)."""
     kc = self.load("k", J) * fast_exp(after_ieee(self.load("g", J)))
     span = self.between(J, I)
     return kc if span is None else kc * span[None, :]
