@@ -6,10 +6,21 @@ interpreter, and each GPU kernel's launch (a :class:`pallas_kernels.Launch` per 
 the GLA kernels' launch type). An op passes it to its custom_vjp as a static argument, so
 two configurations are two programs and nothing else is read while tracing.
 :func:`default_config` is the one place defaults are chosen. Measured on an H200 for KDA
-(B1 T16384 H16 K=V=128, bf16; ``benchmarks/results/kda_h200.md``): ``kda_intra``'s K slice
-(128: 0.62 ms with ``kda_diag`` included, against 0.70 / 0.77 for 64 / 32), ``kda_diag``'s
-heads per program (8: 0.60 ms against 0.62 / 0.66 for 16 / 4), ``kda_dpairs``'s warps (2:
-2.65 ms against 3.33 with 4, 3.38 with 1; K slice 64 with 4 warps 2.80; on an H100 with its
+(B1 T16384 H16 K=V=128, bf16; ``benchmarks/results/kda_h200.md``): ``kda_intra`` and
+``kda_diag`` on one warp (FLA's autotuned launch of its two kernels of the same work), the
+former on K slices of 32 and the latter with 2 heads a program (on an H100, 2026-12-07, one
+process, the op's forward 2.166 against 2.290 ms on 4 warps with slices of 128 and 8 heads
+at B8 T4096, 1.251 against 1.323 at B1 T16384, forward + backward 10.31 against 10.42 and
+5.79 against 5.86. One stage changed at B8: ``kda_intra`` on 1 warp with slices of 32
+2.188 ms against 2.284, on 2 warps with 32 2.403, with 64 2.335; ``kda_diag`` on 1 warp
+with 2 heads 2.259, 4 heads 2.261, on 2 warps with 4 heads 2.281. On the new launch (2.165
+in a second process): ``kda_intra``'s slices of 16 2.191, 64 2.751; ``kda_diag`` with 1
+head 2.342. On an H200 on 2026-12-05, on 4 warps, K slices of 128 had beaten 64 / 32 and
+8 heads 16 / 4),
+``kda_dpairs``'s warps (2:
+2.65 ms against 3.33 with 4, 3.38 with 1, and on an H100 on 2026-12-07 the op's forward +
+backward at B8 T4096 10.31 ms against 16.29 on 1 warp, 10.71 on 1 warp with K slices of 16;
+K slice 64 with 4 warps 2.80; on an H100 with its
 diagonal loops unrolled, 2026-12-06, the op's forward + backward 6.580 ms on 2 warps against
 6.637 on 4 with 2 steps per loop iteration, the best 4-warp form; and 3 pipeline stages,
 the loads of its loops over the earlier and later sub-chunks pipelined: on an H100,
@@ -43,8 +54,8 @@ from pallas_kernels._config import (PLATFORMS, Launch, check_config, check_dot_t
 
 # Every kernel's launch, by stage (module docstring of pallas_kernels.kda.gpu).
 STAGE_DEFAULTS = {
-    "intra": Launch(kd=128, warps=4, stages=1),  # A and P per chunk (kd: the K slice), T
-    "diag": Launch(bh=8, warps=4, stages=2),     # A, P's diagonal blocks per token
+    "intra": Launch(kd=32, warps=1, stages=1),   # A and P per chunk (kd: the K slice), T
+    "diag": Launch(bh=2, warps=1, stages=2),     # A, P's diagonal blocks per token
     "wu": Launch(bv=128, warps=4, stages=1),     # w, u, kd, e^gamma per chunk (K / V tile)
     "walk": Launch(bv=16, warps=4, stages=3),    # forward walk (h, v_new); the launch by shape
     "out": Launch(bk=128, bv=128, warps=4, stages=2),  # the output per chunk and V tile
