@@ -31,8 +31,15 @@ and torch share the GPU in one process: XLA_PYTHON_CLIENT_PREALLOCATE=false is s
 jax starts. With ``--check``, first the op on ``--backend`` against the jnp path in float32
 on the same device (:func:`float32_check`): the kernels' parity on the GPU, which the CPU
 tests hold in the interpreter only (a launch's stages and warps are not in its program).
-With ``--set``, the kernels run on the family's default launch with those changes (an A/B
-of a launch or flag is two runs, each with its own FLA beside it).
+With ``--set``, the kernels run on the family's default launch with those changes.
+
+With ``--ab NAME:CHANGES ...`` (CHANGES as ``--set``'s, comma-separated, e.g.
+``one_warp:intra_warps=1,intra_kd=32``) one process compares launches instead: per shape
+the default launch ("default") and each variant, forward (and with ``--ab-fb`` forward +
+backward, o live) and FLA's forward, timed in ``--ab-rounds`` alternating rounds (the
+ordering and the GPU's state move a process's figures by about 1%, more than most launch
+changes; an A/B in separate processes cannot tell them apart), each variant's o against
+the default's; with ``--check`` the float32 check runs on the last variant's launch.
 """
 from __future__ import annotations
 
@@ -69,10 +76,18 @@ def main():
   ap.add_argument("--check", default=None, metavar="B,T,H,K,V",
                   help="first, --backend against the jnp path in float32 on this device at "
                        "that shape (packed documents, an initial state, the final state)")
+  ap.add_argument("--ab", nargs="+", default=None, metavar="NAME:CHANGES",
+                  help="with --backend pallas: compare these launches with the default in "
+                       "one process, e.g. one_warp:intra_warps=1,intra_kd=32")
+  ap.add_argument("--ab-rounds", type=int, default=2)
+  ap.add_argument("--ab-fb", action="store_true", help="--ab also times forward + backward")
   args = ap.parse_args()
   changes = harness.config_changes(args.set)
-  if changes and args.backend != "pallas":
-    ap.error("--set changes the kernels' launch: it needs --backend pallas")
+  if (changes or args.ab) and args.backend != "pallas":
+    ap.error("--set and --ab change the kernels' launch: they need --backend pallas")
+  if args.ab and changes:
+    ap.error("--ab takes its changes per variant; drop --set")
+  variants = ab_variants(args.ab or [], ap.error)
 
   import jax
   import jax.numpy as jnp
@@ -94,8 +109,10 @@ def main():
         f"{torch.cuda.get_device_name()}")
   rows = []
   if args.check:
-    rows.append(float32_check(args.family, args.backend, args.check, log, changes))
-  for shape in args.shapes:
+    check_changes = list(variants.values())[-1] if variants else changes
+    rows.append(float32_check(args.family, args.backend, args.check, log, check_changes))
+  rows += [ab_row(args, shape, variants, ours, fla, log) for shape in args.shapes if variants]
+  for shape in ([] if variants else args.shapes):
     B, T, H, K, V = map(int, shape.split(","))
     qn, kn, vn, gn, bn, don = inputs(args.family, 0, B, T, H, K, V)
     bf = jnp.bfloat16
@@ -164,6 +181,71 @@ def main():
       json.dump(rows, fh, indent=1)
     harness.write_environment(os.path.dirname(os.path.abspath(args.json)),
                               os.path.basename(args.json).rsplit(".", 1)[0])
+
+
+def ab_variants(items, error) -> dict:
+  """``--ab`` items ``["name:a=1,b=2", ...]`` -> ``{name: changes}`` (``{"default": {}}``
+  first); a malformed item is an argparse error naming it."""
+  out = {"default": {}}
+  for item in items:
+    name, sep, body = item.partition(":")
+    if not sep or not name or not body or name in out:
+      error(f"--ab item {item!r}: write NAME:CHANGES with a new name, e.g. "
+            "one_warp:intra_warps=1,intra_kd=32")
+    try:
+      out[name] = harness.config_changes(body.split(","))
+    except (ValueError, KeyError):
+      error(f"--ab item {item!r}: each change is NAME=VALUE (an int, True or False)")
+  return out
+
+
+def ab_row(args, shape, variants, ours, fla, log) -> dict:
+  """One shape of ``--ab``: each launch's forward (and forward + backward) and FLA's
+  forward, ``args.ab_rounds`` alternating rounds; o of each against the default's."""
+  import jax
+  import jax.numpy as jnp
+  B, T, H, K, V = map(int, shape.split(","))
+  qn, kn, vn, gn, bn, don = inputs(args.family, 0, B, T, H, K, V)
+  q, k, v, beta, do = (jnp.asarray(x, jnp.bfloat16) for x in (qn, kn, vn, bn, don))
+  a = (q, k, v, jnp.asarray(gn), beta)
+  sync = jax.block_until_ready
+  name = f"{args.family} B{B} T{T} H{H} K{K} V{V}"
+  row = {"shape": name, "ab": {}}
+  configs = {vname: kernel_config(args.family, shape, ch) for vname, ch in variants.items()}
+  fns, o_default = {}, None
+  for vname, ch in variants.items():
+    op = functools.partial(ours, kernel_config=configs[vname])
+    fwd = jax.jit(lambda *x, op=op: op(*x)[0])
+    t0 = time.perf_counter()
+    o = sync(fwd(*a)).astype(jnp.float32)
+    fns[f"{vname} fwd"] = fwd
+    if args.ab_fb:
+      fns[f"{vname} fwd+bwd"] = harness.live_fwd_bwd(op, do)
+      sync(fns[f"{vname} fwd+bwd"](*a))
+    o_default = o if o_default is None else o_default
+    row["ab"][vname] = {"changes": ch, "rel o vs default": rel(o, o_default)}
+    log(f"{name} {vname}: compiled + first calls {time.perf_counter() - t0:.1f} s")
+  ffwd = None
+  if fla is not None:
+    torch, fla_fn = fla
+    ffwd = fla_calls(torch, fla_fn, qn, kn, vn, gn, bn, don)[0]
+    with torch.no_grad():
+      ffwd()
+    torch.cuda.synchronize()
+  times = {}
+  for r in range(args.ab_rounds):
+    for key, fn in fns.items():
+      times.setdefault(key, []).append(time_loop(lambda: fn(*a), sync, args.iters, args.reps))
+    if ffwd is not None:
+      with torch.no_grad():
+        times.setdefault("fla fwd", []).append(
+            time_loop(ffwd, harness.torch_sync, args.iters, args.reps))
+    log(f"{name} round {r}: " + json.dumps({k2: round(v2[-1], 4) for k2, v2 in times.items()}))
+  for key, ms in times.items():
+    vname, _, what = key.partition(" ")
+    target = row if vname == "fla" else row["ab"][vname]
+    target[f"{what} ms" if vname != "fla" else "fla fwd ms"] = ms
+  return row
 
 
 def fla_calls(torch, fla_fn, qn, kn, vn, gn, bn, don):
