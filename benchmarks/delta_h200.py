@@ -36,10 +36,11 @@ With ``--set``, the kernels run on the family's default launch with those change
 With ``--ab NAME:CHANGES ...`` (CHANGES as ``--set``'s, comma-separated, e.g.
 ``one_warp:intra_warps=1,intra_kd=32``) one process compares launches instead: per shape
 the default launch ("default") and each variant, forward (and with ``--ab-fb`` forward +
-backward, o live) and FLA's forward, timed in ``--ab-rounds`` alternating rounds (the
-ordering and the GPU's state move a process's figures by about 1%, more than most launch
-changes; an A/B in separate processes cannot tell them apart), each variant's o against
-the default's; with ``--check`` the float32 check runs on the last variant's launch.
+backward, o live) and FLA's forward, timed in ``--ab-rounds`` alternating rounds, each
+variant's o against the default's; with ``--check`` the float32 check runs on the last
+variant's launch. Figures move between processes more than most launch changes (FLA's KDA
+forward at B1 T16384 from 1.204 to 1.372 ms on H200s and H100s,
+``benchmarks/results/kda_h200.md``), so a launch is compared within one process.
 """
 from __future__ import annotations
 
@@ -189,7 +190,7 @@ def ab_variants(items, error) -> dict:
   out = {"default": {}}
   for item in items:
     name, sep, body = item.partition(":")
-    if not sep or not name or not body or name in out:
+    if not sep or not name or " " in name or not body or name in out:
       error(f"--ab item {item!r}: write NAME:CHANGES with a new name, e.g. "
             "one_warp:intra_warps=1,intra_kd=32")
     try:
