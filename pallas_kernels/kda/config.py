@@ -5,8 +5,8 @@ value.
 interpreter, and each GPU kernel's launch (a :class:`pallas_kernels.Launch` per stage,
 the GLA kernels' launch type). An op passes it to its custom_vjp as a static argument, so
 two configurations are two programs and nothing else is read while tracing.
-:func:`default_config` is the one place defaults are chosen. Measured on an H200 for KDA
-(B1 T16384 H16 K=V=128, bf16; ``benchmarks/results/kda_h200.md``): ``kda_intra`` and
+:func:`default_config` is the one place defaults are chosen. Measured for KDA (on an H200
+at B1 T16384 H16 K=V=128, bf16, where not said; ``benchmarks/results/kda_h200.md``): ``kda_intra`` and
 ``kda_diag`` on one warp (FLA's autotuned launch of its two kernels of the same work), the
 former on K slices of 32 and the latter with 2 heads a program (on an H100, 2026-12-07, one
 process, the op's forward 2.166 against 2.290 ms on 4 warps with slices of 128 and 8 heads
