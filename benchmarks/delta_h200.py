@@ -88,7 +88,7 @@ def main():
     ap.error("--set and --ab change the kernels' launch: they need --backend pallas")
   if args.ab and changes:
     ap.error("--ab takes its changes per variant; drop --set")
-  variants = ab_variants(args.ab or [], ap.error)
+  variants = ab_variants(args.ab, ap.error) if args.ab else {}    # {} without --ab
 
   import jax
   import jax.numpy as jnp
