@@ -114,12 +114,7 @@ def main():
     rows.append(float32_check(args.family, args.backend, args.check, log, check_changes))
   rows += [ab_row(args, shape, variants, ours, fla, log) for shape in args.shapes if variants]
   for shape in ([] if variants else args.shapes):
-    B, T, H, K, V = map(int, shape.split(","))
-    qn, kn, vn, gn, bn, don = inputs(args.family, 0, B, T, H, K, V)
-    bf = jnp.bfloat16
-    q, k, v, beta, do = (jnp.asarray(x, bf) for x in (qn, kn, vn, bn, don))
-    g = jnp.asarray(gn)
-    name = f"{args.family} B{B} T{T} H{H} K{K} V{V}"
+    name, (qn, kn, vn, gn, bn, don), (q, k, v, g, beta, do) = shape_inputs(args.family, shape)
     row = {"shape": name}
     op = ours
     if changes:
@@ -205,48 +200,55 @@ def ab_row(args, shape, variants, ours, fla, log) -> dict:
   forward, ``args.ab_rounds`` alternating rounds; o of each against the default's."""
   import jax
   import jax.numpy as jnp
-  B, T, H, K, V = map(int, shape.split(","))
-  qn, kn, vn, gn, bn, don = inputs(args.family, 0, B, T, H, K, V)
-  q, k, v, beta, do = (jnp.asarray(x, jnp.bfloat16) for x in (qn, kn, vn, bn, don))
-  a = (q, k, v, jnp.asarray(gn), beta)
+  name, (qn, kn, vn, gn, bn, don), (q, k, v, g, beta, do) = shape_inputs(args.family, shape)
+  a = (q, k, v, g, beta)
   sync = jax.block_until_ready
-  name = f"{args.family} B{B} T{T} H{H} K{K} V{V}"
   row = {"shape": name, "ab": {}}
   configs = {vname: kernel_config(args.family, shape, ch) for vname, ch in variants.items()}
-  fns, o_default = {}, None
+  timed, o_default = [], None          # (label, the call, its sync, the dict its times go to, key)
   for vname, ch in variants.items():
     op = functools.partial(ours, kernel_config=configs[vname])
     fwd = jax.jit(lambda *x, op=op: op(*x)[0])
     t0 = time.perf_counter()
     o = sync(fwd(*a)).astype(jnp.float32)
-    fns[f"{vname} fwd"] = fwd
-    if args.ab_fb:
-      fns[f"{vname} fwd+bwd"] = harness.live_fwd_bwd(op, do)
-      sync(fns[f"{vname} fwd+bwd"](*a))
     o_default = o if o_default is None else o_default
-    row["ab"][vname] = {"changes": ch, "rel o vs default": rel(o, o_default)}
+    out = row["ab"][vname] = {"changes": ch, "rel o vs default": rel(o, o_default)}
+    timed.append((f"{vname} fwd", lambda fwd=fwd: fwd(*a), sync, out, "fwd ms"))
+    if args.ab_fb:
+      fb = harness.live_fwd_bwd(op, do)
+      sync(fb(*a))
+      timed.append((f"{vname} fwd+bwd", lambda fb=fb: fb(*a), sync, out, "fwd+bwd ms"))
     log(f"{name} {vname}: compiled + first calls {time.perf_counter() - t0:.1f} s")
-  ffwd = None
   if fla is not None:
     torch, fla_fn = fla
     ffwd = fla_calls(torch, fla_fn, qn, kn, vn, gn, bn, don)[0]
-    with torch.no_grad():
-      ffwd()
-    torch.cuda.synchronize()
-  times = {}
-  for r in range(args.ab_rounds):
-    for key, fn in fns.items():
-      times.setdefault(key, []).append(time_loop(lambda: fn(*a), sync, args.iters, args.reps))
-    if ffwd is not None:
+
+    def fla_fwd():
       with torch.no_grad():
-        times.setdefault("fla fwd", []).append(
-            time_loop(ffwd, harness.torch_sync, args.iters, args.reps))
-    log(f"{name} round {r}: " + json.dumps({k2: round(v2[-1], 4) for k2, v2 in times.items()}))
-  for key, ms in times.items():
-    vname, _, what = key.partition(" ")
-    target = row if vname == "fla" else row["ab"][vname]
-    target[f"{what} ms" if vname != "fla" else "fla fwd ms"] = ms
+        return ffwd()
+
+    fla_fwd()
+    torch.cuda.synchronize()
+    timed.append(("fla fwd", fla_fwd, harness.torch_sync, row, "fla fwd ms"))
+  for r in range(args.ab_rounds):
+    last = {}
+    for label, fn, fsync, out, key in timed:
+      ms = time_loop(fn, fsync, args.iters, args.reps)
+      out.setdefault(key, []).append(ms)
+      last[label] = round(ms, 4)
+    log(f"{name} round {r}: {json.dumps(last)}")
   return row
+
+
+def shape_inputs(family, shape):
+  """``(name, numpy inputs, device inputs)`` of one ``--shapes`` item: :func:`inputs`' q,
+  k, v, g, beta, do (seed 0) and the same on the device (g float32, the rest bf16)."""
+  import jax.numpy as jnp
+  B, T, H, K, V = map(int, shape.split(","))
+  host = inputs(family, 0, B, T, H, K, V)
+  qn, kn, vn, gn, bn, don = host
+  q, k, v, beta, do = (jnp.asarray(x, jnp.bfloat16) for x in (qn, kn, vn, bn, don))
+  return f"{family} B{B} T{T} H{H} K{K} V{V}", host, (q, k, v, jnp.asarray(gn), beta, do)
 
 
 def fla_calls(torch, fla_fn, qn, kn, vn, gn, bn, don):
