@@ -15,8 +15,9 @@ at B8 T4096, 1.251 against 1.323 at B1 T16384, forward + backward 10.31 against 
 2.188 ms against 2.284, on 2 warps with 32 2.403, with 64 2.335; ``kda_diag`` on 1 warp
 with 2 heads 2.259, 4 heads 2.261, on 2 warps with 4 heads 2.281. On the new launch (2.165
 in a second process): ``kda_intra``'s slices of 16 2.191, 64 2.751; ``kda_diag`` with 1
-head 2.342. On an H200 on 2026-12-05, on 4 warps, K slices of 128 had beaten 64 / 32 and
-8 heads 16 / 4),
+head 2.342; ``kda_intra`` on 2 / 3 stages 2.283 / 2.281 against 2.146, ``kda_diag`` on 3
+the same, 2.148, the next session. On an H200 on 2026-12-05, on 4 warps, K slices of 128
+had beaten 64 / 32 and 8 heads 16 / 4),
 ``kda_dpairs``'s warps (2:
 2.65 ms against 3.33 with 4, 3.38 with 1, and on an H100 on 2026-12-07 the op's forward +
 backward at B8 T4096 10.31 ms against 16.29 on 1 warp, 10.71 on 1 warp with K slices of 16;
@@ -37,7 +38,8 @@ with 64, forward + backward 12.530 against 12.469, with the kernels of e58f40b) 
 64 at B8 T4096, 1.322 against 1.326 at B1 T16384, three rounds each), and
 ``kda_wu``'s K / V tile (128: on an H100 the kernel alone 0.240 ms against 0.244 / 0.273
 with 64 / 32, with q 0.297 against 0.334 / 0.363; 4 warps: 0.291 on 8, 0.266 on 2 but
-0.582 with q). The other
+0.582 with q; on an H100, 2026-12-07, 2 warps with tiles of 32 the op's forward 1.318
+against 1.251 ms at B1 T16384). The other
 stages follow Gated DeltaNet's measured defaults (``benchmarks/results/gdn_h200.md``),
 with smaller K slices where a kernel holds several per-channel ``[16, kd]`` decay tiles at
 once; not swept for KDA.
