@@ -91,7 +91,6 @@ def main():
   variants = ab_variants(args.ab, ap.error) if args.ab else {}    # {} without --ab
 
   import jax
-  import jax.numpy as jnp
   ours = functools.partial(op_of(args.family), backend=args.backend)
   tag = "jnp" if args.backend == "jax" else args.backend
 
@@ -112,71 +111,81 @@ def main():
   if args.check:
     check_changes = list(variants.values())[-1] if variants else changes
     rows.append(float32_check(args.family, args.backend, args.check, log, check_changes))
-  rows += [ab_row(args, shape, variants, ours, fla, log) for shape in args.shapes if variants]
-  for shape in ([] if variants else args.shapes):
-    name, (qn, kn, vn, gn, bn, don), (q, k, v, g, beta, do) = shape_inputs(args.family, shape)
-    row = {"shape": name}
-    op = ours
-    if changes:
-      row["kernel_config changes"] = changes
-      op = functools.partial(ours, kernel_config=kernel_config(args.family, shape, changes))
-    fwd = jax.jit(lambda *a: op(*a)[0])
-
-    fb = harness.live_fwd_bwd(op, do)          # o returned: the forward runs whole
-    sync = jax.block_until_ready
-    t0 = time.perf_counter()
-    o_j = sync(fwd(q, k, v, g, beta))
-    grads_j = sync(fb(q, k, v, g, beta))[1]
-    log(f"{name} {tag}: compiled + first call {time.perf_counter() - t0:.1f} s")
-    row[f"{tag} fwd ms"] = time_loop(lambda: fwd(q, k, v, g, beta), sync, args.iters,
-                                     args.reps)
-    row[f"{tag} fwd+bwd ms"] = time_loop(lambda: fb(q, k, v, g, beta), sync, args.iters,
-                                         args.reps)
-    log(f"{name} {tag}: fwd {row[f'{tag} fwd ms']:.3f} ms, fwd+bwd "
-        f"{row[f'{tag} fwd+bwd ms']:.3f} ms")
-    if args.profile:
-      for label, fn in (("fwd", fwd), ("fwd+bwd", fb)):
-        folder = os.path.join(args.profile, f"{name}_{label}".replace(" ", "_"))
-        row[f"{tag} {label} kernels"] = kernel_profile(fn, (q, k, v, g, beta), folder, log)
-    if fla is not None:
-      torch, fla_fn = fla
-      ffwd, ffb = fla_calls(torch, fla_fn, qn, kn, vn, gn, bn, don)
-      t0 = time.perf_counter()
-      with torch.no_grad():
-        o_f = ffwd()
-      torch.cuda.synchronize()
-      log(f"{name} fla: first forward (autotune) {time.perf_counter() - t0:.1f} s")
-      tsync = harness.torch_sync
-      with torch.no_grad():
-        row["fla fwd ms"] = time_loop(ffwd, tsync, args.iters, args.reps)
-        if args.profile:
-          row["fla fwd kernels"] = torch_kernel_profile(torch, ffwd, log)
-      to_np = lambda x: x.detach().float().cpu().numpy()
-      row["rel o (ours vs fla)"] = rel(o_j.astype(jnp.float32), to_np(o_f))
-      row[f"{tag} / fla fwd"] = row[f"{tag} fwd ms"] / row["fla fwd ms"]
-      try:
-        # FLA 0.6.0 refuses its GDN backward on Hopper with Triton 3.4 <= v < 3.7.1 (its
-        # issue #640: wrong gradients); then only the forward is compared.
-        grads_f = ffb()
-      except RuntimeError as e:
-        row["fla fwd+bwd"] = f"refused: {str(e).splitlines()[0]}"
-        log(f"{name} fla backward: {row['fla fwd+bwd']}")
-      else:
-        row["fla fwd+bwd ms"] = time_loop(ffb, tsync, args.iters, args.reps)
-        if args.profile:
-          row["fla fwd+bwd kernels"] = torch_kernel_profile(torch, ffb, log)
-        for nm, a, b in zip("q k v g beta".split(), grads_j, grads_f):
-          row[f"rel d{nm}"] = rel(a.astype(jnp.float32), to_np(b))
-        row[f"{tag} / fla fwd+bwd"] = row[f"{tag} fwd+bwd ms"] / row["fla fwd+bwd ms"]
-      agreement = {k2: round(v2, 5) for k2, v2 in row.items() if k2.startswith("rel")}
-      log(f"{name} fla: fwd {row['fla fwd ms']:.3f} ms; agreement {json.dumps(agreement)}")
-    rows.append(row)
+  if variants:
+    rows += [ab_row(args, shape, variants, ours, fla, log) for shape in args.shapes]
+  else:
+    rows += [shape_row(args, shape, changes, ours, tag, fla, log) for shape in args.shapes]
   log(json.dumps(rows, indent=1))
   if args.json:
     with open(args.json, "w") as fh:
       json.dump(rows, fh, indent=1)
     harness.write_environment(os.path.dirname(os.path.abspath(args.json)),
                               os.path.basename(args.json).rsplit(".", 1)[0])
+
+
+def shape_row(args, shape, changes, ours, tag, fla, log) -> dict:
+  """One shape of the normal run: our forward and forward + backward (o live) on the
+  default launch with ``changes``, optionally profiled, then FLA's beside them with the
+  outputs' and gradients' agreement."""
+  import jax
+  import jax.numpy as jnp
+  name, (qn, kn, vn, gn, bn, don), (q, k, v, g, beta, do) = shape_inputs(args.family, shape)
+  row = {"shape": name}
+  op = ours
+  if changes:
+    row["kernel_config changes"] = changes
+    op = functools.partial(ours, kernel_config=kernel_config(args.family, shape, changes))
+  fwd = jax.jit(lambda *a: op(*a)[0])
+
+  fb = harness.live_fwd_bwd(op, do)          # o returned: the forward runs whole
+  sync = jax.block_until_ready
+  t0 = time.perf_counter()
+  o_j = sync(fwd(q, k, v, g, beta))
+  grads_j = sync(fb(q, k, v, g, beta))[1]
+  log(f"{name} {tag}: compiled + first call {time.perf_counter() - t0:.1f} s")
+  row[f"{tag} fwd ms"] = time_loop(lambda: fwd(q, k, v, g, beta), sync, args.iters,
+                                   args.reps)
+  row[f"{tag} fwd+bwd ms"] = time_loop(lambda: fb(q, k, v, g, beta), sync, args.iters,
+                                       args.reps)
+  log(f"{name} {tag}: fwd {row[f'{tag} fwd ms']:.3f} ms, fwd+bwd "
+      f"{row[f'{tag} fwd+bwd ms']:.3f} ms")
+  if args.profile:
+    for label, fn in (("fwd", fwd), ("fwd+bwd", fb)):
+      folder = os.path.join(args.profile, f"{name}_{label}".replace(" ", "_"))
+      row[f"{tag} {label} kernels"] = kernel_profile(fn, (q, k, v, g, beta), folder, log)
+  if fla is not None:
+    torch, fla_fn = fla
+    ffwd, ffb = fla_calls(torch, fla_fn, qn, kn, vn, gn, bn, don)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+      o_f = ffwd()
+    torch.cuda.synchronize()
+    log(f"{name} fla: first forward (autotune) {time.perf_counter() - t0:.1f} s")
+    tsync = harness.torch_sync
+    with torch.no_grad():
+      row["fla fwd ms"] = time_loop(ffwd, tsync, args.iters, args.reps)
+      if args.profile:
+        row["fla fwd kernels"] = torch_kernel_profile(torch, ffwd, log)
+    to_np = lambda x: x.detach().float().cpu().numpy()
+    row["rel o (ours vs fla)"] = rel(o_j.astype(jnp.float32), to_np(o_f))
+    row[f"{tag} / fla fwd"] = row[f"{tag} fwd ms"] / row["fla fwd ms"]
+    try:
+      # FLA 0.6.0 refuses its GDN backward on Hopper with Triton 3.4 <= v < 3.7.1 (its
+      # issue #640: wrong gradients); then only the forward is compared.
+      grads_f = ffb()
+    except RuntimeError as e:
+      row["fla fwd+bwd"] = f"refused: {str(e).splitlines()[0]}"
+      log(f"{name} fla backward: {row['fla fwd+bwd']}")
+    else:
+      row["fla fwd+bwd ms"] = time_loop(ffb, tsync, args.iters, args.reps)
+      if args.profile:
+        row["fla fwd+bwd kernels"] = torch_kernel_profile(torch, ffb, log)
+      for nm, a, b in zip("q k v g beta".split(), grads_j, grads_f):
+        row[f"rel d{nm}"] = rel(a.astype(jnp.float32), to_np(b))
+      row[f"{tag} / fla fwd+bwd"] = row[f"{tag} fwd+bwd ms"] / row["fla fwd+bwd ms"]
+    agreement = {k2: round(v2, 5) for k2, v2 in row.items() if k2.startswith("rel")}
+    log(f"{name} fla: fwd {row['fla fwd ms']:.3f} ms; agreement {json.dumps(agreement)}")
+  return row
 
 
 def ab_variants(items, error) -> dict:
