@@ -23,17 +23,18 @@ accumulators are live.
 
 Exactness: every exponent is a sum of g over exactly the tokens it spans, never the
 difference of two cumulative sums and never positive: b is a cumulative sum of the
-chunk's g tile (:func:`inclusive`), to_end a sum of the tokens after each one (a
-cumulative sum of the tile loaded last token first in ``kda_wu``,
-:func:`to_end_reversed`; a masked sum, :func:`after`, where the tile is formed in
-registers), gamma a column sum. The decay gradient sums exactly the terms whose span
-holds each token: b_i's cotangent goes to the tokens m <= i (:func:`from_here`), to_end's
-of token j to the tokens m > j (:func:`before`), gamma's to every token of the chunk.
-The other masked sums are dots with 0 / 1 matrices (Triton has no reverse cumulative sum)
-on the tensor cores, the float32 operand split into three bfloat16 parts
-(:func:`pallas_kernels._launch.dot01`): forward + backward 14.94 ms at B1 T16384 H16
+chunk's g tile (:func:`inclusive`), to_end a sum of the tokens after each one
+(:func:`to_end`, one reverse exclusive Triton scan, ``pallas_kernels._scan.rows_sum``, in
+the forward's kernels; :func:`after` in the backward's), gamma a column sum. The decay
+gradient sums exactly the terms whose span holds each token: b_i's cotangent goes to the
+tokens m <= i (:func:`from_here`), to_end's of token j to the tokens m > j
+(:func:`before`), gamma's to every token of the chunk. The backward's masked sums are dots
+with 0 / 1 matrices on the tensor cores, the float32 operand split into three bfloat16
+parts (:func:`pallas_kernels._launch.dot01`): forward + backward 14.94 ms at B1 T16384 H16
 K=V=128 on an H200, against 22.69 ms with IEEE float32 dots (CUDA cores), the same
-session (``benchmarks/results/kda_h200.md``).
+session. As Triton scans (``rows_sum``) they measured slower in ``kda_dqk`` and
+``kda_dwy`` at both shapes and in ``kda_dpairs`` at B8 (below, :func:`after`;
+``benchmarks/results/kda_h200.md``).
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._launch import F32, block, call, dot, dot01, fast_exp, iota, tiles
+from pallas_kernels._scan import rows_sum
 
 S = 16                       # rows of a sub-chunk (the pairwise decays, the UT inverse)
 
@@ -61,46 +63,37 @@ def inclusive(x):
   return jnp.cumsum(x, axis=0)
 
 
+def to_end(x):
+  """``out[i] = sum_{m > i} x[m]`` of a ``[n, D]`` tile (0 on the last row) as one reverse
+  exclusive Triton scan (:func:`pallas_kernels._scan.rows_sum`): to_end in ``kda_wu`` and
+  the sub-chunk columns' after in ``kda_intra``. On an H100 (2026-12-07, one process, H16
+  K=V=128) the op's forward took 1.193 / 2.052 ms at B1 T16384 / B8 T4096 with it, against
+  1.250 / 2.156 with the forms before it: ``kda_wu`` scanned the tile loaded last token
+  first (a second load of g and of k, kd stored in that order) and ``kda_intra`` took an
+  IEEE float32 dot with a 0 / 1 triangle (``kda_intra`` 0.532 -> 0.440 ms at B8,
+  ``kda_wu`` 0.465 -> 0.455)."""
+  return rows_sum(x, reverse=True, exclusive=True)
+
+
 def after(x):
-  """``out[i] = sum_{m > i} x[m]`` of a ``[n, D]`` tile (0 on the last row)."""
+  """``out[i] = sum_{m > i} x[m]`` of a ``[n, D]`` tile (0 on the last row), as
+  :func:`pallas_kernels._launch.dot01` with a 0 / 1 triangle: the backward's form. As
+  Triton scans (:func:`to_end` here, and :func:`from_here` and :func:`before` likewise),
+  on an H100 (2026-12-07, one process, the forward on its scans in every row) the op's
+  forward + backward took, at B1 T16384 / B8 T4096 H16 K=V=128: 5.772 / 10.215 ms with the
+  backward on these dots; 5.788 / 10.267 with scans in ``kda_dqk``; 5.785 / 10.229 in
+  ``kda_dwy``; 5.716 / 10.447 in ``kda_dpairs``; 5.747 / 10.513 in all three."""
   return dot01(_tri(x.shape[0], lambda r, c: c > r), x)
 
 
-def after_ieee(x):
-  """:func:`after` as one IEEE float32 dot (CUDA cores). Faster than :func:`after` on the
-  ``[16, 128]`` sub-chunk tiles of ``kda_intra`` (B1 T16384 H16 K=V=128 on an H200, in
-  the form of 2026-12-04 that also walked the diagonal blocks: ``kda_intra`` 1.95 ms with
-  it, 3.04 ms with the split dot; in that day's ``kda_dpairs``, on ``[16, 32]`` tiles, the
-  split dots measured faster, 4.71 against 6.13 ms, and its form now keeps them)."""
-  return dot(_tri(x.shape[0], lambda r, c: c > r), x, F32)
-
-
-def to_end_reversed(g_ref, b, hd, n, ks, C):
-  """``(rows, to_end)``: chunk n's rows last to first (``[C]`` token indices) and, in that
-  order, g summed over the tokens after each one to the chunk end (``[C, kd]``; 0 on the
-  chunk's last token): a cumulative sum (Triton's scan) of the rows loaded last to first,
-  each shifted by one token. :func:`after` on the tile in token order is a dot with a 0 / 1
-  triangle in three bfloat16 parts; on an H100 ``kda_wu`` took 0.244 against 0.272 ms with
-  it (B1 T16384 H16 K=V=128; 0.478 against 0.538 at B8 T4096,
-  ``benchmarks/results/kda_h200.md``). ``kda_wu`` by 16-token sub-chunks in token order
-  instead (each sub-chunk's :func:`after` or :func:`after_ieee` plus the totals after it)
-  measured slower: the op's forward 2.364 / 2.315 against 2.272 ms at B8 T4096 on an H100
-  (2026-12-07). For a kernel whose operands are loaded from memory, which it can read and
-  write in that order."""
-  r = iota((C,), 0)
-  rows = n * C + (C - 1) - r
-  nxt = n * C + jnp.where(r == 0, C - 1, C - r)      # the token after each (none for the last)
-  shifted = jnp.where(r[:, None] == 0, 0.0, g_ref[b, nxt, hd, ks].astype(F32))
-  return rows, inclusive(shifted)
-
-
 def from_here(x):
-  """``out[i] = sum_{m >= i} x[m]`` of a ``[n, D]`` tile."""
+  """``out[i] = sum_{m >= i} x[m]`` of a ``[n, D]`` tile (:func:`after`'s form)."""
   return dot01(_tri(x.shape[0], lambda r, c: c >= r), x)
 
 
 def before(x):
-  """``out[i] = sum_{m < i} x[m]`` of a ``[n, D]`` tile (0 on the first row)."""
+  """``out[i] = sum_{m < i} x[m]`` of a ``[n, D]`` tile (0 on the first row;
+  :func:`after`'s form)."""
   return dot01(_tri(x.shape[0], lambda r, c: c < r), x)
 
 
@@ -120,9 +113,7 @@ def _wu_kernel(t_ref, k_ref, v_ref, g_ref, beta_ref, *refs, C, K, V, BD, dt, sca
     eb = fast_exp(inclusive(g))
     k = k_ref[b, t, hd, ks].astype(F32)
     w_ref[b, t, hd, ks] = dot(Tm, beta[:, None] * eb * k, dt).astype(w_ref.dtype)
-    rev, to_end = to_end_reversed(g_ref, b, hd, n, ks, C)
-    kd_ref[b, rev, hd, ks] = (fast_exp(to_end) * k_ref[b, rev, hd, ks].astype(F32)).astype(
-        kd_ref.dtype)
+    kd_ref[b, t, hd, ks] = (fast_exp(to_end(g)) * k).astype(kd_ref.dtype)
     eg_ref[b, hd, n, ks] = fast_exp(jnp.sum(g, axis=0))
     if scale is not None:
       qb_ref[b, t, hd, ks] = (scale * eb * q_ref[b, t, hd, ks].astype(F32)).astype(
@@ -136,12 +127,13 @@ def wu(Tinv, k, v, g, beta, *, chunk_size, config, q=None, scale=None):
   """(w [B, T, H, K], u [B, T, H, V], kd [B, T, H, K] in k's dtype, eg = e^{gamma}
   float32 [B, H, N, K]) from the inverse T (:func:`pallas_kernels.kda.pairs.intra`).
   g float32 ``[B, T, H, K]``, beta float32 ``[B, T, H]``. With q and scale (the
-  backward) also ``qb = scale e^{b} * q`` in q's dtype. Each output is stored as soon as
-  it is formed; every load issued before the first store (one wait for memory a program
-  instead of three) measured slower on an H100, the op's forward 2.378 against 2.160 ms
-  at B8 T4096 H16 K=V=128, and so did the tiles as loops pipelined over 3 stages (FLA's
-  launch of this work): 2.320 / 2.201 ms with tiles of 64 / 32, against 2.155
-  (``benchmarks/results/kda_h200.md``)."""
+  backward) also ``qb = scale e^{b} * q`` in q's dtype. g and k are loaded once per K
+  tile (kd from :func:`to_end`'s scan of the loaded g). Each output is stored as soon as
+  it is formed. In the form before :func:`to_end` (g and k loaded a second time, last token
+  first), every load issued before the first store measured slower on an H100, the op's
+  forward 2.378 against 2.160 ms at B8 T4096 H16 K=V=128, and so did the tiles as loops
+  pipelined over 3 stages (FLA's launch of this work): 2.320 / 2.201 ms with tiles of
+  64 / 32, against 2.155 (``benchmarks/results/kda_h200.md``)."""
   B, T, H, K = k.shape
   V = v.shape[-1]
   N = T // chunk_size

@@ -65,7 +65,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels._launch import (F32, block, call, dot, fast_exp, iota, masked_exp, unroll_for,
                                     unrolled)
 from pallas_kernels._delta import block_inverse, stacked_through
-from pallas_kernels.kda.chunk import S, after, after_ieee, before, from_here, inclusive
+from pallas_kernels.kda.chunk import S, after, before, from_here, inclusive, to_end
 
 # kda_dpairs's diagonal loops unrolled at trace time (16 steps of a sub-chunk; H100, the op's
 # forward + backward at B1 T16384 H16 K=V=128: 6.580 ms, against 6.826 / 7.115 / 7.072 /
@@ -96,11 +96,12 @@ class SubChunks:
   def columns(self, J, I):
     """``k_J e^{after_J + between(J, I)}`` ``[16, kd]``: the column factor of block pair
     (I, J), J < I (a product of exps of sums of the tokens each spans, each <= 1; after_J
-    as one IEEE float32 dot, :func:`pallas_kernels.kda.chunk.after_ieee`). For bf16 inputs
-    a scan of g and k loaded last token first, put back in order by a bf16 exchange-matrix
-    dot, measured slower (the op's forward 2.304 / 2.294 against 2.283 / 2.283 ms at B8
+    as one reverse exclusive scan, :func:`pallas_kernels.kda.chunk.to_end`, which measured
+    faster than the IEEE float32 dot with a 0 / 1 triangle before it). A scan of g and k
+    loaded last token first, put back in order by a bf16 exchange-matrix dot, had measured
+    slower than that dot (the op's forward 2.304 / 2.294 against 2.283 / 2.283 ms at B8
     T4096 H16 K=V=128 on an H100, 2026-12-07, ``benchmarks/results/kda_h200.md``)."""
-    kc = self.load("k", J) * fast_exp(after_ieee(self.load("g", J)))
+    kc = self.load("k", J) * fast_exp(to_end(self.load("g", J)))
     span = self.between(J, I)
     return kc if span is None else kc * span[None, :]
 
