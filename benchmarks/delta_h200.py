@@ -184,7 +184,10 @@ def shape_row(args, shape, changes, ours, tag, fla, log) -> dict:
         row[f"rel d{nm}"] = rel(a.astype(jnp.float32), to_np(b))
       row[f"{tag} / fla fwd+bwd"] = row[f"{tag} fwd+bwd ms"] / row["fla fwd+bwd ms"]
     agreement = {k2: round(v2, 5) for k2, v2 in row.items() if k2.startswith("rel")}
-    log(f"{name} fla: fwd {row['fla fwd ms']:.3f} ms; agreement {json.dumps(agreement)}")
+    fb_ms = row.get("fla fwd+bwd ms")
+    log(f"{name} fla: fwd {row['fla fwd ms']:.3f} ms"
+        + (f", fwd+bwd {fb_ms:.3f} ms" if fb_ms is not None else "")
+        + f"; agreement {json.dumps(agreement)}")
   return row
 
 
