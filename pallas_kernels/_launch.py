@@ -119,9 +119,10 @@ def dot01(m, x):
   """``m @ x`` for a 0 / 1 float32 matrix ``m`` and a float32 tile ``x``, to float32
   rounding, on the tensor cores: x = hi + mid + lo in bfloat16 (each part the rounding of
   what the parts before leave, so the three carry x's 24 bits), every product with a 0 or
-  1 exact, the three dots accumulated in float32. A masked sum along a tile's rows (a
-  cumulative sum, or a reverse one, which Triton lacks) at bf16 dot speed; an IEEE float32
-  dot runs on the CUDA cores (``benchmarks/results/kda_h200.md``)."""
+  1 exact, the three dots accumulated in float32. A masked sum along a tile's rows at
+  bf16 dot speed (the KDA backward's form); an IEEE float32 dot runs on the CUDA cores.
+  :func:`pallas_kernels._scan.rows_sum` is the same sum as one Triton scan, faster in the
+  KDA forward's kernels and slower in its backward's (``benchmarks/results/kda_h200.md``)."""
   bf = jnp.bfloat16
   hi = x.astype(bf)
   rest = x - hi.astype(F32)

@@ -3,8 +3,9 @@ prefixes and suffixes, the dot-form tests), the stored states' dtype, the kernel
 of g. The launch and the dots are in :mod:`pallas_kernels._launch`.
 
 Every kernel reads the public layout ``[B, T, H, D]`` in place (strided tiles of ``[C, D]``
-rows), so no transpose of q, k, v, g or do is ever materialised. Triton has no reverse
-cumsum: ``rev = total - cumsum + x`` (:func:`rev_cumsum`).
+rows), so no transpose of q, k, v, g or do is ever materialised. JAX's Triton lowering
+has only the forward cumsum: ``rev = total - cumsum + x`` (:func:`rev_cumsum`; the reverse
+scan of :func:`pallas_kernels._scan.rows_sum` has not been tried here).
 """
 from __future__ import annotations
 
@@ -119,7 +120,7 @@ def sub_rows(ref, b, t0, hd, ks, j, blk, L):
 
 
 def rev_cumsum(x):
-  """Reverse cumulative sum along axis 0 (Triton has only the forward scan)."""
+  """Reverse cumulative sum along axis 0 (JAX's Triton lowering has only the forward one)."""
   return jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x
 
 
