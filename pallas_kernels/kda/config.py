@@ -39,7 +39,11 @@ with 64, forward + backward 12.530 against 12.469, with the kernels of e58f40b) 
 ``kda_wu``'s K / V tile (128: on an H100 the kernel alone 0.240 ms against 0.244 / 0.273
 with 64 / 32, with q 0.297 against 0.334 / 0.363; 4 warps: 0.291 on 8, 0.266 on 2 but
 0.582 with q; on an H100, 2026-12-07, 2 warps with tiles of 32 the op's forward 1.318
-against 1.251 ms at B1 T16384). The other
+against 1.251 ms at B1 T16384; on its form with one load of g and k, the next session, one
+process, B1 / B8 T4096: 1.189 / 2.062 ms against 1.341 / 2.272 on 8 warps, 1.514 / 2.730
+on 2, 1.230 / 2.135 with tiles of 64; and ``kda_output`` on that code 1.188 / 2.061
+against 1.242 / 2.162 on 8 warps, 1.264 / 2.221 with V tiles of 64, the same on 1 or 3
+stages). The other
 stages follow Gated DeltaNet's measured defaults (``benchmarks/results/gdn_h200.md``),
 with smaller K slices where a kernel holds several per-channel ``[16, kd]`` decay tiles at
 once; not swept for KDA.
