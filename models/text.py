@@ -126,7 +126,7 @@ def _jsonl_index(path: str) -> list:
           if not isinstance(text, str):
             raise TypeError(f"\"text\" is a {type(text).__name__}, not a string")
         except (ValueError, KeyError, TypeError) as e:
-          why = f"no \"text\" field" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+          why = "no \"text\" field" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
           raise ValueError(f"{path} line {number}: not a JSON object with a string \"text\" "
                            f"field ({why}); fix or remove the line") from None
         entries.append((offset, len(line)))
