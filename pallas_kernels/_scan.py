@@ -38,6 +38,9 @@ def rows_sum(x, *, reverse: bool = False, exclusive: bool = False):
   if x.ndim != 2:
     raise ValueError(f"rows_sum: `x` must be a 2-D tile, got shape {x.shape}; sum along "
                      "the rows of a [rows, columns] tile.")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"rows_sum: `x` must be a floating-point tile, got {x.dtype}; cast "
+                     "it to float32 first.")
   return rows_sum_p.bind(x, reverse=bool(reverse), exclusive=bool(exclusive))
 
 

@@ -55,9 +55,11 @@ def test_rows_sum_sums_exactly_the_named_rows(reverse, exclusive):
   assert np.all(edge == 0.0) if exclusive else np.all(edge != 0.0)
 
 
-def test_rows_sum_rejects_a_tile_that_is_not_2d():
+def test_rows_sum_rejects_what_it_cannot_sum():
   with pytest.raises(ValueError, match=r"`x` must be a 2-D tile, got shape \(4, 4, 4\)"):
     rows_sum(jnp.zeros((4, 4, 4)))
+  with pytest.raises(ValueError, match="`x` must be a floating-point tile, got int32"):
+    rows_sum(jnp.zeros((4, 4), jnp.int32))
 
 
 @pytest.mark.parametrize("reverse,exclusive", MODES, ids=IDS)
