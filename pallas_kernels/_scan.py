@@ -15,9 +15,10 @@ segment the scan has already passed: e is added up, never subtracted.
 
 ``jax.lax.cumsum`` lowers to Triton's scan only forward (``reverse=True`` raises in JAX's
 Triton lowering), and a cumulative sum cannot be exclusive; Triton's scan op itself takes
-a direction and several operands. :data:`rows_sum_p` is a primitive with JAX's default
-lowering (a ``jnp.cumsum`` form; the Pallas interpreter, CPU, TPU) and a Triton lowering
-rule, registered through JAX's private Pallas Triton lowering table
+a direction and several operands. :data:`rows_sum_p` is a primitive with an XLA lowering
+(a ``jnp.cumsum`` form, on any backend, so also in the Pallas interpreter) and a Triton
+lowering rule; it has no Mosaic rule, and the TPU kernels do not use it. The Triton rule
+is registered through JAX's private Pallas Triton lowering table
 (``jax._src.pallas.triton.lowering.register_lowering``; no public API registers a Triton
 lowering rule). :func:`triton_rule_registered` says whether that took effect;
 ``tests/kernels/test_rows_sum.py`` asserts it, so that a JAX upgrade that moves the private
