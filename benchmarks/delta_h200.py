@@ -36,11 +36,12 @@ With ``--set``, the kernels run on the family's default launch with those change
 With ``--ab NAME:CHANGES ...`` (CHANGES as ``--set``'s, comma-separated, e.g.
 ``one_warp:intra_warps=1,intra_kd=32``) one process compares launches instead: per shape
 the default launch ("default") and each variant, forward (and with ``--ab-fb`` forward +
-backward, o live) and FLA's forward, timed in ``--ab-rounds`` alternating rounds, each
-variant's o against the default's; with ``--check`` the float32 check runs on the last
-variant's launch. Figures move between processes more than most launch changes (FLA's KDA
-forward at B1 T16384 from 1.204 to 1.372 ms on H200s and H100s,
-``benchmarks/results/kda_h200.md``), so a launch is compared within one process.
+backward, o live) and FLA's forward (and forward + backward), timed in ``--ab-rounds``
+alternating rounds, each variant's o against the default's and its ratios to FLA (the best
+round of each); with ``--check`` the float32 check runs on the last variant's launch.
+Figures move between processes more than most launch changes (FLA's KDA forward at B1
+T16384 from 1.204 to 1.372 ms on H200s and H100s, ``benchmarks/results/kda_h200.md``), so
+a launch is compared within one process.
 """
 from __future__ import annotations
 
@@ -209,7 +210,8 @@ def ab_variants(items, error) -> dict:
 
 def ab_row(args, shape, variants, ours, fla, log) -> dict:
   """One shape of ``--ab``: each launch's forward (and forward + backward) and FLA's
-  forward, ``args.ab_rounds`` alternating rounds; o of each against the default's."""
+  likewise, ``args.ab_rounds`` alternating rounds; o of each against the default's, and
+  each launch's time over FLA's (the best round of each)."""
   import jax
   import jax.numpy as jnp
   name, (qn, kn, vn, gn, bn, don), (q, k, v, g, beta, do) = shape_inputs(args.family, shape)
@@ -233,7 +235,7 @@ def ab_row(args, shape, variants, ours, fla, log) -> dict:
     log(f"{name} {vname}: compiled + first calls {time.perf_counter() - t0:.1f} s")
   if fla is not None:
     torch, fla_fn = fla
-    ffwd = fla_calls(torch, fla_fn, qn, kn, vn, gn, bn, don)[0]
+    ffwd, ffb = fla_calls(torch, fla_fn, qn, kn, vn, gn, bn, don)
 
     def fla_fwd():
       with torch.no_grad():
@@ -242,6 +244,14 @@ def ab_row(args, shape, variants, ours, fla, log) -> dict:
     fla_fwd()
     torch.cuda.synchronize()
     timed.append(("fla fwd", fla_fwd, harness.torch_sync, row, "fla fwd ms"))
+    if args.ab_fb:
+      try:
+        ffb()            # FLA's GDN backward refuses on Hopper with Triton 3.6 (shape_row)
+      except RuntimeError as e:
+        row["fla fwd+bwd"] = f"refused: {str(e).splitlines()[0]}"
+      else:
+        torch.cuda.synchronize()
+        timed.append(("fla fwd+bwd", ffb, harness.torch_sync, row, "fla fwd+bwd ms"))
   for r in range(args.ab_rounds):
     last = {}
     for label, fn, fsync, out, key in timed:
@@ -249,6 +259,10 @@ def ab_row(args, shape, variants, ours, fla, log) -> dict:
       out.setdefault(key, []).append(ms)
       last[label] = round(ms, 4)
     log(f"{name} round {r}: {json.dumps(last)}")
+  for out in row["ab"].values():      # each launch's ratio to FLA from the same rounds
+    for key in ("fwd", "fwd+bwd"):
+      if f"{key} ms" in out and f"fla {key} ms" in row:
+        out[f"/ fla {key}"] = min(out[f"{key} ms"]) / min(row[f"fla {key} ms"])
   return row
 
 
