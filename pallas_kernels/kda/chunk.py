@@ -108,14 +108,23 @@ def _wu_kernel(t_ref, k_ref, v_ref, g_ref, beta_ref, *refs, C, K, V, BD, dt, sca
   t = pl.ds(n * C, C)
   Tm = t_ref[b, t, hd, :]
   beta = beta_ref[b, t, hd].astype(F32)
+  w_of = lambda k, eb: dot(Tm, beta[:, None] * eb * k, dt).astype(w_ref.dtype)
+  kd_of = lambda k, g: (fast_exp(to_end(g)) * k).astype(kd_ref.dtype)
+  eg_of = lambda g: fast_exp(jnp.sum(g, axis=0))
   for ks in tiles(K, BD):
     g = g_ref[b, t, hd, ks].astype(F32)
-    eb = fast_exp(inclusive(g))
-    k = k_ref[b, t, hd, ks].astype(F32)
-    w_ref[b, t, hd, ks] = dot(Tm, beta[:, None] * eb * k, dt).astype(w_ref.dtype)
-    kd_ref[b, t, hd, ks] = (fast_exp(to_end(g)) * k).astype(kd_ref.dtype)
-    eg_ref[b, hd, n, ks] = fast_exp(jnp.sum(g, axis=0))
-    if scale is not None:
+    if scale is None:                                   # the forward: w first
+      eb = fast_exp(inclusive(g))
+      k = k_ref[b, t, hd, ks].astype(F32)
+      w_ref[b, t, hd, ks] = w_of(k, eb)
+      kd_ref[b, t, hd, ks] = kd_of(k, g)
+      eg_ref[b, hd, n, ks] = eg_of(g)
+    else:                                               # the backward's: e^{gamma}, kd first
+      eg_ref[b, hd, n, ks] = eg_of(g)
+      k = k_ref[b, t, hd, ks].astype(F32)
+      kd_ref[b, t, hd, ks] = kd_of(k, g)
+      eb = fast_exp(inclusive(g))
+      w_ref[b, t, hd, ks] = w_of(k, eb)
       qb_ref[b, t, hd, ks] = (scale * eb * q_ref[b, t, hd, ks].astype(F32)).astype(
           qb_ref.dtype)
   for vs in tiles(V, BD):
@@ -129,11 +138,16 @@ def wu(Tinv, k, v, g, beta, *, chunk_size, config, q=None, scale=None):
   g float32 ``[B, T, H, K]``, beta float32 ``[B, T, H]``. With q and scale (the
   backward) also ``qb = scale e^{b} * q`` in q's dtype. g and k are loaded once per K
   tile (kd from :func:`to_end`'s scan of the loaded g). Each output is stored as soon as
-  it is formed. In the form before :func:`to_end` (g and k loaded a second time, last token
-  first), every load issued before the first store measured slower on an H100, the op's
-  forward 2.378 against 2.160 ms at B8 T4096 H16 K=V=128, and so did the tiles as loops
-  pipelined over 3 stages (FLA's launch of this work): 2.320 / 2.201 ms with tiles of
-  64 / 32, against 2.155 (``benchmarks/results/kda_h200.md``)."""
+  it is formed: in the forward w first; in the backward's copy e^{gamma} and kd first, then
+  w and qb, which spills nothing on sm_90 where w first spilled 360 bytes, and measured
+  faster on an H100, the op's forward + backward 5.788 -> 5.736 ms at B1 T16384 H16
+  K=V=128 and 10.246 -> 10.137 at B8 T4096. The forward's copy in that order measured
+  slower (1.193 -> 1.210 and 2.053 -> 2.091 ms), though it too stops spilling. In the form
+  before :func:`to_end` (g and k loaded a second time, last token first), every load issued
+  before the first store measured slower on an H100, the op's forward 2.378 against 2.160
+  ms at B8 T4096 H16 K=V=128, and so did the tiles as loops pipelined over 3 stages (FLA's
+  launch of this work): 2.320 / 2.201 ms with tiles of 64 / 32, against 2.155
+  (``benchmarks/results/kda_h200.md``)."""
   B, T, H, K = k.shape
   V = v.shape[-1]
   N = T // chunk_size
