@@ -3,9 +3,9 @@ prefixes and suffixes, the dot-form tests), the stored states' dtype, the kernel
 of g. The launch and the dots are in :mod:`pallas_kernels._launch`.
 
 Every kernel reads the public layout ``[B, T, H, D]`` in place (strided tiles of ``[C, D]``
-rows), so no transpose of q, k, v, g or do is ever materialised. JAX's Triton lowering
-has only the forward cumsum: ``rev = total - cumsum + x`` (:func:`rev_cumsum`; the reverse
-scan of :func:`pallas_kernels._scan.rows_sum` has not been tried here).
+rows), so no transpose of q, k, v, g or do is ever materialised. A reverse sum along a
+tile's rows is :func:`pallas_kernels._scan.rows_sum` (JAX's Triton lowering of ``cumsum``
+runs only forward).
 """
 from __future__ import annotations
 
@@ -117,11 +117,6 @@ def sub_rows(ref, b, t0, hd, ks, j, blk, L):
   for u in range(1, L):
     out = jnp.where(blk == u, ref[b, t0 + u * SUB + j, hd, ks].astype(F32)[None, :], out)
   return out
-
-
-def rev_cumsum(x):
-  """Reverse cumulative sum along axis 0 (JAX's Triton lowering has only the forward one)."""
-  return jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x
 
 
 def check_dims(K: int, V: int, C: int) -> None:

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.gla import _common as cm
+from pallas_kernels._scan import rows_sum
 
 S = cm.SUB
 DIAG_UNROLL = 4              # gla_dqdk_diag: steps per fori_loop iteration (see the kernel)
@@ -185,7 +186,11 @@ def _dqdk_kernel(q_ref, k_ref, v_ref, p_ref, s_ref, do_ref, h_ref, dh_ref, dqd_r
   d_last = (e_tot * d_last + k_dk)[None, :]
   dq_ref[b, tc, hd, ks] = dq.astype(dq_ref.dtype)
   dk_ref[b, tc, hd, ks] = dk.astype(dk_ref.dtype)
-  dg_ref[b, tc, hd, ks] = cm.rev_cumsum(q * dq - k * dk) + d_last
+  # dg: the reverse inclusive sum of q dq - k dk, one Triton scan. The form before it,
+  # total - cumsum + x, measured slower on an H100: forward + backward 2.191 -> 2.173 ms
+  # at B1 T16384 H16 K=V=128, 1.437 -> 1.405 at B8 T4096 H4 K128 V256
+  # (``benchmarks/results/kernels_h200.md``).
+  dg_ref[b, tc, hd, ks] = rows_sum(q * dq - k * dk, reverse=True) + d_last
 
 
 def _dqdk_by_sub_chunk(q, k, pre, suf, tot, dq_s, dk_s, dA, diag_terms, *, C, BK, dt, scale):
