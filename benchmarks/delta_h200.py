@@ -170,12 +170,8 @@ def shape_row(args, shape, changes, ours, tag, fla, log) -> dict:
     to_np = lambda x: x.detach().float().cpu().numpy()
     row["rel o (ours vs fla)"] = rel(o_j.astype(jnp.float32), to_np(o_f))
     row[f"{tag} / fla fwd"] = row[f"{tag} fwd ms"] / row["fla fwd ms"]
-    try:
-      # FLA 0.6.0 refuses its GDN backward on Hopper with Triton 3.4 <= v < 3.7.1 (its
-      # issue #640: wrong gradients); then only the forward is compared.
-      grads_f = ffb()
-    except RuntimeError as e:
-      row["fla fwd+bwd"] = f"refused: {str(e).splitlines()[0]}"
+    grads_f = fla_backward(ffb, row)
+    if grads_f is None:
       log(f"{name} fla backward: {row['fla fwd+bwd']}")
     else:
       row["fla fwd+bwd ms"] = time_loop(ffb, tsync, args.iters, args.reps)
@@ -244,14 +240,9 @@ def ab_row(args, shape, variants, ours, fla, log) -> dict:
     fla_fwd()
     torch.cuda.synchronize()
     timed.append(("fla fwd", fla_fwd, harness.torch_sync, row, "fla fwd ms"))
-    if args.ab_fb:
-      try:
-        ffb()            # FLA's GDN backward refuses on Hopper with Triton 3.6 (shape_row)
-      except RuntimeError as e:
-        row["fla fwd+bwd"] = f"refused: {str(e).splitlines()[0]}"
-      else:
-        torch.cuda.synchronize()
-        timed.append(("fla fwd+bwd", ffb, harness.torch_sync, row, "fla fwd+bwd ms"))
+    if args.ab_fb and fla_backward(ffb, row) is not None:
+      torch.cuda.synchronize()
+      timed.append(("fla fwd+bwd", ffb, harness.torch_sync, row, "fla fwd+bwd ms"))
   for r in range(args.ab_rounds):
     last = {}
     for label, fn, fsync, out, key in timed:
@@ -294,6 +285,17 @@ def fla_calls(torch, fla_fn, qn, kn, vn, gn, bn, don):
     return torch.autograd.grad(forward(), (tq, tk, tv, tg, tb), tdo)
 
   return forward, forward_backward
+
+
+def fla_backward(ffb, row):
+  """FLA's gradients from ``ffb()``, or None where FLA refuses its backward: FLA 0.6.0
+  refuses its GDN backward on Hopper with Triton 3.4 <= v < 3.7.1 (its issue #640: wrong
+  gradients), and then ``row["fla fwd+bwd"]`` says so and only the forward is compared."""
+  try:
+    return ffb()
+  except RuntimeError as e:
+    row["fla fwd+bwd"] = f"refused: {str(e).splitlines()[0]}"
+    return None
 
 
 def op_of(family):

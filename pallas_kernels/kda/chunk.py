@@ -140,8 +140,8 @@ def wu(Tinv, k, v, g, beta, *, chunk_size, config, q=None, scale=None):
   tile (kd from :func:`to_end`'s scan of the loaded g). Each output is stored as soon as
   it is formed: in the forward w first; in the backward's copy e^{gamma} and kd first, then
   w and qb, which spills nothing on sm_90 where w first spilled 360 bytes, and measured
-  faster on an H100, the op's forward + backward 5.788 -> 5.736 ms at B1 T16384 H16
-  K=V=128 and 10.246 -> 10.137 at B8 T4096. The forward's copy in that order measured
+  faster on an H100, the op's forward + backward 5.774 -> 5.732 ms at B1 T16384 H16
+  K=V=128 and 10.246 -> 10.135 at B8 T4096. The forward's copy in that order measured
   slower (1.193 -> 1.210 and 2.053 -> 2.091 ms), though it too stops spilling. In the form
   before :func:`to_end` (g and k loaded a second time, last token first), every load issued
   before the first store measured slower on an H100, the op's forward 2.378 against 2.160
