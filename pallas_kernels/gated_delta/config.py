@@ -44,12 +44,15 @@ class KernelConfig:
   ``"cpu"``). One :class:`~pallas_kernels.Launch` per GPU stage (:data:`STAGE_DEFAULTS`);
   ``bv`` is a cap on the V tile. ``states_in_input_dtype``: the chunk states kept for the
   backward and their cotangents are stored in the input dtype (the dots read them so),
-  else float32. ``save_states``: the forward keeps the chunk states h ``[B, H, T / C, K,
-  V]`` for the backward (K / C times v's size); off (the default) the backward recomputes
-  them with a second forward walk, as FLA's ops do (GPU; the TPU kernels keep them). Off
-  was faster as well as leaner on an H100 (forward + backward, bf16: 2.886 against 3.047
-  ms at B1 T16384 H16 K=V=128, 4.769 against 5.351 at B8 T4096, 4.714 against 4.921 at
-  Gated DeltaNet-340M's heads, whose kept states take 21 x 403 MB at 16384 tokens).
+  else float32. ``save_states`` (the default): the forward keeps the chunk states h ``[B,
+  H, T / C, K, V]`` that its walk writes for the output anyway (one state per chunk, K / C
+  times v's size in bf16), and the backward reads them; off, the backward walks them
+  again (a second forward walk, as FLA's ops do; GPU, the TPU kernels always keep them).
+  On an H100 (2026-12-07, o live) forward + backward 1.471 against 1.689 ms at B1 T16384
+  H4 K=128 V=256 (GLA-340M's heads), the forward unchanged (0.394 against 0.399); the
+  Gated DeltaNet step at that shape 125-126k against 121k tokens/s for 1.5 GiB more
+  (``benchmarks/results/gdn_h200.md``). Off had measured faster on 2026-12-05, when the
+  benchmark's forward + backward left the forward dead unless states were kept.
   The walks' ``stages`` are shared-memory buffers of a chunk's operands: a launch whose
   operands alone overflow a GPU's shared memory is refused while tracing
   (:func:`pallas_kernels._delta.check_walk_stages`).
@@ -68,7 +71,7 @@ class KernelConfig:
   dqk: Launch = STAGE_DEFAULTS["dqk"]
   dwy: Launch = STAGE_DEFAULTS["dwy"]
   states_in_input_dtype: bool = True
-  save_states: bool = False
+  save_states: bool = True
 
   def __post_init__(self):
     check_config(self, stage_defaults=STAGE_DEFAULTS, flags=FLAGS,

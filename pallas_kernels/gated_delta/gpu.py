@@ -9,13 +9,13 @@ launch configuration ``config`` (:class:`pallas_kernels.gated_delta.KernelConfig
        T kept in registers, not written) -> state walk (h, v_new, final; the chunk decays
        e^{gamma} from gc) -> output
   bwd: T, w, u, kd, gc (recomputed) and qb = scale e^{b} q -> the chunk states walked
-       again (or kept: ``config.save_states``) -> v_new and its local cotangent ->
+       again (unless kept: ``config.save_states``) -> v_new and its local cotangent ->
        state-gradient walk (dH, dv_new, dh0) -> dq, dk, dw, dg per chunk
        -> the WY backward (dk, dv, dbeta, dg through w, u and A)
 
-With ``config.save_states`` the forward keeps the chunk states h ``[B, H, N, K, V]`` (one
-state per chunk, nothing per token) as its :class:`Residual` (by default nothing: the
-backward walks them again); the backward recomputes everything per token.
+With ``config.save_states`` (the default) the forward keeps the chunk states h ``[B, H, N,
+K, V]`` (one state per chunk, nothing per token) as its :class:`Residual`; off, nothing (the
+backward walks them again). The backward recomputes everything per token.
 """
 from __future__ import annotations
 

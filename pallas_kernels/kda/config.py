@@ -90,8 +90,11 @@ class KernelConfig:
   are stored in the input dtype (the dots read them so), else float32.
   ``save_states``: the forward keeps the chunk states h ``[B, H, T / C, K, V]`` for the
   backward (K / C times v's size); off (the default) the backward recomputes them with a
-  second forward walk (GPU; the TPU kernels keep them): on an H100 forward + backward 5.983
-  against 6.848 ms at B1 T16384 H16 K=V=128, 11.373 against 13.064 at B8 T4096.
+  second forward walk (GPU; the TPU kernels keep them). Off was chosen on 2026-12-05 (an
+  H100: 5.983 against 6.848 ms at B1 T16384 H16 K=V=128, 11.373 against 13.064 at B8
+  T4096) when the benchmark left the forward dead unless states were kept, so "off" was
+  the backward alone; Gated DeltaNet, timed with o live, keeps them by default since
+  2026-12-07 (``benchmarks/results/gdn_h200.md``). Not yet timed so for KDA.
   ``save_pairs``: the forward keeps T = (I + A)^{-1} and P ``[B, T, H, C]`` each, in k's
   dtype (2 C values a token and head, as FLA keeps its Aqk and Akk), so that the backward
   skips ``kda_diag`` and ``kda_intra``; off, it forms them again and the op keeps only its

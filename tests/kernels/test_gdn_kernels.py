@@ -62,10 +62,10 @@ def test_kernels_packed_documents():
 
 # The head sizes users run (K = V = 128) around one 64-token chunk: the silent-garbage
 # box of the GLA issue. Below the chunk jitted; past it eagerly (each kernel launched on
-# its own) and jitted with the states kept (the flag's other form): each path once, all
-# against the float64 truth's bars. (The walks' pipeline stages are a Triton launch
-# option, absent from the interpreter's program: their shared-memory check is below, their
-# speed timed on a GPU.)
+# its own, the states kept: the default) and jitted walking the states again
+# (save_states off): each path once, all against the float64 truth's bars. (The walks'
+# pipeline stages are a Triton launch option, absent from the interpreter's program: their
+# shared-memory check is below, their speed timed on a GPU.)
 @pytest.mark.parametrize("T", [63, 65])
 def test_kernels_head_128_around_one_chunk(T):
   from zeco_jax.ops.gated_delta.reference import gdn_float64
@@ -81,9 +81,9 @@ def test_kernels_head_128_around_one_chunk(T):
 
   o64, s64, g64 = gdn_float64(q, k, v, g, beta, h0, do, dht)
   want = (o64, s64) + tuple(g64[n] for n in ("q", "k", "v", "g", "beta", "h0"))
-  flags = gated_delta.default_config("cpu", 1, T, 1, 128, 128, jnp.float32).replace(
-      save_states=True)
-  for jit, config in [(False, None), (True, flags)] if T > 64 else [(True, None)]:
+  walk_again = gated_delta.default_config("cpu", 1, T, 1, 128, 128, jnp.float32).replace(
+      save_states=False)
+  for jit, config in [(False, None), (True, walk_again)] if T > 64 else [(True, None)]:
     got = run(jit, config)
     errs = [rel_err64(a, b) for a, b in zip(got, want)]
     assert max(errs[:2]) <= 1e-5 and max(errs[2:]) <= 1e-4, (jit, config, errs)
@@ -95,13 +95,14 @@ def _residual(f, *args):
   return jax.tree.leaves(jax.eval_shape(lambda *a: jax.vjp(f, *a)[1], *args))
 
 
-def test_save_states_keeps_inputs_and_one_state_per_chunk():
-  """``save_states=True``: the residual is the inputs and one state per chunk, nothing per
-  token."""
+def test_default_keeps_inputs_and_one_state_per_chunk():
+  """The default (``save_states=True``): the residual is the inputs and one state per
+  chunk, nothing per token."""
   T, C, H, K, V = 128, 16, 2, 16, 16
   (q, k, v, g, beta, h0), _ = gdn_inputs(5, 1, T, H, K, V)
-  cfg = gated_delta.default_config("cpu", 1, T, H, K, V, jnp.float32).replace(
-      save_states=True)
+  cfg = gated_delta.default_config("cpu", 1, T, H, K, V, jnp.float32)
+  assert cfg.save_states and gated_delta.default_config(
+      "gpu", 1, 16384, 4, 128, 256, jnp.bfloat16).save_states
   leaves = _residual(lambda *a: chunk_gated_delta_rule(*a[:5], initial_state=a[5],
                                                       chunk_size=C, backend="pallas",
                                                       kernel_config=cfg)[0],
@@ -111,15 +112,15 @@ def test_save_states_keeps_inputs_and_one_state_per_chunk():
   assert not any(x.size >= T * H * K * V for x in leaves)
 
 
-def test_default_keeps_only_the_inputs_and_walks_again():
-  """The default (``save_states=False``): the residual is the inputs alone. (The backward
-  then walks the states again; every test here without ``save_states`` holds it to the
-  float64 bars, with an initial state and several chunks in
-  test_kernels_head_128_around_one_chunk[65] and test_kernels_packed_documents.)"""
+def test_without_save_states_keeps_only_the_inputs():
+  """``save_states=False``: the residual is the inputs alone. (The backward then walks the
+  states again, held to the float64 bars with an initial state and several chunks in
+  test_kernels_head_128_around_one_chunk[65] under jit, and in the sequence-parallel
+  local pass's backward.)"""
   T, C, H, K, V = 48, 16, 2, 16, 16
   inputs, _ = gdn_inputs(6, 1, T, H, K, V, g_low=-5.0)
-  cfg = gated_delta.default_config("cpu", 1, T, H, K, V, jnp.float32)
-  assert not cfg.save_states
+  cfg = gated_delta.default_config("cpu", 1, T, H, K, V, jnp.float32).replace(
+      save_states=False)
   op = _kernel_op(C, kernel_config=cfg)
   leaves = _residual(lambda *a: op(*a[:5], initial_state=a[5])[0], *inputs)
   assert sum(x.size for x in leaves) == sum(x.size for x in inputs)
@@ -194,19 +195,20 @@ def test_sequence_parallel_local_pass_on_kernels(method, pieces, keep):
   check_gdn_documents(op, inputs, weights, GDN_SHARD_DOC_IDS)
 
 
-@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("keep", [None, False, True])
 def test_local_pass_keeps_widened_states_only_with_save_states(keep):
   """What the local pass on the kernels keeps for its backward: no chunk states ``[..., K,
-  V + K]`` by default, the widened pass's with ``save_states``."""
+  V + K]`` without a ``kernel_config`` (keep None; the op's default keeps its states) or
+  with ``save_states`` off, the widened pass's with it on."""
   K, V = 16, 16
   (q, k, v, g, beta, _), _ = gdn_inputs(3, 1, 64, 2, K, V)
-  cfg = gated_delta.default_config("cpu", 1, 16, 2, K, V + K, jnp.float32).replace(
-      save_states=keep)
+  cfg = None if keep is None else gated_delta.default_config(
+      "cpu", 1, 16, 2, K, V + K, jnp.float32).replace(save_states=keep)
   op = lambda *a: zeco_gated_delta_rule(*a, mesh=seq_mesh(4), chunk_size=16,
                                         backend="pallas", kernel_config=cfg)[0]
   widened = [x.shape for x in _residual(op, q, k, v, g, beta) if x.shape[-2:] == (K, V + K)
              and x.ndim == 5]
-  assert bool(widened) == keep, widened
+  assert bool(widened) == bool(keep), widened
 
 
 def test_default_config_and_errors():

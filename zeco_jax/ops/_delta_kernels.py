@@ -137,7 +137,7 @@ def _kernel_local_pass(family, wide, plain, scale, C, chunked_op):
   ``wide.save_states`` (and always on TPU, whose backward kernel reads kept states) the
   widened pass keeps its chunk states ``[B, H, N, K, V + K]`` and the plain backward's are
   formed from them; else it keeps none and the plain backward walks its states again from
-  the received state, as the op's backward does by default."""
+  the received state, as the op's backward does with ``save_states`` off."""
   keep = wide.save_states or wide.platform == "tpu"
   wide = wide.replace(save_states=keep)
 
@@ -189,10 +189,14 @@ def local_pass_ops(backend, kernel_config, q, args, chunk_size, *, family, name,
   chunked form (``terms``, the family's chunk terms taking ``scale=``) or on its kernels:
   the widened pass with a configuration for V + K columns (``kernel_config`` is for that
   width), the backward with the default for V columns; the op with ``backend="pallas"``
-  for LASP-1's ring."""
+  for LASP-1's ring. Without a ``kernel_config`` the widened pass keeps no chunk states
+  (``save_states`` off, whatever the op's default): its kept states, ``[K, V + K]`` a
+  chunk, have not been timed with the forward live (``docs/kernels.md``)."""
   backend, wide = kernel_setup(backend, kernel_config, (q,), args.B, args.T, args.H, args.K,
                                args.V + args.K, q.dtype, chunk_size=chunk_size, family=family,
                                name=name)
+  if backend != "jax" and kernel_config is None:
+    wide = wide.replace(save_states=False)
   if backend == "jax":
     return _chunks.jnp_local_pass(functools.partial(terms, scale=args.scale), chunk_size,
                                   chunked_op)

@@ -66,9 +66,10 @@ def zeco_gated_delta_rule_local(q, k, v, g, beta, *, axis_name, method="all_scan
   ``backend``, ``kernel_config``: as in :func:`zeco_jax.chunk_gated_delta_rule`; the
   kernels run on V + K value columns (the widened state) in the forward, so a
   ``kernel_config`` is for that width; the backward runs them on V columns with the
-  default configuration, walking the chunk states again from the received state (with
-  the ``kernel_config``'s ``save_states``, and on TPU, the forward keeps its widened
-  states and the backward's are formed from them). ``overlap_pieces``: as in
+  default configuration, walking the chunk states again from the received state (with a
+  ``kernel_config`` whose ``save_states`` is on, and on TPU, the forward keeps its widened
+  states and the backward's are formed from them; None given keeps none on GPU, unlike
+  the op's default). ``overlap_pieces``: as in
   :func:`zeco_gated_delta_rule`.
   """
   name = "zeco_gated_delta_rule_local"
