@@ -12,7 +12,7 @@ Results: benchmarks/results/gdn_h200.md (FLA beside the op: ``benchmarks.delta_h
 * ``--heads-340m``: at Gated DeltaNet-340M's heads (B1 T16384 H6 K=256 V=512 bf16, where
   the walks and ``gdn_dqk`` take most of that model's step) the walks' and ``gdn_dqk``'s
   options of :func:`_options_340m` alone, then the op's forward + backward with the
-  chunk states kept (``save_states=True``) and walked again (the default).
+  chunk states kept (``save_states=True``, the default) and walked again.
 * always: ``chunk_gated_delta_rule`` (the default kernel configuration) forward and
   forward + backward (o and the vjp of do for q, k, v, g, beta, so that the forward runs
   whole: :func:`benchmarks._harness.live_fwd_bwd`) at B1 T16384 and B8 T4096 (H16,
@@ -78,19 +78,22 @@ def _options_340m():
 
 
 def save_states_times(shape, log):
-  """The op's forward + backward with the chunk states kept and walked again."""
+  """The op's forward + backward (o live: :func:`benchmarks._harness.live_fwd_bwd`) with
+  the chunk states kept and walked again. (Until 2026-12-07 this timed the vjp alone,
+  which left the forward dead code unless the states were kept.)"""
+  import functools
+
   import jax
   import jax.numpy as jnp
   from pallas_kernels.gated_delta import default_config
   from zeco_jax import chunk_gated_delta_rule
   B, T, H, K, V = shape
   q, k, v, g, beta, do = inputs(B, T, H, K, V, jnp.bfloat16)
-  weight = lambda o: jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
   row = {"shape": f"B{B} T{T} H{H} K{K} V{V}"}
   for keep in (True, False):
     cfg = default_config("gpu", B, T, H, K, V, q.dtype).replace(save_states=keep)
-    fb = jax.jit(jax.grad(lambda *a, cfg=cfg: weight(chunk_gated_delta_rule(
-        *a, kernel_config=cfg)[0]), (0, 1, 2, 3, 4)))
+    fb = harness.live_fwd_bwd(functools.partial(chunk_gated_delta_rule, kernel_config=cfg),
+                              do)
     row[f"fwd+bwd ms, save_states={keep}"] = harness.time_loop(
         lambda: fb(q, k, v, g, beta), jax.block_until_ready, 10, 3, warmup=1)
   log(row)
