@@ -18,7 +18,8 @@ Results: benchmarks/results/gdn_h200.md (FLA beside the op: ``benchmarks.delta_h
   whole: :func:`benchmarks._harness.live_fwd_bwd`) at B1 T16384 and B8 T4096 (H16,
   K=V=128, bf16), our ``chunk_gla`` forward + backward on the same tokens (g broadcast
   over K), and one rank's local pass: ``zeco_gated_delta_rule`` on a one-device
-  mesh (the widened-state kernels and the fix-up; the scan over one rank is trivial)
+  mesh (the widened-state kernels and the fix-up; the scan over one rank is trivial),
+  also with the widened pass's states kept (a ``kernel_config`` with ``save_states``),
   against ``chunk_gated_delta_rule`` on the same 2048 tokens (B1 H16, forward + backward).
 * ``--profile``: the local pass and the op on its tokens traced after their timing (3
   calls each, ``jax.profiler``), the GPU time per kernel printed and kept in the JSON
@@ -189,16 +190,25 @@ def local_pass_times(log, T=2048, profile=None):
   import jax.numpy as jnp
   import numpy as np
   from jax.sharding import Mesh
+  from pallas_kernels.gated_delta import default_config
   from zeco_jax import chunk_gated_delta_rule, zeco_gated_delta_rule
   q, k, v, g, beta, do = inputs(1, T, 16, 128, 128, jnp.bfloat16)
   mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
   tl = lambda f: harness.time_loop(f, jax.block_until_ready, 10, 3, warmup=1)
   fb_chunk = harness.live_fwd_bwd(chunk_gated_delta_rule, do)
   fb_local = harness.live_fwd_bwd(lambda *a: zeco_gated_delta_rule(*a, mesh=mesh), do)
+  # The widened pass's states kept (a kernel_config for V + K columns, save_states on):
+  # without a kernel_config the local pass walks them again in its backward.
+  wide = default_config("gpu", 1, T, 16, 128, 256, jnp.bfloat16).replace(save_states=True)
+  fb_kept = harness.live_fwd_bwd(
+      lambda *a: zeco_gated_delta_rule(*a, mesh=mesh, kernel_config=wide), do)
   row = {"shape": f"local pass B1 T{T} H16 K128 V128",
          "chunk fwd+bwd ms": tl(lambda: fb_chunk(q, k, v, g, beta)),
-         "local pass fwd+bwd ms": tl(lambda: fb_local(q, k, v, g, beta))}
+         "local pass fwd+bwd ms": tl(lambda: fb_local(q, k, v, g, beta)),
+         "local pass, widened states kept, fwd+bwd ms": tl(lambda: fb_kept(q, k, v, g, beta))}
   row["local / chunk"] = row["local pass fwd+bwd ms"] / row["chunk fwd+bwd ms"]
+  row["local kept / chunk"] = (row["local pass, widened states kept, fwd+bwd ms"]
+                               / row["chunk fwd+bwd ms"])
   if profile:
     from benchmarks.delta_h200 import kernel_profile
     for name, fn in (("chunk", fb_chunk), ("local", fb_local)):
