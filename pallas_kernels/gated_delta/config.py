@@ -46,7 +46,7 @@ class KernelConfig:
   backward and their cotangents are stored in the input dtype (the dots read them so),
   else float32. ``save_states`` (the default): the forward keeps the chunk states h ``[B,
   H, T / C, K, V]`` that its walk writes for the output anyway (one state per chunk, K / C
-  times v's size in bf16), and the backward reads them; off, the backward walks them
+  times v's size), and the backward reads them; off, the backward walks them
   again (a second forward walk, as FLA's ops do; GPU, the TPU kernels always keep them).
   On an H100 (2026-12-07, o live) forward + backward 1.471 against 1.689 ms at B1 T16384
   H4 K=128 V=256 (GLA-340M's heads), the forward unchanged (0.394 against 0.399); the
