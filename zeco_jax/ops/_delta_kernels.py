@@ -195,11 +195,11 @@ def local_pass_ops(backend, kernel_config, q, args, chunk_size, *, family, name,
   backend, wide = kernel_setup(backend, kernel_config, (q,), args.B, args.T, args.H, args.K,
                                args.V + args.K, q.dtype, chunk_size=chunk_size, family=family,
                                name=name)
-  if backend != "jax" and kernel_config is None:
-    wide = wide.replace(save_states=False)
   if backend == "jax":
     return _chunks.jnp_local_pass(functools.partial(terms, scale=args.scale), chunk_size,
                                   chunked_op)
+  if kernel_config is None:
+    wide = wide.replace(save_states=False)
   check_kernel_dims(args.K, args.V, chunk_size, name=name)
   _, plain = kernel_setup(backend, None, (q,), args.B, args.T, args.H, args.K, args.V, q.dtype,
                           chunk_size=chunk_size, family=family, name=name)
