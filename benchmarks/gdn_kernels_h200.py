@@ -192,17 +192,18 @@ def local_pass_times(log, T=2048, profile=None):
   from jax.sharding import Mesh
   from pallas_kernels.gated_delta import default_config
   from zeco_jax import chunk_gated_delta_rule, zeco_gated_delta_rule
-  q, k, v, g, beta, do = inputs(1, T, 16, 128, 128, jnp.bfloat16)
+  H, K, V = 16, 128, 128
+  q, k, v, g, beta, do = inputs(1, T, H, K, V, jnp.bfloat16)
   mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
   tl = lambda f: harness.time_loop(f, jax.block_until_ready, 10, 3, warmup=1)
   fb_chunk = harness.live_fwd_bwd(chunk_gated_delta_rule, do)
   fb_local = harness.live_fwd_bwd(lambda *a: zeco_gated_delta_rule(*a, mesh=mesh), do)
   # The widened pass's states kept (a kernel_config for V + K columns, save_states on):
   # without a kernel_config the local pass walks them again in its backward.
-  wide = default_config("gpu", 1, T, 16, 128, 256, jnp.bfloat16).replace(save_states=True)
+  wide = default_config("gpu", 1, T, H, K, V + K, jnp.bfloat16).replace(save_states=True)
   fb_kept = harness.live_fwd_bwd(
       lambda *a: zeco_gated_delta_rule(*a, mesh=mesh, kernel_config=wide), do)
-  row = {"shape": f"local pass B1 T{T} H16 K128 V128",
+  row = {"shape": f"local pass B1 T{T} H{H} K{K} V{V}",
          "chunk fwd+bwd ms": tl(lambda: fb_chunk(q, k, v, g, beta)),
          "local pass fwd+bwd ms": tl(lambda: fb_local(q, k, v, g, beta)),
          "local pass, widened states kept, fwd+bwd ms": tl(lambda: fb_kept(q, k, v, g, beta))}
