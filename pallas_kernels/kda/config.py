@@ -88,13 +88,15 @@ class KernelConfig:
   K / V tile, ``kd`` the K slice of the kernels that form per-channel pairwise decays.
   ``states_in_input_dtype``: the chunk states kept for the backward and their cotangents
   are stored in the input dtype (the dots read them so), else float32.
-  ``save_states``: the forward keeps the chunk states h ``[B, H, T / C, K, V]`` for the
-  backward (K / C times v's size); off (the default) the backward recomputes them with a
-  second forward walk (GPU; the TPU kernels keep them). Off was chosen on 2026-12-05 (an
-  H100: 5.983 against 6.848 ms at B1 T16384 H16 K=V=128, 11.373 against 13.064 at B8
-  T4096) when the benchmark left the forward dead unless states were kept, so "off" was
-  the backward alone; Gated DeltaNet, timed with o live, keeps them by default since
-  2026-12-07 (``benchmarks/results/gdn_h200.md``). Not yet timed so for KDA.
+  ``save_states`` (the default): the forward keeps the chunk states h ``[B, H, T / C, K,
+  V]`` that its walk writes for the output anyway (one state per chunk, K / C times v's
+  size in bf16) and the backward reads them; off, the backward walks them again (a second
+  forward walk; GPU, the TPU kernels always keep them). On an H100 (2026-12-07, o live,
+  two alternating rounds) forward + backward 5.437 against 5.738 ms at B1 T16384 H16
+  K=V=128 and 9.866 against 10.181 at B8 T4096 (FLA 6.507 / 10.623 in the same rounds),
+  the forward unchanged; the KDA-340M step 0.61x GLA-340M's tokens/s against 0.58x, for
+  1.5 GiB more (``benchmarks/results/kda_h200.md``). Off had measured faster on 2026-12-05, when the
+  benchmark's forward + backward left the forward dead unless states were kept.
   ``save_pairs``: the forward keeps T = (I + A)^{-1} and P ``[B, T, H, C]`` each, in k's
   dtype (2 C values a token and head, as FLA keeps its Aqk and Akk), so that the backward
   skips ``kda_diag`` and ``kda_intra``; off, it forms them again and the op keeps only its
@@ -124,7 +126,7 @@ class KernelConfig:
   dwy: Launch = STAGE_DEFAULTS["dwy"]
   dpairs: Launch = STAGE_DEFAULTS["dpairs"]
   states_in_input_dtype: bool = True
-  save_states: bool = False
+  save_states: bool = True
   save_pairs: bool = False
 
   def __post_init__(self):

@@ -11,17 +11,17 @@ configuration ``config`` (:class:`pallas_kernels.kda.KernelConfig`):
        -> w, u, kd, e^{gamma} (kda_wu) -> state walk (h, v_new, final) -> output
   bwd: T, P (recomputed, or kept: ``config.save_pairs``), w, u, kd, e^{gamma}
        (recomputed) and qb = scale e^{b} * q
-       -> the chunk states walked again (or kept: ``config.save_states``) -> v_new and its
+       -> the chunk states kept (or walked again: ``config.save_states`` off) -> v_new and its
        local cotangent -> state-gradient walk
        (dH, dv_new, dh0) -> dq, dk, dg through the state terms, dw, dP (kda_dqk)
        -> through w, u and T: dk, dv, dbeta, dg, dA (kda_dwy; adds kda_dqk's dk, dg)
        -> through A and P: dq, dk, dg, dbeta (kda_dpairs; adds the parts before and
           writes the op's dq, dk in their dtype)
 
-With ``config.save_states`` the forward keeps the chunk states h ``[B, H, N, K, V]`` (one
-state per chunk) and with ``config.save_pairs`` T and P ``[B, T, H, C]`` each (k's dtype)
-as its :class:`Residual`; by default nothing (the backward walks the states again and
-forms T and P again, as it forms everything per token).
+With ``config.save_states`` (the default) the forward keeps the chunk states h ``[B, H, N,
+K, V]`` (one state per chunk) and with ``config.save_pairs`` T and P ``[B, T, H, C]`` each
+(k's dtype) as its :class:`Residual`; with both off nothing (the backward walks the states
+again and forms T and P again, as it forms everything per token).
 Exactness (:mod:`pallas_kernels.kda.chunk`, :mod:`pallas_kernels.kda.pairs`): every
 exponent is a sum of g over exactly the tokens it spans, and the decay gradient sums
 exactly the terms whose span holds each token, so g down to -5 per token and channel

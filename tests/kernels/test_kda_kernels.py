@@ -80,7 +80,7 @@ def test_head_128_one_chunk_pair():
   sub-chunk added after the kernel, the diagonal blocks' dg by the tokens' roles; decays
   down to -5 on every channel and a document starting mid-sub-chunk in each chunk (t = 37,
   100). (Documents starting on a chunk boundary: the next test and test_several_chunks;
-  the states kept: :func:`test_save_states_and_pairs`.)"""
+  T and P kept too: :func:`test_save_states_and_pairs`.)"""
   inputs, cot = _inputs(0, 1, 128, 1, 128, 128, resets=(37, 100))
   _check(inputs, cot, 64, 1e-5, 1e-4)
 
@@ -89,9 +89,13 @@ def test_documents_mid_sub_chunk_and_on_a_chunk_boundary():
   """The diagonal blocks of A and P from a program per token and head group (``kda_diag``,
   both heads in one program here), the UT inverse reading their rows from memory;
   documents starting mid-sub-chunk and on a chunk boundary (chunks of 32). K = V = 64
-  (K = 128 is lowered to Triton below)."""
+  (K = 128 is lowered to Triton below). With ``save_states`` off: the backward walks the
+  chunk states again from the initial state (the default keeps them; the sequence-parallel
+  local pass walks them again from the received state, ``tests/ops/kda``)."""
   inputs, cot = _inputs(4, 1, 96, 2, 64, 64, resets=(21, 64))
-  _check(inputs, cot, 32, 1e-5, 1e-4)
+  config = kda.default_config("cpu", 1, 96, 2, 64, 64, jnp.float32).replace(
+      save_states=False)
+  _check(inputs, cot, 32, 1e-5, 1e-4, config=config)
 
 
 def test_dpairs_against_autodiff_of_the_pairs():
@@ -153,21 +157,24 @@ def test_bf16():
 
 
 def test_forward_keeps_one_state_per_chunk_or_nothing():
-  """The residual between forward and backward: nothing by default (the backward walks
-  the states again), with ``save_states`` the chunk states h, nothing per token; with
-  ``save_pairs`` T and P, C values a token each."""
+  """The residual between forward and backward: by default (``save_states``) the chunk
+  states h, nothing per token; nothing with ``save_states`` off (the backward walks the
+  states again); with ``save_pairs`` T and P too, C values a token each."""
   (q, k, v, g, beta, h0), _ = _inputs(3, 1, 64, 2, 32, 16)
   config = kda.default_config("cpu", 1, 64, 2, 32, 16, jnp.float32)
-  _, res = jax.eval_shape(functools.partial(gpu.fwd_res, scale=1.0, chunk_size=16,
-                                            config=config.replace(save_states=True)),
-                          q, k, v, g, beta, initial_state=h0)
-  assert [x.shape for x in jax.tree.leaves(res)] == [(1, 2, 4, 32, 16)]
+  assert config.save_states and kda.default_config(
+      "gpu", 1, 16384, 16, 128, 128, jnp.bfloat16).save_states
   _, res = jax.eval_shape(functools.partial(gpu.fwd_res, scale=1.0, chunk_size=16,
                                             config=config), q, k, v, g, beta,
                           initial_state=h0)
+  assert [x.shape for x in jax.tree.leaves(res)] == [(1, 2, 4, 32, 16)]
+  off = config.replace(save_states=False)
+  _, res = jax.eval_shape(functools.partial(gpu.fwd_res, scale=1.0, chunk_size=16,
+                                            config=off), q, k, v, g, beta,
+                          initial_state=h0)
   assert jax.tree.leaves(res) == []
   _, res = jax.eval_shape(functools.partial(gpu.fwd_res, scale=1.0, chunk_size=16,
-                                            config=config.replace(save_pairs=True)),
+                                            config=off.replace(save_pairs=True)),
                           q, k, v, g, beta, initial_state=h0)
   assert [(x.shape, x.dtype) for x in jax.tree.leaves(res)] == [((1, 64, 2, 16), q.dtype)] * 2
 
