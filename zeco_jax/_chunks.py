@@ -380,8 +380,9 @@ def _plain_grads(ops, inputs, states, entering, first_starts, do, d_state):
   where the segment's first token starts a document), for the cotangents of its outputs
   and of the state after it. Its chunk states are the widened forward's applied to that
   state: ``S_n + P_n X_p``, P_n (their last K columns) the product of the chunk
-  transitions before chunk n; with ``states`` None the backend walks them again from
-  that state."""
+  transitions before chunk n, formed at :func:`output_precision` of the states' dtype
+  (kept in bf16, the product's rounding is below theirs; at HIGHEST it was float32 FMAs
+  on a GPU); with ``states`` None the backend walks them again from that state."""
   V = inputs[2].shape[-1]
   x = entering
   if first_starts is not None:
@@ -390,7 +391,7 @@ def _plain_grads(ops, inputs, states, entering, first_starts, do, d_state):
     return ops.backward(*inputs, x, None, do, d_state)
   plain = (states[..., :V].astype(jnp.float32)
            + jnp.einsum("bhnkj,bhjv->bhnkv", states[..., V:].astype(jnp.float32), x,
-                        precision=_HI)).astype(states.dtype)
+                        precision=output_precision(states.dtype))).astype(states.dtype)
   return ops.backward(*inputs, x, plain, do, d_state)
 
 
