@@ -11,8 +11,9 @@ Size:  354.2M parameters (the benchmark's count; FLA would add an untied 32.8M h
 Op:    the KDA Pallas kernels on GPU and TPU (``model.backend="auto"``), the jnp chunked
        path on CPU: one H200 trains 1 x 16384 tokens at 92,338 tokens/s in 26.5 GiB,
        against GLA-340M's 162,280 in 22.2 GiB (2026-12-06, 3e1e428's defaults); one H100
-       84,223 against 146,497 the same day (the jnp path: 15,188;
-       benchmarks/results/kda_h200.md).
+       84,223 against 146,497 the same day (the jnp path: 15,188); with the chunk
+       states kept for the backward (the default since 2026-12-07) 88,129 in 28.0 GiB
+       against 145,421 on an H100 (benchmarks/results/kda_h200.md).
 Reach: not measured (no corpus or long GPU run here).
 """
 import configs
