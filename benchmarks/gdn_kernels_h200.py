@@ -2,7 +2,7 @@
 beside it, and the sequence-parallel local pass.
 
     python -m benchmarks.gdn_kernels_h200 [--sweep] [--heads-340m] [--json out.json]
-        [--profile TRACE_DIR]
+        [--profile TRACE_DIR] [--local-ab NAME:CHANGES ...]
 
 Results: benchmarks/results/gdn_h200.md (FLA beside the op: ``benchmarks.delta_h200``).
 
@@ -21,6 +21,9 @@ Results: benchmarks/results/gdn_h200.md (FLA beside the op: ``benchmarks.delta_h
   mesh (the widened-state kernels and the fix-up; the scan over one rank is trivial),
   also with the widened pass's states kept (a ``kernel_config`` with ``save_states``),
   against ``chunk_gated_delta_rule`` on the same 2048 tokens (B1 H16, forward + backward).
+* ``--local-ab NAME:CHANGES ...``: more local passes, each with the widened pass's
+  default configuration changed (``kept32:save_states=True,walk_bv=32``, as
+  ``delta_h200 --ab``), timed in the same row.
 * ``--profile``: the local pass and the op on its tokens traced after their timing (3
   calls each, ``jax.profiler``), the GPU time per kernel printed and kept in the JSON
   (``benchmarks.delta_h200.kernel_profile``): where the widened state's cost goes.
@@ -185,7 +188,7 @@ def op_times(shape, log):
   return row
 
 
-def local_pass_times(log, T=2048, profile=None):
+def local_pass_times(log, T=2048, profile=None, variants=None):
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -210,6 +213,17 @@ def local_pass_times(log, T=2048, profile=None):
   row["local / chunk"] = row["local pass fwd+bwd ms"] / row["chunk fwd+bwd ms"]
   row["local kept / chunk"] = (row["local pass, widened states kept, fwd+bwd ms"]
                                / row["chunk fwd+bwd ms"])
+  for name, changes in (variants or {}).items():
+    cfg = default_config("gpu", 1, T, H, K, V + K, jnp.bfloat16).replace(**changes)
+    fb = harness.live_fwd_bwd(
+        lambda *a, cfg=cfg: zeco_gated_delta_rule(*a, mesh=mesh, kernel_config=cfg), do)
+    try:
+      ms = tl(lambda: fb(q, k, v, g, beta))
+    except Exception as e:      # a launch refused while tracing: reported, the rest run
+      row[f"local pass {name} {changes}"] = f"{type(e).__name__}: {str(e)[:200]}"
+      continue
+    row[f"local pass {name} {changes} fwd+bwd ms"] = ms
+    row[f"local {name} / chunk"] = ms / row["chunk fwd+bwd ms"]
   if profile:
     from benchmarks.delta_h200 import kernel_profile
     for name, fn in (("chunk", fb_chunk), ("local", fb_local)):
@@ -225,7 +239,12 @@ def main():
   ap.add_argument("--heads-340m", action="store_true")
   ap.add_argument("--json", default=None)
   ap.add_argument("--profile", default=None, metavar="TRACE_DIR")
+  ap.add_argument("--local-ab", nargs="+", default=(), metavar="NAME:CHANGES")
   args = ap.parse_args()
+  variants = {}
+  for item in args.local_ab:
+    name, body = item.split(":", 1)
+    variants[name] = harness.config_changes(body.split(","))
   t0 = time.perf_counter()
   log = lambda row: print(json.dumps(row, default=str),
                           f"[{time.perf_counter() - t0:.0f} s]", flush=True)
@@ -237,7 +256,7 @@ def main():
     rows += sweep(SHAPE_340M, ("walk", "dwalk", "dqk"), log, _options_340m())
     rows.append(save_states_times(SHAPE_340M, log))
   rows.append(op_times(SHAPES[0], log))
-  rows.append(local_pass_times(log, profile=args.profile))
+  rows.append(local_pass_times(log, profile=args.profile, variants=variants))
   rows.append(op_times(SHAPES[1], log))
   if args.json:
     with open(args.json, "w") as fh:
