@@ -484,7 +484,7 @@ def _dwy_kernel(t_ref, k_ref, v_ref, g_ref, beta_ref, dw_ref, du_ref, dk_in_ref,
   E = masked_exp(r > c, seg_sums(g, C))
   dA = jnp.where(r > c, dA, 0.0)
   # k k^T only now, and dg's pair term before the dk / dv loops: neither [C, C] is live
-  # beside dT and the dT products (sm_90: 636 -> 304 bytes spilled; 3.6% / 4.3% off the
+  # beside dT and the dT products (sm_90: 636 -> 304 bytes spilled; 3.7% / 4.4% off the
   # forward + backward, benchmarks/results/gdn_h200.md).
   kk = jnp.zeros((C, C), F32)
   for ks in ktiles:

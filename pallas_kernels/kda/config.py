@@ -95,8 +95,9 @@ class KernelConfig:
   two alternating rounds) forward + backward 5.437 against 5.738 ms at B1 T16384 H16
   K=V=128 and 9.866 against 10.181 at B8 T4096 (FLA 6.507 / 10.623 in the same rounds),
   the forward unchanged; the KDA-340M step 0.61x GLA-340M's tokens/s against 0.58x, for
-  1.5 GiB more (``benchmarks/results/kda_h200.md``). Off had measured faster on 2026-12-05, when the
-  benchmark's forward + backward left the forward dead unless states were kept.
+  1.5 GiB more (``benchmarks/results/kda_h200.md``). Off had measured faster on
+  2026-12-05, when the benchmark's forward + backward left the forward dead unless states
+  were kept.
   ``save_pairs``: the forward keeps T = (I + A)^{-1} and P ``[B, T, H, C]`` each, in k's
   dtype (2 C values a token and head, as FLA keeps its Aqk and Akk), so that the backward
   skips ``kda_diag`` and ``kda_intra``; off, it forms them again and the op keeps only its
