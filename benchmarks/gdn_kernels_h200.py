@@ -19,11 +19,12 @@ Results: benchmarks/results/gdn_h200.md (FLA beside the op: ``benchmarks.delta_h
   K=V=128, bf16), our ``chunk_gla`` forward + backward on the same tokens (g broadcast
   over K), and one rank's local pass: ``zeco_gated_delta_rule`` on a one-device
   mesh (the widened-state kernels and the fix-up; the scan over one rank is trivial),
-  also with the widened pass's states kept (a ``kernel_config`` with ``save_states``),
-  against ``chunk_gated_delta_rule`` on the same 2048 tokens (B1 H16, forward + backward).
+  also with the widened pass's states kept (``kept``: a ``kernel_config`` with
+  ``save_states``), against ``chunk_gated_delta_rule`` on the same 2048 tokens (B1 H16,
+  forward + backward).
 * ``--local-ab NAME:CHANGES ...``: more local passes, each with the widened pass's
   default configuration changed (``kept32:save_states=True,walk_bv=32``, as
-  ``delta_h200 --ab``), timed in the same row.
+  ``delta_h200 --ab``), timed in the same row as ``kept``.
 * ``--profile``: the local pass and the op on its tokens traced after their timing (3
   calls each, ``jax.profiler``), the GPU time per kernel printed and kept in the JSON
   (``benchmarks.delta_h200.kernel_profile``): where the widened state's cost goes.
@@ -201,19 +202,13 @@ def local_pass_times(log, T=2048, profile=None, variants=None):
   tl = lambda f: harness.time_loop(f, jax.block_until_ready, 10, 3, warmup=1)
   fb_chunk = harness.live_fwd_bwd(chunk_gated_delta_rule, do)
   fb_local = harness.live_fwd_bwd(lambda *a: zeco_gated_delta_rule(*a, mesh=mesh), do)
-  # The widened pass's states kept (a kernel_config for V + K columns, save_states on):
-  # without a kernel_config the local pass walks them again in its backward.
-  wide = default_config("gpu", 1, T, H, K, V + K, jnp.bfloat16).replace(save_states=True)
-  fb_kept = harness.live_fwd_bwd(
-      lambda *a: zeco_gated_delta_rule(*a, mesh=mesh, kernel_config=wide), do)
   row = {"shape": f"local pass B1 T{T} H{H} K{K} V{V}",
          "chunk fwd+bwd ms": tl(lambda: fb_chunk(q, k, v, g, beta)),
-         "local pass fwd+bwd ms": tl(lambda: fb_local(q, k, v, g, beta)),
-         "local pass, widened states kept, fwd+bwd ms": tl(lambda: fb_kept(q, k, v, g, beta))}
+         "local pass fwd+bwd ms": tl(lambda: fb_local(q, k, v, g, beta))}
   row["local / chunk"] = row["local pass fwd+bwd ms"] / row["chunk fwd+bwd ms"]
-  row["local kept / chunk"] = (row["local pass, widened states kept, fwd+bwd ms"]
-                               / row["chunk fwd+bwd ms"])
-  for name, changes in (variants or {}).items():
+  # Each variant is the widened pass's default configuration (V + K columns) changed;
+  # "kept" always runs: without a kernel_config the local pass walks its states again.
+  for name, changes in {"kept": {"save_states": True}, **(variants or {})}.items():
     cfg = default_config("gpu", 1, T, H, K, V + K, jnp.bfloat16).replace(**changes)
     fb = harness.live_fwd_bwd(
         lambda *a, cfg=cfg: zeco_gated_delta_rule(*a, mesh=mesh, kernel_config=cfg), do)
