@@ -85,6 +85,30 @@ def test_head_128_one_chunk_pair():
   _check(inputs, cot, 64, 1e-5, 1e-4)
 
 
+# The head sizes users run (K = V = 128) around one 64-token chunk, through the op
+# (chunk_kda pads T to the chunk): below the chunk jitted; past it eagerly (each kernel
+# launched on its own, the states kept: the default) and jitted walking the states again
+# (save_states off); against the float64 truth's bars.
+@pytest.mark.parametrize("T", [63, 65])
+def test_op_head_128_around_one_chunk(T):
+  from zeco_jax import chunk_kda
+  (q, k, v, g, beta, h0), (do, dht) = _inputs(12, 1, T, 1, 128, 128)
+
+  def run(jit, config=None):
+    f = lambda *a: chunk_kda(*a[:5], initial_state=a[5], output_final_state=True,
+                             backend="pallas", kernel_config=config)
+    f = jax.jit(f) if jit else f
+    (o, s), vjp = jax.vjp(f, q, k, v, g, beta, h0)
+    return (o, s) + vjp((do, dht))
+
+  want = _truth(q, k, v, g, beta, h0, do, dht, 128 ** -0.5)
+  walk_again = kda.default_config("cpu", 1, T, 1, 128, 128, jnp.float32).replace(
+      save_states=False)
+  for jit, config in [(False, None), (True, walk_again)] if T > 64 else [(True, None)]:
+    errs = [rel_err64(a, b) for a, b in zip(run(jit, config), want)]
+    assert max(errs[:2]) <= 1e-5 and max(errs[2:]) <= 1e-4, (jit, config, errs)
+
+
 def test_documents_mid_sub_chunk_and_on_a_chunk_boundary():
   """The diagonal blocks of A and P from a program per token and head group (``kda_diag``,
   both heads in one program here), the UT inverse reading their rows from memory;
