@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import abstract_mesh, seq_mesh
+from helpers import abstract_mesh
 from pallas_kernels.short_conv import ConvConfig, conv_silu_bwd, conv_silu_fwd
 from zeco_jax.nn import ShortConvolution
 
@@ -98,7 +98,9 @@ def test_short_convolution_on_the_kernels_matches_its_xla_form(jit):
 def test_short_convolution_on_the_kernels_over_a_sequence_mesh(devices):
   x, _, ids, dy = _inputs(32, True, seed=3)
   conv = ShortConvolution(32, 4, rngs=nnx.Rngs(0), backend="pallas")
-  mesh = seq_mesh(4)          # Auto axes, as the delta kernels' local-pass tests
+  # data x seq, Auto axes (as the delta kernels' local-pass tests); B split over data.
+  mesh = jax.sharding.Mesh(np.array(devices).reshape(2, 4), ("data", "seq"))
+  x = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
 
   def run(mesh):
     f = lambda x, w: conv.apply_weight(x, w, ids, mesh=mesh)
