@@ -154,10 +154,9 @@ def _bwd_kernel(*refs, T, W, bt, bc, rows_per, pad, has_ids):
       sig = jax.nn.sigmoid(pre)
       dpre = dy * sig * (1.0 + pre * (1.0 - sig))
       dx = dx + (dpre if oks[j] is None else jnp.where(oks[j], dpre, 0.0)) * w_rows[W - 1 - j]
-      if j == 0:                         # rows s: each tap's weight gradient
-        dw = [dw[i] + jnp.sum(dpre * (xs[-i] if oks[i] is None
-                                      else jnp.where(oks[i], xs[-i], 0.0)), axis=0)
-              for i in range(W)]
+      if j == 0:                         # rows s: each tap's weight gradient, summed over
+        dw = [dw[i] + dpre * (xs[-i] if oks[i] is None   # the rows once, after the walk
+                              else jnp.where(oks[i], xs[-i], 0.0)) for i in range(W)]
     from jax.experimental.pallas import triton as pltriton
     if pad:
       dx_ref[b, pl.ds(s0, bt), cols] = dx.astype(dx_ref.dtype)
@@ -167,13 +166,13 @@ def _bwd_kernel(*refs, T, W, bt, bc, rows_per, pad, has_ids):
     return dw
 
   n = rows_per // bt
-  dw = [jnp.zeros((bc,), F32) for _ in range(W)]
+  dw = [jnp.zeros((bt, bc), F32) for _ in range(W)]
   if n == 1:
     dw = tile(0, dw)
   else:
     dw = jax.lax.fori_loop(0, n, tile, dw)
   for i in range(W):                     # dw[W - 1 - i] is tap i's
-    dw_ref[b, ip, W - 1 - i, cols] = dw[i]
+    dw_ref[b, ip, W - 1 - i, cols] = jnp.sum(dw[i], axis=0)
 
 
 def _padded(config, W, covered, *arrays):
