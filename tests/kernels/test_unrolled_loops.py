@@ -42,8 +42,7 @@ def _inputs(family):
   return (q, k, v, g, beta, h0), cot
 
 
-def _run(family, config_changes):
-  args, cot = _inputs(family)
+def _run(family, config_changes, args, cot):
   op = {"gla": chunk_gla, "gdn": chunk_gated_delta_rule, "kda": chunk_kda}[family]
   folder = {"gdn": "gated_delta"}.get(family, family)
   config = pallas_kernels.family_default_config(folder, "cpu", B, T, H, K, V, jnp.float32,
@@ -65,13 +64,15 @@ def _run(family, config_changes):
     ("gla", {}), ("gla", {"diag_dots": False}), ("gdn", {}), ("kda", {})],
     ids=["gla", "gla-diag-loops", "gdn", "kda"])
 def test_triton_unrolled_loops_match_the_interpreters(family, config_changes, monkeypatch):
-  stepped = _run(family, config_changes)
+  # The inputs once, before jax.clear_caches(): their eager random ops are not compiled again.
+  args, cot = _inputs(family)
+  stepped = _run(family, config_changes, args, cot)
   # Every kernel module imported by that run that holds the helper (imported by name).
   helper = _launch.unroll_for
   for name, module in list(sys.modules.items()):
     if name.startswith("pallas_kernels") and getattr(module, "unroll_for", None) is helper:
       monkeypatch.setattr(module, "unroll_for", lambda config, unroll: unroll)
   jax.clear_caches()                 # trace the kernels again, through the patched helper
-  unrolled = _run(family, config_changes)
+  unrolled = _run(family, config_changes, args, cot)
   errs = [rel_err(a, b) for a, b in zip(unrolled, stepped)]
   assert max(errs) <= 1e-6, errs

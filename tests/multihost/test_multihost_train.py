@@ -71,16 +71,21 @@ def test_two_process_training_matches_single_process(runs):
   assert "[p1] step " not in runs["double_out"].stdout
 
 
-def restore(workdir, out, processes):
-  program = [RESTORE, "--workdir", str(workdir), "--out", str(out), *CONFIG]
+def restore(pairs, processes):
+  """Restores each (workdir, out) of ``pairs`` in one launch of ``processes`` processes (a
+  fresh CheckpointManager per workdir); returns each out's arrays."""
+  program = [RESTORE, *(a for w, o in pairs for a in ("--workdir", str(w), "--out", str(o))),
+             *CONFIG]
   launch(processes, 8 // processes, program)
-  return dict(np.load(out))
+  return [dict(np.load(out)) for _, out in pairs]
 
 
 def test_two_process_checkpoint_restores_in_one_process(runs, tmp_path):
-  in_one = restore(runs["two"], tmp_path / "two_in_one.npz", 1)
-  in_two = restore(runs["two"], tmp_path / "two_in_two.npz", 2)
-  reference = restore(runs["one"], tmp_path / "one_in_one.npz", 1)
+  # Both one-process restores in one launch: the 2-process run's checkpoint, then the
+  # 1-process run's (the reference).
+  in_one, reference = restore([(runs["two"], tmp_path / "two_in_one.npz"),
+                               (runs["one"], tmp_path / "one_in_one.npz")], 1)
+  (in_two,) = restore([(runs["two"], tmp_path / "two_in_two.npz")], 2)
   assert int(in_one.pop("__step__")) == int(in_two.pop("__step__")) == 5
   reference.pop("__step__")
   assert set(in_one) == set(in_two) == set(reference) and len(in_one) > 5
