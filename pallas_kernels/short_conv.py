@@ -73,9 +73,8 @@ class ConvConfig:
 
 
 def _masked_load(ref, b, start, rows, cols, mask, pad):
-  """``ref[b, start + pad : start + pad + rows, cols]``, zero where ``mask`` is off."""
-  if mask is None:
-    return ref[b, pl.ds(start + pad, rows), cols]
+  """``ref[b, start + pad : start + pad + rows, cols]`` (``cols`` None: a ``[B, T]`` ref's
+  row), zero where ``mask`` is off."""
   from jax.experimental.pallas import triton as pltriton
   if cols is None:
     return pltriton.load(ref.at[b, pl.ds(start + pad, rows)], mask=mask, other=0)
