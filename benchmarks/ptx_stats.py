@@ -1,6 +1,6 @@
-"""Static facts about the delta-rule families' Triton kernels (and the layers' short
-convolution, ``--family short_conv``) for an H200 (sm_90), from a CPU-only host: per
-kernel, registers, spilled bytes, shared memory, PTX instructions, barriers, MMAs and exps. What a kernel change does to the compiled code while no GPU is
+"""Static facts about the delta-rule families' Triton kernels for an H200 (sm_90), from a
+CPU-only host: per kernel, registers, spilled bytes, shared memory, PTX instructions,
+barriers, MMAs and exps. What a kernel change does to the compiled code while no GPU is
 lent; no timing (a kernel's static instruction count is not its run time: loops count
 once).
 
@@ -17,7 +17,6 @@ Two steps, two processes (jaxlib's MLIR and Triton's must not share one):
 XLA compiles the same IR with its own Triton, so the figures are a close proxy.
 
     python -m benchmarks.ptx_stats --family kda --set dqk_kd=64 --out /tmp/kda
-    python -m benchmarks.ptx_stats --family short_conv --shape 1,16384,4,128,256 --out /tmp/c
     PYTHONPATH=<site with triton> python -m benchmarks.ptx_stats --compile /tmp/kda \
         [--against /tmp/kda_default]
 
@@ -38,55 +37,10 @@ import sys
 from benchmarks import _harness as harness
 
 
-def _op_fwd_bwd(family, shape, changes):
-  """A delta-rule family's op, forward + backward on its kernels, and abstract inputs."""
-  import jax
-  import jax.numpy as jnp
-  B, T, H, K, V = shape
-  if family == "kda":
-    from pallas_kernels import kda as pkg
-    from zeco_jax import chunk_kda as op
-    gshape = (B, T, H, K)
-  else:
-    from pallas_kernels import gated_delta as pkg
-    from zeco_jax import chunk_gated_delta_rule as op
-    gshape = (B, T, H)
-  config = pkg.default_config("gpu", B, T, H, K, V, jnp.bfloat16).replace(**changes)
-
-  def fwd_bwd(q, k, v, g, beta, do):
-    o, vjp = jax.vjp(lambda *a: op(*a, backend="pallas", kernel_config=config)[0],
-                     q, k, v, g, beta)
-    return vjp(do)
-
-  sd, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
-  return fwd_bwd, (sd((B, T, H, K), bf), sd((B, T, H, K), bf), sd((B, T, H, V), bf),
-                   sd(gshape, f32), sd((B, T, H), f32), sd((B, T, H, V), bf))
-
-
-def _short_conv_fwd_bwd(family, shape, changes):
-  """The layers' short convolution (4 taps) on H x K channels, forward + backward, with
-  segment ids for ``short_conv_docs``; ``changes`` are ``ConvConfig``'s fields."""
-  import jax
-  import jax.numpy as jnp
-  from pallas_kernels import short_conv
-  B, T, H, K, _ = shape
-  cfg = short_conv.ConvConfig(**changes)
-  docs = family == "short_conv_docs"
-
-  def fwd_bwd(x, w, ids, dy):
-    ids = ids if docs else None
-    return (short_conv.conv_silu_fwd(x, w, ids, config=cfg),
-            short_conv.conv_silu_bwd(x, w, ids, dy, config=cfg))
-
-  sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-  return fwd_bwd, (sd((B, T, H * K), bf), sd((4, H * K), bf), sd((B, T), jnp.int32),
-                   sd((B, T, H * K), bf))
-
-
 def dump(family: str, shape, changes: dict, out: str) -> list:
-  """Write each kernel's Triton IR of ``family``'s op (or the short convolution),
-  forward + backward, to ``out``."""
+  """Write each kernel's Triton IR of ``family``'s op, forward + backward, to ``out``."""
   import jax
+  import jax.numpy as jnp
   from jax._src.pallas import core as pallas_core
   from jax._src.pallas.triton import lowering
 
@@ -110,8 +64,25 @@ def dump(family: str, shape, changes: dict, out: str) -> list:
       return inner(ctx, *args, compiler_params=compiler_params, **kw)
     return wrapped
 
-  fwd_bwd, args = _short_conv_fwd_bwd(family, shape, changes) if family.startswith(
-      "short_conv") else _op_fwd_bwd(family, shape, changes)
+  B, T, H, K, V = shape
+  if family == "kda":
+    from pallas_kernels import kda as pkg
+    from zeco_jax import chunk_kda as op
+    gshape = (B, T, H, K)
+  else:
+    from pallas_kernels import gated_delta as pkg
+    from zeco_jax import chunk_gated_delta_rule as op
+    gshape = (B, T, H)
+  config = pkg.default_config("gpu", B, T, H, K, V, jnp.bfloat16).replace(**changes)
+
+  def fwd_bwd(q, k, v, g, beta, do):
+    o, vjp = jax.vjp(lambda *a: op(*a, backend="pallas", kernel_config=config)[0],
+                     q, k, v, g, beta)
+    return vjp(do)
+
+  sd, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+  args = (sd((B, T, H, K), bf), sd((B, T, H, K), bf), sd((B, T, H, V), bf), sd(gshape, f32),
+          sd((B, T, H), f32), sd((B, T, H, V), bf))
   device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
                                        platform="gpu")
   mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
@@ -193,9 +164,7 @@ def table(rows, against=None) -> str:
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--family", choices=("gdn", "kda", "short_conv", "short_conv_docs"),
-                  default="kda", help="short_conv[_docs]: the layers' convolution on H x K "
-                  "channels (with segment ids); --set then takes ConvConfig's fields")
+  ap.add_argument("--family", choices=("gdn", "kda"), default="kda")
   ap.add_argument("--shape", default="1,16384,16,128,128", help="B,T,H,K,V")
   ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
                   help="KernelConfig.replace arguments, e.g. dqk_kd=64 intra_kd=32")

@@ -14,8 +14,9 @@ Size:  341.5M parameters (nnx.eval_shape; GLA-340M: 341.7M). FLA's
        --config.model.num_heads=6 --config.model.expand_k=1.5 --config.model.expand_v=3.0``).
 Op:    the Gated DeltaNet Pallas kernels on GPU and TPU (``model.backend="auto"``), the
        jnp chunked path on CPU.
-Time:  one H100 trains 1 x 16384 tokens at 126,081 tokens/s in 22.21 GiB, GLA-340M
-       145,421-148,562 in 22.21 on the same machine (0.849x-0.867x, 2026-12-07; before
+Time:  one H100 trains 1 x 16384 tokens at 127,102 tokens/s in 22.21 GiB, GLA-340M
+       148,027 in 22.21 in the same call (0.859x; 0.841x-0.874x over the figures of three
+       sessions, 2026-12-07; before
        the chunk states were kept for the backward: 120,168-121,328 in 20.71 GiB).
        FLA's shape: 65,015 tokens/s in 31.58 GiB with the states walked again
        (benchmarks/results/gdn_h200.md).

@@ -140,8 +140,7 @@ SCHEMA: dict[str, Field] = {name: _doc(field, doc) for name, (field, doc) in {
     "model.norm_eps": (number(0, lo_open=True), "RMSNorm epsilon"),
     "model.init_std": (number(0, lo_open=True), "std of the projections at init"),
     "model.chunk_size": (integer(16, note="a multiple of 16"), "tokens per chunk of the op"),
-    "model.backend": (choice(*BACKENDS), "token mixer: jnp path or Pallas kernels (auto: by "
-                      "target; the short convolutions' kernels only with pallas)"),
+    "model.backend": (choice(*BACKENDS), "GLA: jnp path or Pallas kernels (auto: by target)"),
     "model.seq_method": (choice(*SCAN_METHODS), "the state scan over the seq axis"),
     "model.num_blocks": (integer(1, optional=True, note="None: the op's default"),
                          "All-Scan pipeline blocks along V"),

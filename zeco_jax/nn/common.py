@@ -7,7 +7,6 @@ The layers themselves are one file per family (:mod:`zeco_jax.nn.gla`,
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Optional
 
 import jax
@@ -15,11 +14,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from zeco_jax import _vma
-from zeco_jax._checks import check_choice
-from zeco_jax.ops import _dispatch
-from zeco_jax.ops._dispatch import BACKENDS
-from zeco_jax.runtime import target
 from zeco_jax.sp import shard
 
 LOGICAL_AXES_KEY = "logical_axes"   # the metadata key of every parameter's logical axis names
@@ -69,43 +63,22 @@ class ShortConvolution(nnx.Module):
   ``size - 1``-token halo (and its segment ids) from the previous shard by one
   ``ppermute`` inside a shard_map, forward and backward; a shard must hold at least
   ``size - 1`` tokens.
-
-  ``backend``: ``"pallas"`` runs the convolution and its SiLU as one Triton kernel each
-  way (:mod:`pallas_kernels.short_conv`: float32 sums, the backward recomputes from x,
-  nothing per token kept) on a GPU, and in the Pallas interpreter on CPU (tests);
-  ``"jax"`` and ``"auto"`` run the XLA form (its taps summed in x's dtype, the backward
-  recomputed under ``jax.checkpoint``). ``"auto"`` does not pick the kernels on a GPU yet:
-  they compile for sm_90 but have not run on a GPU (as the kernel package's
-  ``NOT_YET_AUTO``). There is no TPU kernel: on a TPU every backend runs the XLA form.
-  Decoding (:meth:`step`) is the XLA form.
   """
 
   def __init__(self, dim: int, size: int = 4, *, rngs: nnx.Rngs,
-               logical_axes=(None, "heads"), backend: str = "auto"):
-    check_choice(backend, BACKENDS, arg="backend", name="ShortConvolution")
+               logical_axes=(None, "heads")):
     self.weight = normal_param(rngs, (size, dim), size ** -0.5, logical_axes)
     self.size = size
-    self.backend = backend
 
   def __call__(self, x_BxTxC, segment_ids=None, *, mesh=None, seq_axis: str = "seq"):
-    return self.apply_weight(x_BxTxC, self.weight[...], segment_ids, mesh=mesh,
-                             seq_axis=seq_axis)
-
-  def apply_weight(self, x_BxTxC, weight_WxC, segment_ids=None, *, mesh=None,
-                   seq_axis: str = "seq"):
-    """The convolution with ``weight`` given (a pure function of its arguments)."""
     if segment_ids is not None:
       ids = jnp.asarray(segment_ids)
       if ids.shape != x_BxTxC.shape[:2] or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"ShortConvolution: `segment_ids` must be integer [B, T] = "
                          f"{x_BxTxC.shape[:2]}, got {ids.dtype} {ids.shape}.")
-    w = weight_WxC.astype(x_BxTxC.dtype)
-    kernel = _conv_kernel_config(self.backend, x_BxTxC, mesh)
+    w = self.weight[...].astype(x_BxTxC.dtype)
     if shard.seq_size(mesh, seq_axis) > 1:
-      y = _sharded_conv(x_BxTxC, w, segment_ids, mesh=mesh, seq_axis=seq_axis, kernel=kernel)
-      return y if kernel is not None else jax.nn.silu(y)
-    if kernel is not None:
-      return _kernel_conv_silu(x_BxTxC, w, segment_ids, kernel)
+      return jax.nn.silu(_sharded_conv(x_BxTxC, w, segment_ids, mesh=mesh, seq_axis=seq_axis))
     # One shard: recomputed in the backward from x, so that the taps, their sum and the
     # SiLU's input are not kept per token (21 KB a token of Gated DeltaNet-340M's q, k and
     # v in jax's saved residuals).
@@ -149,59 +122,12 @@ def _conv_with_halo(x_BxLxC, w_WxC, ids_BxL, halo_x, halo_ids):
   return sum(taps[j] * w_WxC[W - 1 - j] for j in range(W))
 
 
-def _conv_kernel_config(backend, x, mesh):
-  """The short convolution's kernel launch (``pallas_kernels.short_conv.ConvConfig``), or
-  None for the XLA form: ``backend`` resolved for the platform x is compiled for
-  (:class:`ShortConvolution`: only ``"pallas"`` picks the kernels, and not on a TPU)."""
-  platform = target.platform_of(x, mesh=mesh)
-  if backend != "pallas" or platform == "tpu":
-    return None
-  if not _dispatch.kernels_installed():
-    raise ValueError("ShortConvolution: backend='pallas' needs the kernel package "
-                     f"`{_dispatch.KERNEL_PACKAGE}`, which is not installed; reinstall "
-                     "zeco-jax, or use backend='jax'.")
-  from pallas_kernels import short_conv
-  if x.shape[-1] % 16:
-    raise ValueError(f"ShortConvolution: the kernels need channels in multiples of 16, got "
-                     f"{x.shape[-1]}; use backend='jax' for this width.")
-  return short_conv.ConvConfig(interpret=platform == "cpu")
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _kernel_conv_silu(x_BxTxC, w_WxC, ids_BxT, config):
-  """``silu(conv(x))`` by the kernels; the backward recomputes from x (residuals: x, w,
-  the ids)."""
-  from pallas_kernels import short_conv
-  return short_conv.conv_silu_fwd(x_BxTxC, w_WxC, ids_BxT, config=config)
-
-
-def _kernel_conv_silu_fwd(x_BxTxC, w_WxC, ids_BxT, config):
-  return _kernel_conv_silu(x_BxTxC, w_WxC, ids_BxT, config), (x_BxTxC, w_WxC, ids_BxT)
-
-
-def _kernel_conv_silu_bwd(config, residuals, dy):
-  from pallas_kernels import short_conv
-  x, w, ids = residuals
-  dx, dw = short_conv.conv_silu_bwd(x, w, ids, dy, config=config)
-  # Inside a shard_map the kernels made w vary over the tokens' axes: its gradient is the
-  # sum over them (the transpose of that cast).
-  summed = tuple(sorted(_vma.varying_axes(dw) - _vma.varying_axes(w)))
-  if summed:
-    dw = jax.lax.psum(dw, summed)
-  return dx, dw.astype(w.dtype), None
-
-
-_kernel_conv_silu.defvjp(_kernel_conv_silu_fwd, _kernel_conv_silu_bwd)
-
-
-def _sharded_conv(x_BxTxC, w_WxC, ids_BxT, *, mesh, seq_axis, kernel=None):
+def _sharded_conv(x_BxTxC, w_WxC, ids_BxT, *, mesh, seq_axis):
   """:func:`_conv_with_halo` per sequence shard (``zeco_jax.sp.shard.sharded``): the halo
   and its ids from the previous shard by one ``ppermute`` each (the first shard gets
-  zeros, as the row's start). With a ``kernel`` configuration, the kernels' convolution
-  and SiLU over the halo and the shard, the halo's own outputs dropped."""
+  zeros, as the row's start)."""
   name = "ShortConvolution"
-  spec = shard.shard_spec(x_BxTxC, mesh=mesh, seq_axis=seq_axis, check_vma=kernel is None,
-                          name=name)
+  spec = shard.shard_spec(x_BxTxC, mesh=mesh, seq_axis=seq_axis, name=name)
   T, W = x_BxTxC.shape[1], w_WxC.shape[0]
   if T // spec.seq_axis_size < W - 1:
     raise ValueError(f"{name}: a sequence shard holds T / {spec.seq_axis_size} = "
@@ -209,20 +135,13 @@ def _sharded_conv(x_BxTxC, w_WxC, ids_BxT, *, mesh, seq_axis, kernel=None):
                      f"size - 1 = {W - 1}; use at least {(W - 1) * spec.seq_axis_size} tokens "
                      "or a smaller conv_size.")
   in_specs = (spec.tokens(3), P(None, spec.heads), None if ids_BxT is None else spec.tokens(2))
-  return shard.sharded(functools.partial(_conv_shard, kernel=kernel), spec,
-                       (x_BxTxC, w_WxC, ids_BxT), in_specs, options={},
+  return shard.sharded(_conv_shard, spec, (x_BxTxC, w_WxC, ids_BxT), in_specs, options={},
                        out_spec=spec.tokens(3))[0]
 
 
-def _conv_shard(x, w, ids, *, axis_name, kernel=None):
+def _conv_shard(x, w, ids, *, axis_name):
   halo = lambda a: shard.previous_shard_tail(a, w.shape[0] - 1, axis_name)
-  if kernel is None:
-    return _conv_with_halo(x, w, ids, halo(x), None if ids is None else halo(ids)), None
-  W = w.shape[0]
-  x_ext = jnp.concatenate([halo(x), x], axis=1)
-  # The first shard's halo is zeros (x and ids): a tap reading it adds nothing.
-  ids_ext = None if ids is None else jnp.concatenate([halo(ids), ids], axis=1)
-  return _kernel_conv_silu(x_ext, w, ids_ext, kernel)[:, W - 1:], None
+  return _conv_with_halo(x, w, ids, halo(x), None if ids is None else halo(ids)), None
 
 
 def init_qkv(layer: nnx.Module, rngs: nnx.Rngs, hidden: int, key_dim: int, value_dim: int,
@@ -235,12 +154,11 @@ def init_qkv(layer: nnx.Module, rngs: nnx.Rngs, hidden: int, key_dim: int, value
 
 
 def init_short_convs(layer: nnx.Module, rngs: nnx.Rngs, key_dim: int, value_dim: int,
-                     size: int, backend: str = "auto") -> None:
-  """``layer.q_conv``, ``k_conv``, ``v_conv``: :class:`ShortConvolution` on q, k and v
-  (``backend`` as there)."""
-  layer.q_conv = ShortConvolution(key_dim, size, rngs=rngs, backend=backend)
-  layer.k_conv = ShortConvolution(key_dim, size, rngs=rngs, backend=backend)
-  layer.v_conv = ShortConvolution(value_dim, size, rngs=rngs, backend=backend)
+                     size: int) -> None:
+  """``layer.q_conv``, ``k_conv``, ``v_conv``: :class:`ShortConvolution` on q, k and v."""
+  layer.q_conv = ShortConvolution(key_dim, size, rngs=rngs)
+  layer.k_conv = ShortConvolution(key_dim, size, rngs=rngs)
+  layer.v_conv = ShortConvolution(value_dim, size, rngs=rngs)
 
 
 def project_qkv(layer: nnx.Module, x_BxTxD, num_heads: int, *, short_conv: bool,

@@ -78,8 +78,7 @@ class GatedDeltaNet(TokenMixer):
       projections and of the output projection (default ``init_std``).
     chunk_size, seq_axis, seq_method, num_blocks, group_size, backend: passed to the op
       (``backend``: ``"auto"``, ``"jax"`` or ``"pallas"``, as in
-      :func:`zeco_jax.chunk_gated_delta_rule`) and to the short convolutions
-      (:class:`zeco_jax.nn.ShortConvolution`: kernels only with ``"pallas"``).
+      :func:`zeco_jax.chunk_gated_delta_rule`).
   """
 
   def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int, expand_v: float = 2.0,
@@ -121,7 +120,7 @@ class GatedDeltaNet(TokenMixer):
     # softplus(dt_bias) = dt at initialisation.
     self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)), **{LOGICAL_AXES_KEY: (None,)})
     if use_short_conv:
-      init_short_convs(self, rngs, Kd, Vd, conv_size, backend)
+      init_short_convs(self, rngs, Kd, Vd, conv_size)
     if use_gate:
       self.g_proj = normal_param(rngs, (D, Vd), init_std, ("embed", "heads"))
     self.o_norm = RMSNorm(Vd // H, norm_eps, logical_axes=("head_dim",))

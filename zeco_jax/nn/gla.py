@@ -107,9 +107,7 @@ class GatedLinearAttention(TokenMixer):
     norm_eps: the per-head output RMSNorm's epsilon.
     init_std: std of every projection; ``output_init_std`` of the output projection
       (default ``init_std``; a stack of L layers usually passes ``init_std / sqrt(2 L)``).
-    chunk_size, backend: passed to ``chunk_gla`` / ``zeco_gla``; ``backend`` also to the
-      short convolutions (:class:`zeco_jax.nn.ShortConvolution`: kernels only with
-      ``"pallas"``).
+    chunk_size, backend: passed to ``chunk_gla`` / ``zeco_gla``.
     seq_axis, seq_method, num_blocks, group_size: the mesh axis the sequence is split over
       and ``zeco_gla``'s method, pipeline blocks and (``"all_scan_2level"``) group size
       (None: ``zeco_gla``'s choice).
@@ -150,7 +148,7 @@ class GatedLinearAttention(TokenMixer):
     self.g_norm = RMSNorm(Vd // num_heads, norm_eps, logical_axes=("head_dim",))
     self.o_proj = normal_param(rngs, (Vd, D), out_std, ("heads", "embed"))
     if use_short_conv:
-      init_short_convs(self, rngs, Kd, Vd, conv_size, backend)
+      init_short_convs(self, rngs, Kd, Vd, conv_size)
 
   def decode(self, x_BxLxD, cache: LayerCache):
     """``(y, cache)`` for the next ``L`` tokens (a decode step is L = 1) after ``cache``:

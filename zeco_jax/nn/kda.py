@@ -77,9 +77,7 @@ class KimiDeltaAttention(TokenMixer):
     norm_eps, init_std, output_init_std: the output norm's epsilon; std of the
       projections and of the output projection (default ``init_std``).
     chunk_size, seq_axis, seq_method, num_blocks, group_size, backend: passed to the op
-      (``backend``: ``"auto"``, ``"jax"`` or ``"pallas"``, as in :func:`zeco_jax.chunk_kda`)
-      and to the short convolutions (:class:`zeco_jax.nn.ShortConvolution`: kernels only
-      with ``"pallas"``).
+      (``backend``: ``"auto"``, ``"jax"`` or ``"pallas"``, as in :func:`zeco_jax.chunk_kda`).
   """
 
   def __init__(self, hidden_size: int, num_heads: int, *, head_dim: int, expand_v: float = 1.0,
@@ -125,7 +123,7 @@ class KimiDeltaAttention(TokenMixer):
     # softplus(dt_bias) = dt at initialisation.
     self.dt_bias = nnx.Param(dt + jnp.log(-jnp.expm1(-dt)), **{LOGICAL_AXES_KEY: ("heads",)})
     if use_short_conv:
-      init_short_convs(self, rngs, Kd, Vd, conv_size, backend)
+      init_short_convs(self, rngs, Kd, Vd, conv_size)
     self.g_down = normal_param(rngs, (D, R), init_std, ("embed", None))
     self.g_up = normal_param(rngs, (R, Vd), init_std, (None, "heads"))
     self.g_bias = constant_param((Vd,), 0.0, ("heads",))
