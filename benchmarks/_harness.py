@@ -162,6 +162,23 @@ def config_changes(items) -> dict:
   return out
 
 
+def ab_variants(items, error, *, first: dict, option: str) -> dict:
+  """A/B items ``["name:a=1,b=2", ...]`` -> ``{name: changes}``, after ``first`` (the
+  variants every run has, e.g. ``{"default": {}}``); a malformed item or a name already
+  taken is ``error(message)`` (argparse's) naming ``option``."""
+  out = dict(first)
+  for item in items:
+    name, sep, body = item.partition(":")
+    if not sep or not name or " " in name or not body or name in out:
+      error(f"{option} item {item!r}: write NAME:CHANGES with a new name, e.g. "
+            "one_warp:intra_warps=1,intra_kd=32")
+    try:
+      out[name] = config_changes(body.split(","))
+    except (ValueError, KeyError):
+      error(f"{option} item {item!r}: each change is NAME=VALUE (an int, True or False)")
+  return out
+
+
 # -- environment ------------------------------------------------------------------------------
 
 PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "libtpu", "torch",

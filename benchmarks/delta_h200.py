@@ -89,7 +89,8 @@ def main():
     ap.error("--set and --ab change the kernels' launch: they need --backend pallas")
   if args.ab and changes:
     ap.error("--ab takes its changes per variant; drop --set")
-  variants = ab_variants(args.ab, ap.error) if args.ab else {}    # {} without --ab
+  variants = (harness.ab_variants(args.ab, ap.error, first={"default": {}}, option="--ab")
+              if args.ab else {})                               # {} without --ab
 
   import jax
   ours = functools.partial(op_of(args.family), backend=args.backend)
@@ -186,22 +187,6 @@ def shape_row(args, shape, changes, ours, tag, fla, log) -> dict:
         + (f", fwd+bwd {fb_ms:.3f} ms" if fb_ms is not None else "")
         + f"; agreement {json.dumps(agreement)}")
   return row
-
-
-def ab_variants(items, error) -> dict:
-  """``--ab`` items ``["name:a=1,b=2", ...]`` -> ``{name: changes}`` (``{"default": {}}``
-  first); a malformed item is an argparse error naming it."""
-  out = {"default": {}}
-  for item in items:
-    name, sep, body = item.partition(":")
-    if not sep or not name or " " in name or not body or name in out:
-      error(f"--ab item {item!r}: write NAME:CHANGES with a new name, e.g. "
-            "one_warp:intra_warps=1,intra_kd=32")
-    try:
-      out[name] = harness.config_changes(body.split(","))
-    except (ValueError, KeyError):
-      error(f"--ab item {item!r}: each change is NAME=VALUE (an int, True or False)")
-  return out
 
 
 def ab_row(args, shape, variants, ours, fla, log) -> dict:

@@ -189,7 +189,7 @@ def op_times(shape, log):
   return row
 
 
-def local_pass_times(log, T=2048, profile=None, variants=None):
+def local_pass_times(log, variants, T=2048, profile=None):
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -206,9 +206,9 @@ def local_pass_times(log, T=2048, profile=None, variants=None):
          "chunk fwd+bwd ms": tl(lambda: fb_chunk(q, k, v, g, beta)),
          "local pass fwd+bwd ms": tl(lambda: fb_local(q, k, v, g, beta))}
   row["local / chunk"] = row["local pass fwd+bwd ms"] / row["chunk fwd+bwd ms"]
-  # Each variant is the widened pass's default configuration (V + K columns) changed;
-  # "kept" always runs: without a kernel_config the local pass walks its states again.
-  for name, changes in {"kept": {"save_states": True}, **(variants or {})}.items():
+  # Each variant is the widened pass's default configuration (V + K columns) changed
+  # (``main``'s "kept" first: without a kernel_config the local pass walks its states again).
+  for name, changes in variants.items():
     cfg = default_config("gpu", 1, T, H, K, V + K, jnp.bfloat16).replace(**changes)
     fb = harness.live_fwd_bwd(
         lambda *a, cfg=cfg: zeco_gated_delta_rule(*a, mesh=mesh, kernel_config=cfg), do)
@@ -236,10 +236,8 @@ def main():
   ap.add_argument("--profile", default=None, metavar="TRACE_DIR")
   ap.add_argument("--local-ab", nargs="+", default=(), metavar="NAME:CHANGES")
   args = ap.parse_args()
-  variants = {}
-  for item in args.local_ab:
-    name, body = item.split(":", 1)
-    variants[name] = harness.config_changes(body.split(","))
+  variants = harness.ab_variants(args.local_ab, ap.error, first={"kept": {"save_states": True}},
+                                 option="--local-ab")
   t0 = time.perf_counter()
   log = lambda row: print(json.dumps(row, default=str),
                           f"[{time.perf_counter() - t0:.0f} s]", flush=True)
@@ -251,7 +249,7 @@ def main():
     rows += sweep(SHAPE_340M, ("walk", "dwalk", "dqk"), log, _options_340m())
     rows.append(save_states_times(SHAPE_340M, log))
   rows.append(op_times(SHAPES[0], log))
-  rows.append(local_pass_times(log, profile=args.profile, variants=variants))
+  rows.append(local_pass_times(log, variants, profile=args.profile))
   rows.append(op_times(SHAPES[1], log))
   if args.json:
     with open(args.json, "w") as fh:
