@@ -289,6 +289,12 @@ def op_of(family):
   return {"gdn": chunk_gated_delta_rule, "kda": chunk_kda}[family]
 
 
+def sp_op_of(family):
+  """Our sequence-parallel op for ``--family``."""
+  from zeco_jax import zeco_gated_delta_rule, zeco_kda
+  return {"gdn": zeco_gated_delta_rule, "kda": zeco_kda}[family]
+
+
 def inputs(family, seed, B, T, H, K, V):
   """float32 numpy ``q, k, v, g, beta, do`` (:func:`benchmarks._harness.gdn_inputs`); for
   kda g per key channel, ``logsigmoid(N(0, 1))`` clipped at -5 (generator ``seed + 1``)."""
@@ -319,7 +325,11 @@ def float32_check(family, backend, shape, log, changes=None):
   jnp path, both in float32 on this device: o, the
   final state and every gradient (of q, k, v, g, beta and the initial state, for random
   cotangents of o and the final state), with packed documents (segment starts at 0, T/3,
-  T/3 + 1, 2T/3) and a random initial state; their relative differences (a row)."""
+  T/3 + 1, 2T/3) and a random initial state; their relative differences (a row). Then the
+  same for the sequence-parallel op on ``backend`` (its default launch) over a one-device
+  mesh: one rank's local pass, whose widened state's K columns give the fix-up rows and
+  the segment transition that carry the initial state into o and the final state
+  (``local rel ...``)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -338,19 +348,27 @@ def float32_check(family, backend, shape, log, changes=None):
   if changes:
     kw["kernel_config"] = kernel_config(family, shape, changes, "float32")
 
+  from jax.sharding import Mesh
+  mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+
   @functools.partial(jax.jit, static_argnums=0)
   def run(which, arrays, seg, do, dht):
     def f(q, k, v, g, beta, h):
+      if which == "local":
+        return sp_op_of(family)(q, k, v, g, beta, mesh=mesh, initial_state=h,
+                                output_final_state=True, segment_ids=seg, backend=backend)
       return op(q, k, v, g, beta, initial_state=h, output_final_state=True, segment_ids=seg,
                 backend=which, **(kw if which != "jax" else {}))
     (o, ht), vjp = jax.vjp(f, *arrays)
     return [o, ht, *vjp((do, dht))]
 
   names = ["o", "final state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
-  got, ref = (run(which, arrays, seg, do, dht) for which in (backend, "jax"))
+  got, ref, local = (run(which, arrays, seg, do, dht) for which in (backend, "jax", "local"))
   row = {"check": f"{family} {backend} against jnp, float32, B{B} T{T} H{H} K{K} V{V}, "
                   "documents, initial state", "kernel_config changes": changes or {},
-         **{f"rel {n}": rel(np.asarray(a), np.asarray(b)) for n, a, b in zip(names, got, ref)}}
+         **{f"rel {n}": rel(np.asarray(a), np.asarray(b)) for n, a, b in zip(names, got, ref)},
+         **{f"local rel {n}": rel(np.asarray(a), np.asarray(b))
+            for n, a, b in zip(names, local, ref)}}
   log(json.dumps(row))
   return row
 

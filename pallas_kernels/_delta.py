@@ -23,6 +23,7 @@ K=V=128; ``benchmarks/results/gdn_h200.md``).
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -45,6 +46,26 @@ def check_dims(K: int, V: int, C: int, *, family: str) -> None:
   if V < 16 or V % 16:
     raise ValueError(f"pallas_kernels.{family}: V must be a multiple of 16 for the Pallas "
                      f"kernels, got {V}; use backend='jax' for other sizes.")
+
+
+def check_state_columns(v, initial_state, *, family: str) -> None:
+  """The forward's state may be wider than v (``initial_state [B, H, K, V']``, V' >= V, a
+  multiple of 16): its columns past v's get no values (u, v_new's sources, are zero
+  there), as the sequence-parallel local pass's identity columns, whose zero columns of v
+  are then never written to memory. The backward takes v as wide as the state."""
+  V, Vs = v.shape[-1], initial_state.shape[-1]
+  if Vs < V or Vs % 16:
+    raise ValueError(f"the {family} kernels' forward: initial_state has {Vs} value columns "
+                     f"for v's {V}; it needs at least v's, a multiple of 16.")
+
+
+def widen_values(v, initial_state):
+  """v with zero columns up to the state's width (:func:`check_state_columns`), for the
+  kernels that take the state's width from v."""
+  extra = initial_state.shape[-1] - v.shape[-1]
+  if not extra:
+    return v
+  return jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (extra,), v.dtype)], -1)
 
 
 def _substitute_stacked(L, gather, roundtrip, unroll):
@@ -165,15 +186,26 @@ def check_walk_stages(*, stage, launch, C, K, BV, itemsize, grad):
         f"or `{stage}_bv` (the default config fits).")
 
 
-def _walk_kernel(w_ref, u_ref, kd_ref, d_ref, h0_ref, h_ref, vn_ref, ht_ref, *, C, N, BV, dt,
-                 rows):
+def _load_values(u_ref, b, t, hd, iv, *, C, BV, NU):
+  """u's ``[C, BV]`` tile ``iv`` of the state's columns; zeros for a tile at or past u's
+  ``NU`` tiles (the state wider than u: a masked load, no bytes read)."""
+  if NU is None:
+    return u_ref[b, t, hd, pl.ds(iv * BV, BV)]
+  from jax.experimental.pallas import triton as pltriton
+  mask = iota((C, BV), 1) < (NU - iv) * BV           # all on below NU, all off from it
+  return pltriton.load(u_ref.at[b, t, hd, pl.ds(jnp.minimum(iv, NU - 1) * BV, BV)],
+                       mask=mask, other=0)
+
+
+def _walk_kernel(w_ref, u_ref, kd_ref, d_ref, h0_ref, h_ref, vn_ref, ht_ref, *, C, N, BV, NU,
+                 dt, rows):
   b, hd, iv = (pl.program_id(i) for i in range(3))
   vs = pl.ds(iv * BV, BV)
 
   def load(n):
     t = pl.ds(n * C, C)
-    return (w_ref[b, t, hd, :], u_ref[b, t, hd, vs], kd_ref[b, t, hd, :],
-            _load_decay(d_ref, b, hd, n, rows))
+    return (w_ref[b, t, hd, :], _load_values(u_ref, b, t, hd, iv, C=C, BV=BV, NU=NU),
+            kd_ref[b, t, hd, :], _load_decay(d_ref, b, hd, n, rows))
 
   def step(n, h, operands):
     w, u, kd, d = operands
@@ -188,18 +220,21 @@ def _walk_kernel(w_ref, u_ref, kd_ref, d_ref, h0_ref, h_ref, vn_ref, ht_ref, *, 
 
 def state_walk(w, u, kd, decay, h0, *, chunk_size, config, store_dtype, prefix):
   """(h [B, H, N, K, V] in ``store_dtype``, v_new [B, T, H, V] in u's dtype, final state
-  float32); the kernel is named ``<prefix>_state_walk``."""
+  float32) with V the state's columns (h0's); the kernel is named ``<prefix>_state_walk``.
+  u may have fewer columns than the state (:func:`check_state_columns`): the columns past
+  u's take it as zero, so a state widened by columns that carry no values (the
+  sequence-parallel local pass's K identity columns) needs no zero columns in memory."""
   B, T, H, K = w.shape
-  V = u.shape[-1]
+  U, V = u.shape[-1], h0.shape[-1]
   N = T // chunk_size
-  BV = block(V, config.walk.bv)
+  BV = block(math.gcd(U, V), config.walk.bv)      # no tile straddles u's last column
   if not config.interpret:
     check_walk_stages(stage="walk", launch=config.walk, C=chunk_size, K=K, BV=BV,
                       itemsize=w.dtype.itemsize, grad=False)
-  kern = functools.partial(_walk_kernel, C=chunk_size, N=N, BV=BV, dt=w.dtype,
-                           rows=decay.ndim == 4)
+  kern = functools.partial(_walk_kernel, C=chunk_size, N=N, BV=BV,
+                           NU=None if U == V else U // BV, dt=w.dtype, rows=decay.ndim == 4)
   out = (jax.ShapeDtypeStruct((B, H, N, K, V), store_dtype),
-         jax.ShapeDtypeStruct(u.shape, u.dtype), jax.ShapeDtypeStruct((B, H, K, V), F32))
+         jax.ShapeDtypeStruct((B, T, H, V), u.dtype), jax.ShapeDtypeStruct((B, H, K, V), F32))
   return call(kern, out, (B, H, V // BV), config=config, num_warps=config.walk.warps,
               num_stages=config.walk.stages, name=f"{prefix}_state_walk")(w, u, kd, decay, h0)
 

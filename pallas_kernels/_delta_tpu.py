@@ -16,6 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._config import state_store_dtype
+from pallas_kernels import _delta
 from pallas_kernels._delta import Residual
 from pallas_kernels._launch import F32, HI, from_head_major, head_major, iota, with_varying
 
@@ -144,6 +145,12 @@ class Kernels:
                            transcendentals=int(BH * N * self.transcendentals(C, K, V, backward)),
                            bytes_accessed=int(nbytes))
 
+  def _widened(self, v, initial_state):
+    """v with zero columns up to the state's (a state wider than v: the GPU walk reads
+    none; the kernel here takes the state's width from v's tiles)."""
+    _delta.check_state_columns(v, initial_state, family=self.prefix)
+    return _delta.widen_values(v, initial_state)
+
   def _inputs(self, q, k, v, g, beta, initial_state, C):
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -177,8 +184,9 @@ class Kernels:
     """((o [B, T, H, V] in v's dtype, final_state float32), :class:`~pallas_kernels._delta.
     Residual`: the chunk states h ``[B, H, N, K, V]``)."""
     B, T, H, K = q.shape
+    self.check_dims(K, v.shape[-1], chunk_size)
+    v = self._widened(v, initial_state)
     V = v.shape[-1]
-    self.check_dims(K, V, chunk_size)
     o, final, h = self._forward(*self._inputs(q, k, v, g, beta, initial_state, chunk_size),
                                 scale=scale, C=chunk_size,
                                 store=state_store_dtype(config, k.dtype), config=config)
@@ -189,8 +197,9 @@ class Kernels:
   def fwd(self, q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
     """(o [B, T, H, V] in v's dtype, final_state float32); keeps no chunk states."""
     B, T, H, K = q.shape
+    self.check_dims(K, v.shape[-1], chunk_size)
+    v = self._widened(v, initial_state)
     V = v.shape[-1]
-    self.check_dims(K, V, chunk_size)
     o, final, _ = self._forward(*self._inputs(q, k, v, g, beta, initial_state, chunk_size),
                                 scale=scale, C=chunk_size, store=None, config=config)
     return from_head_major(o, B, H), final.reshape(B, H, K, V)

@@ -34,8 +34,11 @@ def check_dims(K: int, V: int, C: int) -> None:
 
 
 def fwd_res(q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
-  """((o, final_state), :class:`Residual`)."""
+  """((o, final_state), :class:`Residual`); the state (``initial_state``) may have more
+  columns than v, which get no values (:func:`pallas_kernels._delta.check_state_columns`):
+  o, the final state and the kept states have the state's columns."""
   check_dims(q.shape[-1], v.shape[-1], chunk_size)
+  _delta.check_state_columns(v, initial_state, family="gated_delta")
   kw = dict(chunk_size=chunk_size, config=config)
   w, u, kd, gc = chunk.wy_forward(k, v, g, beta, **kw)
   h, vn, final = walk.state_walk(w, u, kd, walk.chunk_decay(gc, chunk_size), initial_state,

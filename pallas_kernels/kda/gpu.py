@@ -57,8 +57,11 @@ def check_dims(K: int, V: int, C: int) -> None:
 
 
 def fwd_res(q, k, v, g, beta, *, scale, initial_state, chunk_size, config):
-  """((o, final_state), :class:`Residual`)."""
+  """((o, final_state), :class:`Residual`); the state (``initial_state``) may have more
+  columns than v, which get no values (:func:`pallas_kernels._delta.check_state_columns`):
+  o, the final state and the kept states have the state's columns."""
   check_dims(q.shape[-1], v.shape[-1], chunk_size)
+  _delta.check_state_columns(v, initial_state, family="kda")
   kw = dict(chunk_size=chunk_size, config=config)
   Tinv, P = pairs.intra(q, k, g, beta, **kw)
   w, u, kd, eg = chunk.wu(Tinv, k, v, g, beta, **kw)

@@ -89,9 +89,11 @@ def _core_bwd(scale, chunk_size, family, config, res, cotangents):
     do = jnp.zeros(do.shape, do.dtype)
   if isinstance(dht, SymbolicZero):
     dht = jnp.zeros(dht.shape, dht.dtype)
+  V = v.shape[-1]                      # the backward takes v as wide as the state
   dq, dk, dv, dg, dbeta, dh0 = _kernels(family, config).bwd_res(
-      kept, q, k, v, g, beta, do, dht, scale=scale, initial_state=h0, chunk_size=chunk_size,
-      config=config)
+      kept, q, k, _widened_values(v, h0.shape[-1]), g, beta, do, dht, scale=scale,
+      initial_state=h0, chunk_size=chunk_size, config=config)
+  dv = dv[..., :V]
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg.astype(g.dtype),
           dbeta.astype(beta.dtype), dh0.astype(h0.dtype))
 
@@ -101,7 +103,9 @@ _core.defvjp(_core_fwd, _core_bwd, symbolic_zeros=True)
 
 def kernel_recurrence(q, k, v, g, beta, h0, scale, C, config, *, family):
   """``(o [B, T, H, V] in v's dtype, final float32)`` by the family's kernels: pads T to a
-  multiple of C (tokens that change nothing) and g, beta to float32; h0 None means zeros."""
+  multiple of C (tokens that change nothing) and g, beta to float32; h0 None means zeros.
+  A given h0 may have more value columns than v (the widened local pass): they get no
+  values, and o and the final state have h0's columns."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   h0 = jnp.zeros((B, H, K, V), jnp.float32) if h0 is None else h0.astype(jnp.float32)
@@ -120,15 +124,23 @@ def _kernel_inputs(C, tokens, *others):
   return [match_varying(x, *arrays) for x in arrays]
 
 
-def _widened_inputs(v, K):
-  """v with K zero columns and the initial state ``[0, I]``: the widened state, which
-  carries the prefix products of the chunk transitions (the segment transition and the
-  fix-up rows of the local pass) in its last K columns."""
+def _widened_state(v, K):
+  """The initial state ``[0, I]`` ``[B, H, K, V + K]``: the widened state, which carries
+  the prefix products of the chunk transitions (the segment transition and the fix-up
+  rows of the local pass) in its last K columns. v stays as it is: the kernels give the
+  state's columns past v's no values (u is zero there), which is what K zero columns of
+  v would give, without writing them or forming u on them."""
   B, _, H, V = v.shape
-  v = jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (K,), v.dtype)], -1)
-  h0 = jnp.concatenate([jnp.zeros((B, H, K, V), jnp.float32),
-                        jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, H, K, K))], -1)
-  return v, h0
+  return jnp.concatenate([jnp.zeros((B, H, K, V), jnp.float32),
+                          jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, H, K, K))], -1)
+
+
+def _widened_values(v, width):
+  """v with zero columns up to ``width`` (the backward of a widened forward)."""
+  extra = width - v.shape[-1]
+  if not extra:
+    return v
+  return jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (extra,), v.dtype)], -1)
 
 
 def _kernel_local_pass(family, wide, plain, scale, C, chunked_op):
@@ -142,14 +154,14 @@ def _kernel_local_pass(family, wide, plain, scale, C, chunked_op):
   wide = wide.replace(save_states=keep)
 
   def widened(q, k, v, g, beta):
-    v, h0 = _widened_inputs(v, q.shape[-1])
+    h0 = _widened_state(v, q.shape[-1])
     return kernel_recurrence(q, k, v, g, beta, h0, scale, C, wide, family=family)
 
   def widened_res(q, k, v, g, beta):
     if not keep:
       return widened(q, k, v, g, beta), None
     T = q.shape[1]
-    v, h0 = _widened_inputs(v, q.shape[-1])
+    h0 = _widened_state(v, q.shape[-1])
     *arrays, h0 = _kernel_inputs(C, (q, k, v, g, beta), h0)
     (o, final), res = _kernels(family, wide).fwd_res(*arrays, scale=scale, initial_state=h0,
                                                      chunk_size=C, config=wide)

@@ -6,7 +6,7 @@ segment of the sequence (docs/design.md §9):
 
 1. the local pass from a zero state, widened by K columns that start as the identity
    (:func:`zeco_jax.ops.gated_delta.chunked.chunk_recurrence` with ``augment=True``, or the
-   kernels on V + K value columns). It gives the local outputs, the segment's own state
+   kernels on a state of V + K columns, v as it is). It gives the local outputs, the segment's own state
    ``S_p`` and, from the identity columns, the segment transition ``M_p`` (the product of
    its chunk transitions, ``K x K``) and one fix-up row per token,
    ``R_t = Qeff_n (M_{n-1} ... M_0)``: how token t's output depends
@@ -64,8 +64,8 @@ def zeco_gated_delta_rule_local(q, k, v, g, beta, *, axis_name, method="all_scan
   last rank that state is the final state of the sequence. ``segment_ids`` ``[B, L]`` is
   this rank's slice of the packed rows' document ids (docs/design.md §9, §10).
   ``backend``, ``kernel_config``: as in :func:`zeco_jax.chunk_gated_delta_rule`; the
-  kernels run on V + K value columns (the widened state) in the forward, so a
-  ``kernel_config`` is for that width; the backward runs them on V columns with the
+  kernels run on a state of V + K columns (the widened state; v as it is, u zero past its
+  columns) in the forward, so a ``kernel_config`` is for that width; the backward runs them on V columns with the
   default configuration, walking the chunk states again from the received state (with a
   ``kernel_config`` whose ``save_states`` is on, and on TPU, the forward keeps its widened
   states and the backward's are formed from them; None given keeps none on GPU, unlike
