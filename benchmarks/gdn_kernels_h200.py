@@ -2,7 +2,7 @@
 beside it, and the sequence-parallel local pass.
 
     python -m benchmarks.gdn_kernels_h200 [--sweep] [--heads-340m] [--json out.json]
-        [--profile TRACE_DIR] [--local-ab NAME:CHANGES ...]
+        [--profile TRACE_DIR] [--local-ab NAME:CHANGES ...] [--local-only]
 
 Results: benchmarks/results/gdn_h200.md (FLA beside the op: ``benchmarks.delta_h200``).
 
@@ -22,6 +22,7 @@ Results: benchmarks/results/gdn_h200.md (FLA beside the op: ``benchmarks.delta_h
   also with the widened pass's states kept (``kept``: a ``kernel_config`` with
   ``save_states``), against ``chunk_gated_delta_rule`` on the same 2048 tokens (B1 H16,
   forward + backward).
+* ``--local-only``: the local pass alone (its row above), without the op's rows.
 * ``--local-ab NAME:CHANGES ...``: more local passes, each with the widened pass's
   default configuration changed (``kept32:save_states=True,walk_bv=32``, as
   ``delta_h200 --ab``), timed in the same row as ``kept``.
@@ -235,6 +236,8 @@ def main():
   ap.add_argument("--json", default=None)
   ap.add_argument("--profile", default=None, metavar="TRACE_DIR")
   ap.add_argument("--local-ab", nargs="+", default=(), metavar="NAME:CHANGES")
+  ap.add_argument("--local-only", action="store_true",
+                  help="only the local pass against the op on its tokens (no op rows)")
   args = ap.parse_args()
   variants = harness.ab_variants(args.local_ab, ap.error, first={"kept": {"save_states": True}},
                                  option="--local-ab")
@@ -248,9 +251,11 @@ def main():
   if args.heads_340m:
     rows += sweep(SHAPE_340M, ("walk", "dwalk", "dqk"), log, _options_340m())
     rows.append(save_states_times(SHAPE_340M, log))
-  rows.append(op_times(SHAPES[0], log))
+  if not args.local_only:
+    rows.append(op_times(SHAPES[0], log))
   rows.append(local_pass_times(log, variants, profile=args.profile))
-  rows.append(op_times(SHAPES[1], log))
+  if not args.local_only:
+    rows.append(op_times(SHAPES[1], log))
   if args.json:
     with open(args.json, "w") as fh:
       json.dump(rows, fh, indent=1, default=str)
