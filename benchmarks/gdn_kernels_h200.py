@@ -3,6 +3,7 @@ beside it, and the sequence-parallel local pass.
 
     python -m benchmarks.gdn_kernels_h200 [--sweep] [--heads-340m] [--json out.json]
         [--profile TRACE_DIR] [--local-ab NAME:CHANGES ...] [--local-only]
+        [--iters 10 --reps 3] [--rounds 1]
 
 Results: benchmarks/results/gdn_h200.md (FLA beside the op: ``benchmarks.delta_h200``).
 
@@ -32,7 +33,10 @@ Results: benchmarks/results/gdn_h200.md (FLA beside the op: ``benchmarks.delta_h
 
 Inputs: q, k unit-norm over K, v ~ N(0, 1), g ~ U(-1, 0) per head, beta ~ U(0.05,
 0.9999), do ~ N(0, 1). Median over 3 repeats of the mean of 10 calls after one warm-up
-call (``benchmarks._harness.time_loop``).
+call (``benchmarks._harness.time_loop``); the op and local pass rows over ``--reps`` of
+``--iters`` calls. The local pass at 10 calls moved between processes (1.23x and 1.41x the
+op on one H100, 2026-12-07); at 100 calls, 5 repeats, it held within 0.03x over three rounds
+(``benchmarks/results/gdn_h200.md``): use ``--iters 100 --reps 5 --rounds 3`` for it.
 """
 from __future__ import annotations
 
@@ -169,14 +173,14 @@ def sweep(shape, stages, log, options=None):
   return rows
 
 
-def op_times(shape, log):
+def op_times(shape, log, timing=(10, 3)):
   """The op (default kernels) forward, forward + backward, and our GLA's forward + backward."""
   import jax
   import jax.numpy as jnp
   from zeco_jax import chunk_gated_delta_rule, chunk_gla
   B, T, H, K, V = shape
   q, k, v, g, beta, do = inputs(B, T, H, K, V, jnp.bfloat16)
-  tl = lambda f: harness.time_loop(f, jax.block_until_ready, 10, 3, warmup=1)
+  tl = lambda f: harness.time_loop(f, jax.block_until_ready, *timing, warmup=1)
   fwd = jax.jit(lambda *a: chunk_gated_delta_rule(*a)[0])
   fb = harness.live_fwd_bwd(chunk_gated_delta_rule, do)
   gk = jnp.broadcast_to(g[..., None], q.shape)
@@ -190,7 +194,7 @@ def op_times(shape, log):
   return row
 
 
-def local_pass_times(log, variants, T=2048, profile=None):
+def local_pass_times(log, variants, T=2048, profile=None, timing=(10, 3)):
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -200,7 +204,7 @@ def local_pass_times(log, variants, T=2048, profile=None):
   H, K, V = 16, 128, 128
   q, k, v, g, beta, do = inputs(1, T, H, K, V, jnp.bfloat16)
   mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
-  tl = lambda f: harness.time_loop(f, jax.block_until_ready, 10, 3, warmup=1)
+  tl = lambda f: harness.time_loop(f, jax.block_until_ready, *timing, warmup=1)
   fb_chunk = harness.live_fwd_bwd(chunk_gated_delta_rule, do)
   fb_local = harness.live_fwd_bwd(lambda *a: zeco_gated_delta_rule(*a, mesh=mesh), do)
   row = {"shape": f"local pass B1 T{T} H{H} K{K} V{V}",
@@ -238,6 +242,10 @@ def main():
   ap.add_argument("--local-ab", nargs="+", default=(), metavar="NAME:CHANGES")
   ap.add_argument("--local-only", action="store_true",
                   help="only the local pass against the op on its tokens (no op rows)")
+  ap.add_argument("--iters", type=int, default=10,
+                  help="calls per timing of the op and the local pass rows")
+  ap.add_argument("--reps", type=int, default=3, help="timings per row (the median)")
+  ap.add_argument("--rounds", type=int, default=1, help="the local pass row this many times")
   args = ap.parse_args()
   variants = harness.ab_variants(args.local_ab, ap.error, first={"kept": {"save_states": True}},
                                  option="--local-ab")
@@ -251,11 +259,13 @@ def main():
   if args.heads_340m:
     rows += sweep(SHAPE_340M, ("walk", "dwalk", "dqk"), log, _options_340m())
     rows.append(save_states_times(SHAPE_340M, log))
+  timing = (args.iters, args.reps)
   if not args.local_only:
-    rows.append(op_times(SHAPES[0], log))
-  rows.append(local_pass_times(log, variants, profile=args.profile))
+    rows.append(op_times(SHAPES[0], log, timing))
+  for _ in range(args.rounds):
+    rows.append(local_pass_times(log, variants, profile=args.profile, timing=timing))
   if not args.local_only:
-    rows.append(op_times(SHAPES[1], log))
+    rows.append(op_times(SHAPES[1], log, timing))
   if args.json:
     with open(args.json, "w") as fh:
       json.dump(rows, fh, indent=1, default=str)
