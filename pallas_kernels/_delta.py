@@ -50,9 +50,9 @@ def check_dims(K: int, V: int, C: int, *, family: str) -> None:
 
 def check_state_columns(v, initial_state, *, family: str) -> None:
   """The forward's state may be wider than v (``initial_state [B, H, K, V']``, V' >= V, a
-  multiple of 16): its columns past v's get no values (u, v_new's sources, are zero
-  there), as the sequence-parallel local pass's identity columns, whose zero columns of v
-  are then never written to memory. The backward takes v as wide as the state."""
+  multiple of 16): its columns past v's get no values (u is zero there), as the
+  sequence-parallel local pass's identity columns, whose zero columns of v are then never
+  written to memory. The backward takes v as wide as the state."""
   V, Vs = v.shape[-1], initial_state.shape[-1]
   if Vs < V or Vs % 16:
     raise ValueError(f"the {family} kernels' forward: initial_state has {Vs} value columns "

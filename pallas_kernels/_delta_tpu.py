@@ -15,8 +15,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels._config import state_store_dtype
 from pallas_kernels import _delta
+from pallas_kernels._config import state_store_dtype
 from pallas_kernels._delta import Residual
 from pallas_kernels._launch import F32, HI, from_head_major, head_major, iota, with_varying
 

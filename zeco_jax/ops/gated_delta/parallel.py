@@ -6,11 +6,11 @@ segment of the sequence (docs/design.md §9):
 
 1. the local pass from a zero state, widened by K columns that start as the identity
    (:func:`zeco_jax.ops.gated_delta.chunked.chunk_recurrence` with ``augment=True``, or the
-   kernels on a state of V + K columns, v as it is). It gives the local outputs, the segment's own state
-   ``S_p`` and, from the identity columns, the segment transition ``M_p`` (the product of
-   its chunk transitions, ``K x K``) and one fix-up row per token,
-   ``R_t = Qeff_n (M_{n-1} ... M_0)``: how token t's output depends
-   on the state entering the segment. None of it waits for another rank;
+   kernels on a state of V + K columns, v as it is). It gives the local outputs, the
+   segment's own state ``S_p`` and, from the identity columns, the segment transition
+   ``M_p`` (the product of its chunk transitions, ``K x K``) and one fix-up row per token,
+   ``R_t = Qeff_n (M_{n-1} ... M_0)``: how token t's output depends on the state entering
+   the segment. None of it waits for another rank;
 2. the scan of ``(S_p, DenseTransition(M_p))`` over ``seq_axis`` (any method of
    :data:`zeco_jax.SCAN_METHODS`; the All-Scan sends one K x V state per rank and
    ``M_p`` never leaves its rank) -> ``X_p``, the state entering the segment;
@@ -65,11 +65,11 @@ def zeco_gated_delta_rule_local(q, k, v, g, beta, *, axis_name, method="all_scan
   this rank's slice of the packed rows' document ids (docs/design.md §9, §10).
   ``backend``, ``kernel_config``: as in :func:`zeco_jax.chunk_gated_delta_rule`; the
   kernels run on a state of V + K columns (the widened state; v as it is, u zero past its
-  columns) in the forward, so a ``kernel_config`` is for that width; the backward runs them on V columns with the
-  default configuration, walking the chunk states again from the received state (with a
-  ``kernel_config`` whose ``save_states`` is on, and on TPU, the forward keeps its widened
-  states and the backward's are formed from them; None given keeps none on GPU, unlike
-  the op's default). ``overlap_pieces``: as in
+  columns) in the forward, so a ``kernel_config`` is for that width; the backward runs
+  them on V columns with the default configuration, walking the chunk states again from
+  the received state (with a ``kernel_config`` whose ``save_states`` is on, and on TPU,
+  the forward keeps its widened states and the backward's are formed from them; None
+  given keeps none on GPU, unlike the op's default). ``overlap_pieces``: as in
   :func:`zeco_gated_delta_rule`.
   """
   name = "zeco_gated_delta_rule_local"

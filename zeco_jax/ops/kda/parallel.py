@@ -6,10 +6,10 @@ Gated DeltaNet's (docs/design.md §9, §13). On the rank holding a contiguous se
 
 1. the local pass from a zero state, widened by K columns that start as the identity
    (:func:`zeco_jax.ops.kda.chunked.chunk_recurrence` with ``augment=True``, or the kernels
-   on a state of V + K columns, v as it is). It gives the local outputs, the segment's own state ``S_p``
-   and, from the identity columns, the segment transition ``M_p`` (the product of its
-   chunk transitions ``Diag(e^{b_C}) - K_end^T W``, a dense ``K x K``) and one fix-up row
-   per token,
+   on a state of V + K columns, v as it is). It gives the local outputs, the segment's own
+   state ``S_p`` and, from the identity columns, the segment transition ``M_p`` (the
+   product of its chunk transitions ``Diag(e^{b_C}) - K_end^T W``, a dense ``K x K``) and
+   one fix-up row per token,
    ``R_t = Qeff_n (M_{n-1} ... M_0)``. None of it waits for another rank;
 2. the scan of ``(S_p, DenseTransition(M_p))`` over ``seq_axis`` (any method of
    :data:`zeco_jax.SCAN_METHODS`; the All-Scan sends one K x V state per rank and
@@ -61,10 +61,11 @@ def zeco_kda_local(q, k, v, g, beta, *, axis_name, method="all_scan", num_blocks
   this rank's slice of the packed rows' document ids (docs/design.md §10).
   ``backend``, ``kernel_config``: as in :func:`zeco_jax.chunk_kda`; the kernels run on
   a state of V + K columns (the widened state; v as it is, u zero past its columns) in the
-  forward, so a ``kernel_config`` is for that width; the backward runs them on V columns with the default configuration, walking the
-  chunk states again from the received state (with the ``kernel_config``'s
-  ``save_states``, and on TPU, the forward keeps its widened states and the backward's
-  are formed from them). ``overlap_pieces``: as in :func:`zeco_kda`.
+  forward, so a ``kernel_config`` is for that width; the backward runs them on V columns
+  with the default configuration, walking the chunk states again from the received state
+  (with the ``kernel_config``'s ``save_states``, and on TPU, the forward keeps its
+  widened states and the backward's are formed from them). ``overlap_pieces``: as in
+  :func:`zeco_kda`.
   """
   name = "zeco_kda_local"
   args = _check_args(q, k, v, g, beta, initial_state, scale, chunk_size, method, group_size,
