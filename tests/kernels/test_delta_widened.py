@@ -4,8 +4,12 @@ entered with v as it is. The columns past v's get no values, as if v had zero co
 there; the local pass writes no such columns of v and forms no u on them.
 
 Tolerances are relative norms: float32 <= 1e-6 against the forward on v with the zero
-columns written out (the same kernels, the same sums per column).
+columns written out (the same kernels, the same sums per column); against the float64
+token loop, forward <= 1e-5 and gradients <= 1e-4 (K = V = 128 just past a chunk on each
+of 2 ranks).
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,3 +123,22 @@ def test_local_pass_writes_no_zero_columns_of_v(family):
   wide_values = [e for e in find_eqns(jaxpr, "concatenate")
                  if e.outvars[0].aval.dtype == jnp.bfloat16]
   assert not wide_values, [e.outvars[0].aval for e in wide_values]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_local_pass_head_128_just_past_a_chunk(family):
+  """The shapes users run: the sequence-parallel op on the kernels at K = V = 128 on 2
+  ranks of 65 tokens (one chunk of 64 and a padded one on each), with an initial state,
+  g down to -5 and beta up to 0.9999, against the float64 token loop (float32: o and
+  the final state <= 1e-5, every gradient <= 1e-4). The widened state is 256 columns
+  wide: the walk's tiles past v's 128 are the masked ones."""
+  from helpers import check_gdn_against_float64, check_kda_against_float64
+  _, inputs, op, _ = FAMILIES[family]
+  if family == "kda":
+    case = inputs(6, 1, 130, 1, 128, 128, decay="strong")
+    check = check_kda_against_float64
+  else:
+    case = inputs(6, 1, 130, 1, 128, 128, g_low=-5.0, beta_high=0.9999)
+    check = check_gdn_against_float64
+  op = functools.partial(op, mesh=seq_mesh(2), chunk_size=64, backend="pallas")
+  check(op, *case)
