@@ -59,14 +59,6 @@ def check_state_columns(v, initial_state, *, family: str) -> None:
                      f"for v's {V}; it needs at least v's, a multiple of 16.")
 
 
-def widen_values(v, initial_state):
-  """v with zero columns up to the state's width (:func:`check_state_columns`), for the
-  kernels that take the state's width from v."""
-  extra = initial_state.shape[-1] - v.shape[-1]
-  if not extra:
-    return v
-  return jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (extra,), v.dtype)], -1)
-
 
 def _substitute_stacked(L, gather, roundtrip, unroll):
   """``(I + a)^{-1}`` of all L strictly lower diagonal ``[S, S]`` blocks at once, through

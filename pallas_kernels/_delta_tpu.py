@@ -149,7 +149,7 @@ class Kernels:
     """v with zero columns up to the state's (a state wider than v: the GPU walk reads
     none; the kernel here takes the state's width from v's tiles)."""
     _delta.check_state_columns(v, initial_state, family=self.prefix)
-    return _delta.widen_values(v, initial_state)
+    return jnp.pad(v, ((0, 0),) * 3 + ((0, initial_state.shape[-1] - v.shape[-1]),))
 
   def _inputs(self, q, k, v, g, beta, initial_state, C):
     B, T, H, K = q.shape

@@ -35,18 +35,20 @@ def _widened_state(B, H, K, V, seed):
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("K,V", [(16, 16), (32, 16)])
-def test_wider_state_equals_zero_columns_of_v(family, K, V):
+@pytest.mark.parametrize("K,V,platform", [(16, 16, "cpu"), (32, 16, "cpu"), (32, 16, "tpu")])
+def test_wider_state_equals_zero_columns_of_v(family, K, V, platform):
   """fwd_res with v ``[.., V]`` and a state of V + K columns equals fwd_res with v's K zero
-  columns written out: o, the final state and the kept chunk states, every column (the
-  walk's V tiles of 16: one of u's, the rest past it, at K = 32 two)."""
+  columns written out: o, the final state and the kept chunk states, every column. The GPU
+  kernels in the interpreter ("cpu": the walk's V tiles of 16, one of u's, the rest past
+  it, at K = 32 two), and the TPU kernels in theirs (which pad v to the state's width)."""
   package, inputs, _, _ = FAMILIES[family]
   B, T, H, C = 1, 48, 2, 16
   (q, k, v, g, beta, _), _ = inputs(3, B, T, H, K, V)
   h0 = _widened_state(B, H, K, V, 4)
-  impl = pallas_kernels.backend(family, "cpu")
-  config = package.default_config("cpu", B, T, H, K, V + K, jnp.float32).replace(
-      save_states=True)
+  impl = pallas_kernels.backend(family, platform)
+  config = (package.KernelConfig(platform="tpu", interpret=True) if platform == "tpu" else
+            package.default_config("cpu", B, T, H, K, V + K, jnp.float32).replace(
+                save_states=True))
   g, beta = g.astype(jnp.float32), beta.astype(jnp.float32)
   run = jax.jit(lambda v: impl.fwd_res(q, k, v, g, beta, scale=K ** -0.5, initial_state=h0,
                                        chunk_size=C, config=config))

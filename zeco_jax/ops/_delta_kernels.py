@@ -90,9 +90,10 @@ def _core_bwd(scale, chunk_size, family, config, res, cotangents):
   if isinstance(dht, SymbolicZero):
     dht = jnp.zeros(dht.shape, dht.dtype)
   V = v.shape[-1]                      # the backward takes v as wide as the state
+  wide_v = jnp.pad(v, ((0, 0),) * 3 + ((0, h0.shape[-1] - V),))
   dq, dk, dv, dg, dbeta, dh0 = _kernels(family, config).bwd_res(
-      kept, q, k, _widened_values(v, h0.shape[-1]), g, beta, do, dht, scale=scale,
-      initial_state=h0, chunk_size=chunk_size, config=config)
+      kept, q, k, wide_v, g, beta, do, dht, scale=scale, initial_state=h0,
+      chunk_size=chunk_size, config=config)
   dv = dv[..., :V]
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dg.astype(g.dtype),
           dbeta.astype(beta.dtype), dh0.astype(h0.dtype))
@@ -134,13 +135,6 @@ def _widened_state(v, K):
   return jnp.concatenate([jnp.zeros((B, H, K, V), jnp.float32),
                           jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, H, K, K))], -1)
 
-
-def _widened_values(v, width):
-  """v with zero columns up to ``width`` (the backward of a widened forward)."""
-  extra = width - v.shape[-1]
-  if not extra:
-    return v
-  return jnp.concatenate([v, jnp.zeros(v.shape[:-1] + (extra,), v.dtype)], -1)
 
 
 def _kernel_local_pass(family, wide, plain, scale, C, chunked_op):
