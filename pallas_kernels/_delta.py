@@ -59,7 +59,6 @@ def check_state_columns(v, initial_state, *, family: str) -> None:
                      f"for v's {V}; it needs at least v's, a multiple of 16.")
 
 
-
 def _substitute_stacked(L, gather, roundtrip, unroll):
   """``(I + a)^{-1}`` of all L strictly lower diagonal ``[S, S]`` blocks at once, through
   memory: the blocks' inverses formed transposed and stacked, ``y [L * S, S]`` (block

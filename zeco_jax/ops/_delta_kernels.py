@@ -136,7 +136,6 @@ def _widened_state(v, K):
                           jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, H, K, K))], -1)
 
 
-
 def _kernel_local_pass(family, wide, plain, scale, C, chunked_op):
   """:class:`zeco_jax._chunks.LocalPass` on the family's kernels: the widened pass with the
   launch configuration ``wide`` (V + K columns), the plain backward with ``plain``. With
